@@ -1,0 +1,35 @@
+"""Train a recipe. Works under any launcher, on GPUs (nccl) or CPUs (gloo):
+
+    deepspeed --num_gpus 2 recipes/train.py --recipe tiny_zero3
+    torchrun --nproc_per_node 2 recipes/train.py --recipe tiny_zero3 --set training.steps=50
+    python recipes/train.py --recipe tiny_zero0          # one process
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from toolkit.errors import ToolkitError  # noqa: E402
+from toolkit.recipe import load_recipe  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", required=True, help="shipped recipe name or path to a YAML recipe")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a recipe key (repeatable)")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # from launchers
+    args = ap.parse_args()
+    try:
+        from toolkit.train.run import train
+
+        train(load_recipe(args.recipe, args.overrides))
+    except ToolkitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Shared fixtures: a tiny pretrained Llama checkpoint and a launcher for real multi-process runs."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = dict(preset="tiny")  # 2 layers, hidden 64, GQA 4 heads / 2 kv heads, vocab 512
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(recipe: str, overrides: list[str], nproc: int, out_dir: Path, launcher: str = "torchrun",
+           timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """Run recipes/train.py in `nproc` real processes (gloo on CPU)."""
+    sets = [f"output_dir={out_dir}", *overrides]
+    args = [a for s in sets for a in ("--set", s)]
+    port = str(free_port())
+    bin_dir = Path(sys.executable).parent
+    if launcher == "deepspeed":
+        cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port]
+    elif launcher == "torchrun":
+        cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", port]
+    else:
+        cmd = [sys.executable]
+    cmd += ["recipes/train.py", "--recipe", recipe, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _run_from_repo_root(monkeypatch):
+    monkeypatch.chdir(REPO)  # recipes name their data relative to the repository root
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory) -> Path:
+    """A randomly initialised tiny Llama saved as a Hugging Face safetensors folder: the shared initial weights."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from toolkit.model import to_hf_config
+    from toolkit.recipe import load_recipe
+
+    folder = tmp_path_factory.mktemp("tiny_hf")
+    recipe = load_recipe("tiny_zero0", ["model.preset=tiny"])
+    torch.manual_seed(7)
+    LlamaForCausalLM(to_hf_config(recipe.model)).save_pretrained(folder)
+    return folder

@@ -1,0 +1,74 @@
+"""Every DeepSpeed mode on 2 real CPU ranks reproduces a single-process PyTorch run, step by step.
+
+The reference is a plain PyTorch loop (no DeepSpeed) over the same initial weights (one HF checkpoint), the same
+global batch (16 sequences: 2 ranks x micro 8 in the distributed runs, 2 micro-batches of 8 accumulated here)
+and the same AdamW + schedule + clipping. fp32 throughout.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import launch, read_metrics
+
+STEPS = 6
+# fp32 on CPU: reduction order differs between 1 and 2 ranks (and DeepSpeed's CPU Adam vs torch's AdamW for
+# offload), so losses agree to ~1e-6 relative, not bit for bit. 2e-5 is far below a wrong batch or lr (>1e-2).
+RTOL = 2e-5
+SCHEDULE = ["training.schedule.warmup_steps=2", "training.schedule.min_lr=1e-4"]  # warm-up, then cosine decay
+
+
+def reference_losses(hf_path, steps: int) -> list[float]:
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from toolkit.data import DataStream, build_dataset
+    from toolkit.recipe import load_recipe, resolve
+    from toolkit.train.schedule import build_scheduler
+
+    r = load_recipe("tiny_zero0", ["model.preset=null", f"model.hf_path={hf_path}", "model.pretrained=true",
+                                   f"training.steps={steps}", *SCHEDULE])
+    plan = resolve(r, world_size=1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=r.training.optimizer.lr, betas=r.training.optimizer.betas,
+                            eps=r.training.optimizer.eps, weight_decay=r.training.optimizer.weight_decay)
+    sched = build_scheduler(opt, r.training)
+    tok = AutoTokenizer.from_pretrained(r.data.tokenizer)
+    stream = DataStream(build_dataset(r.data, tok), plan.batch.micro_batch, plan.batch.grad_accum, 1, 0, r.training.seed)
+    losses = []
+    for _ in range(steps):
+        micro_losses = []
+        for micro in stream.next_step():
+            loss = model(input_ids=micro["input_ids"], labels=micro["labels"]).loss
+            (loss / plan.batch.grad_accum).backward()
+            micro_losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), r.training.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(sum(micro_losses) / len(micro_losses))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_hf_checkpoint):
+    return reference_losses(tiny_hf_checkpoint, STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tiny_zero0", "tiny_zero1", "tiny_zero2", "tiny_zero3", "tiny_zero3_offload",
+                                    "tiny_zero3_nvme"])
+def test_two_ranks_match_single_process(recipe, reference, tiny_hf_checkpoint, tmp_path):
+    overrides = ["model.preset=null", f"model.hf_path={tiny_hf_checkpoint}", "model.pretrained=true",
+                 f"training.steps={STEPS}", *SCHEDULE, "logging.interval=1", "checkpoint.interval=1000",
+                 f"parallel.nvme_path={tmp_path / 'nvme'}"]
+    if recipe == "tiny_zero0":
+        overrides.append("parallel.nvme_path=null")
+    launch(recipe, overrides, nproc=2, out_dir=tmp_path / "run")
+    got = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    assert len(got) == STEPS
+    assert reference[-1] < reference[0] - 0.05, "the reference must actually learn for the comparison to mean much"
+    for step, (a, b) in enumerate(zip(got, reference), 1):
+        assert math.isclose(a, b, rel_tol=RTOL), f"{recipe} step {step}: loss {a} vs single-process {b}\n{got}\n{reference}"

@@ -1,0 +1,147 @@
+"""The `toolkit` command: validate, show and render recipes. Heavy imports (torch, deepspeed) stay out of it."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel
+
+from toolkit.errors import ToolkitError
+from toolkit.recipe import Plan, list_recipes, load_recipe, resolve
+from toolkit.recipe.loader import REPO_ROOT
+from toolkit.recipe.schema import Recipe
+
+DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", required=True, help="shipped recipe name (see `toolkit show --list`) or YAML path")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one recipe key, e.g. --set training.steps=20 (repeatable; wins over the file)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks to check the layout against (default: the recipe's parallel.world_size)")
+
+
+def _plan(args) -> Plan:
+    return resolve(load_recipe(args.recipe, args.overrides), args.world_size)
+
+
+def cmd_validate(args) -> int:
+    plan = _plan(args)
+    print(f"ok: {plan.recipe.name}: {plan.layout.describe()}")
+    print(f"    {plan.batch.describe()} sequences of {plan.recipe.data.seq_len} tokens "
+          f"= {plan.batch.global_batch * plan.recipe.data.seq_len:,} tokens per step")
+    for note in plan.notes:
+        print(f"    {note}")
+    return 0
+
+
+def resolved_dict(plan: Plan) -> dict:
+    """The recipe with every derived value written in: what the run will actually use."""
+    d = plan.recipe.model_dump(mode="json")
+    d["training"].update(global_batch_size=plan.batch.global_batch, micro_batch_size=plan.batch.micro_batch,
+                         grad_accum_steps=plan.batch.grad_accum)
+    d["parallel"].update(world_size=plan.layout.world_size, dp=plan.layout.dp)
+    d["output_dir"] = plan.recipe.out_dir
+    d["checkpoint"]["dir"] = plan.recipe.checkpoint_dir
+    return d
+
+
+def _explain(model: type[BaseModel], prefix: str = "") -> list[str]:
+    lines = []
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            lines.append(f"{prefix}{name}:  # {f.description}")
+            lines += _explain(ann, prefix + "  ")
+        else:
+            default = f.get_default(call_default_factory=True)
+            lines.append(f"{prefix}{name}: {json.dumps(default, default=str)}  # {f.description}")
+    return lines
+
+
+def cmd_show(args) -> int:
+    if args.list:
+        print("\n".join(list_recipes()))
+        return 0
+    if args.explain:
+        print("\n".join(_explain(Recipe)))
+        return 0
+    if not args.recipe:
+        raise ToolkitError("toolkit show needs --recipe NAME (or --list / --explain)")
+    plan = resolve(load_recipe(args.recipe, args.overrides), args.world_size)
+    print(f"# {plan.layout.describe()}")
+    for note in plan.notes:
+        print(f"# {note}")
+    print(yaml.safe_dump(resolved_dict(plan), sort_keys=False), end="")
+    return 0
+
+
+def cmd_render_ds(args) -> int:
+    from toolkit.adapters.deepspeed import build_ds_config
+
+    if args.all:
+        DS_CONFIG_DIR.mkdir(exist_ok=True)
+        for name in shipped_deepspeed_recipes():
+            out = DS_CONFIG_DIR / f"{name}.json"
+            out.write_text(render_ds_json(name))
+            print(f"wrote {out.relative_to(REPO_ROOT)}")
+        return 0
+    if not args.recipe:
+        raise ToolkitError("toolkit render ds-config needs --recipe NAME (or --all)")
+    plan = _plan(args)
+    if plan.layout.backend != "deepspeed":
+        raise ToolkitError(f"recipe {args.recipe} uses backend {plan.layout.backend!r}; there is no DeepSpeed "
+                           "config to render")
+    print(json.dumps(build_ds_config(plan, args.device), indent=2))
+    return 0
+
+
+def shipped_deepspeed_recipes() -> list[str]:
+    return [n for n in list_recipes() if load_recipe(n).parallel.backend == "deepspeed"]
+
+
+def render_ds_json(name: str) -> str:
+    """The text of ds_configs/<name>.json: the recipe rendered for its own world size, for GPUs."""
+    from toolkit.adapters.deepspeed import build_ds_config
+
+    return json.dumps(build_ds_config(resolve(load_recipe(name)), "cuda"), indent=2) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="toolkit", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("validate", help="check a recipe for a world size and print its batch arithmetic")
+    _recipe_args(p)
+    p.set_defaults(func=cmd_validate)
+    p = sub.add_parser("show", help="print the fully resolved recipe (defaults, base, presets, overrides, derived)")
+    _recipe_args(p)
+    p._option_string_actions["--recipe"].required = False
+    p.add_argument("--list", action="store_true", help="list the shipped recipes")
+    p.add_argument("--explain", action="store_true", help="list every recipe key with its default and meaning")
+    p.set_defaults(func=cmd_show)
+    render = sub.add_parser("render", help="render framework configs from a recipe")
+    rsub = render.add_subparsers(dest="what", required=True)
+    p = rsub.add_parser("ds-config", help="print the DeepSpeed JSON a recipe runs with")
+    _recipe_args(p)
+    p._option_string_actions["--recipe"].required = False
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="render for GPUs (default) or CPU")
+    p.add_argument("--all", action="store_true", help="rewrite ds_configs/<name>.json for every shipped recipe")
+    p.set_defaults(func=cmd_render_ds)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ToolkitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

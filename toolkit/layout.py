@@ -1,0 +1,100 @@
+"""The parallel layout and batch arithmetic of one run: small validated values every adapter reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.errors import Problem
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How world_size ranks are split: dp x tp x pp x cp = world_size (Megatron rank order tp-cp-dp-pp)."""
+
+    backend: str
+    world_size: int
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    sp: bool = False
+    zero_stage: int = 0
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def describe(self) -> str:
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        parts += [f"vpp={self.vpp}"] * (self.vpp > 1) + [f"cp={self.cp}"] * (self.cp > 1) + ["sp"] * self.sp
+        return f"{self.backend} on {self.world_size} ranks: {' '.join(parts)}, ZeRO-{self.zero_stage}"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """global_batch = micro_batch x grad_accum x dp, in sequences."""
+
+    global_batch: int
+    micro_batch: int
+    grad_accum: int
+    dp: int
+
+    def describe(self) -> str:
+        return (f"global batch {self.global_batch} = micro {self.micro_batch} x accumulation {self.grad_accum}"
+                f" x dp {self.dp}")
+
+
+def derive_dp(world_size: int, tp: int, pp: int, cp: int, dp: int | None) -> tuple[int | None, list[Problem]]:
+    """dp from world_size / (tp*pp*cp), or a problem with the arithmetic."""
+    mp = tp * pp * cp
+    if world_size % mp:
+        return None, [Problem("parallel", f"world size {world_size} is not divisible by tp x pp x cp = "
+                              f"{tp} x {pp} x {cp} = {mp}",
+                              f"launch a multiple of {mp} ranks, or change tp/pp/cp so their product divides "
+                              f"{world_size}")]
+    derived = world_size // mp
+    if dp is not None and dp != derived:
+        return None, [Problem("parallel.dp", f"dp = {dp}, but world size {world_size} = dp x tp x pp x cp needs dp = "
+                              f"{world_size} / ({tp} x {pp} x {cp}) = {derived}",
+                              f"set parallel.dp to {derived} or null (derived), or launch "
+                              f"{dp * mp} ranks")]
+    return derived, []
+
+
+def derive_batch(global_batch: int | None, micro: int | None, accum: int | None,
+                 dp: int) -> tuple[Batch | None, list[str], list[Problem]]:
+    """Fill whichever of global/micro/accumulation is unset. Returns (batch, derivation notes, problems)."""
+    g, m, a = global_batch, micro, accum
+    notes: list[str] = []
+    if g is not None and m is not None and a is not None:
+        if g != m * a * dp:
+            return None, [], [Problem(
+                "training.global_batch_size",
+                f"{g} != micro_batch_size x grad_accum_steps x dp = {m} x {a} x {dp} = {m * a * dp}",
+                f"set training.global_batch_size to {m * a * dp}, or leave one of the three null to derive it")]
+        return Batch(g, m, a, dp), notes, []
+    if g is None:
+        m, a = m or 1, a or 1
+        notes.append(f"training.global_batch_size = micro {m} x accumulation {a} x dp {dp} = {m * a * dp} (derived)")
+        return Batch(m * a * dp, m, a, dp), notes, []
+    if m is None and a is None:
+        a = 1
+        notes.append("training.grad_accum_steps = 1 (derived: neither it nor micro_batch_size was set)")
+    if m is None:
+        if g % (a * dp):
+            return None, [], [Problem(
+                "training.global_batch_size",
+                f"{g} is not divisible by grad_accum_steps x dp = {a} x {dp} = {a * dp}, so micro_batch_size "
+                f"cannot be derived", f"set training.global_batch_size to a multiple of {a * dp}")]
+        m = g // (a * dp)
+        notes.append(f"training.micro_batch_size = global {g} / (accumulation {a} x dp {dp}) = {m} (derived)")
+    else:
+        if g % (m * dp):
+            return None, [], [Problem(
+                "training.global_batch_size",
+                f"{g} is not divisible by micro_batch_size x dp = {m} x {dp} = {m * dp}, so grad_accum_steps "
+                f"cannot be derived", f"set training.global_batch_size to a multiple of {m * dp} "
+                f"(e.g. {max(1, round(g / (m * dp))) * m * dp}), or change micro_batch_size")]
+        a = g // (m * dp)
+        notes.append(f"training.grad_accum_steps = global {g} / (micro {m} x dp {dp}) = {a} (derived)")
+    return Batch(g, m, a, dp), notes, []

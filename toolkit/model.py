@@ -1,0 +1,106 @@
+"""The Llama model from a recipe: a Hugging Face LlamaForCausalLM, random or from local pretrained weights."""
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from toolkit.errors import ToolkitError
+from toolkit.recipe.schema import ModelConfig
+
+
+def to_hf_config(m: ModelConfig, tokenizer=None):
+    """The transformers LlamaConfig equivalent to the recipe's model section."""
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling:
+        rope.update(m.rope_scaling)
+        rope["rope_theta"] = m.rope_theta
+    return LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_kv_heads or m.num_attention_heads,
+        max_position_embeddings=m.max_position_embeddings, rope_parameters=rope, rms_norm_eps=m.rms_norm_eps,
+        tie_word_embeddings=m.tie_word_embeddings, initializer_range=m.initializer_range,
+        attention_dropout=0.0, use_cache=False,
+        bos_token_id=getattr(tokenizer, "bos_token_id", None), eos_token_id=getattr(tokenizer, "eos_token_id", None),
+        pad_token_id=getattr(tokenizer, "pad_token_id", None),
+    )
+
+
+def build_model(m: ModelConfig, seed: int, tokenizer=None, zero3_config: dict | None = None):
+    """A LlamaForCausalLM in fp32 (DeepSpeed casts for mixed precision).
+
+    With `zero3_config` it is built inside deepspeed.zero.Init, so each parameter is partitioned as it is created
+    and the whole model never materialises on one rank. Random initialisation runs after construction, through
+    transformers' own init functions in the same module order with and without ZeRO-3 (gathered per module,
+    filled on rank 0), so a seed gives the same initial weights at every ZeRO stage and world size.
+    """
+    from transformers import LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+
+    cfg = to_hf_config(m, tokenizer)
+    contexts = [no_init_weights()]
+    if zero3_config is not None:
+        import deepspeed
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+        # keeps RoPE's integer arange buffers integer under zero.Init's dtype casting
+        contexts += [prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=zero3_config)]
+    with ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        model = LlamaForCausalLM(cfg)
+    if m.pretrained:
+        load_hf_weights(model, Path(m.hf_path), zero3=zero3_config is not None)
+    else:
+        torch.manual_seed(seed)  # same seed on every rank -> same initial weights everywhere
+        if zero3_config is not None:
+            from transformers.integrations.deepspeed import initialize_weights_zero3
+
+            initialize_weights_zero3(model)
+        else:
+            model.initialize_weights()
+    model.tie_weights()
+    return model
+
+
+def load_hf_weights(model, folder: Path, zero3: bool) -> None:
+    """Copy a Hugging Face safetensors checkpoint into `model` one tensor at a time (bounded memory).
+    Under ZeRO-3 each parameter is gathered, filled on rank 0, and re-partitioned on exit."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if key not in params:
+                    raise ToolkitError(f"model.hf_path: {file.name} holds {key!r}, which this model does not have; "
+                                       "is model.* (or the preset) the architecture of these weights?")
+                _copy_into(params[key], f.get_tensor(key), key, zero3)
+                seen.add(key)
+    missing = [k for k in params if k not in seen and not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing:
+        raise ToolkitError(f"model.hf_path: {folder} lacks {len(missing)} weights the model needs, e.g. "
+                           f"{missing[:3]}; the checkpoint is incomplete or of another architecture")
+
+
+def _copy_into(param, tensor, key: str, zero3: bool) -> None:
+    shape = tuple(param.ds_shape) if zero3 else tuple(param.shape)
+    if tuple(tensor.shape) != shape:
+        raise ToolkitError(f"model.hf_path: {key} has shape {tuple(tensor.shape)} in the checkpoint but {shape} in "
+                           "the model; set model.* to the checkpoint's architecture (or use model.hf_path alone)")
+    if not zero3:
+        with torch.no_grad():
+            param.copy_(tensor)
+        return
+    import deepspeed
+    import torch.distributed as dist
+
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                param.copy_(tensor)

@@ -1,0 +1,190 @@
+"""Rules a recipe must satisfy for the world size it runs on; every problem is collected, then raised once."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from toolkit.errors import Problem, RecipeError
+from toolkit.layout import Batch, Layout, derive_batch, derive_dp
+from toolkit.recipe.presets import model_keys_from_hf_config
+from toolkit.recipe.schema import Recipe
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A recipe resolved for a world size: the layout, the batch arithmetic and how it was derived."""
+
+    recipe: Recipe
+    layout: Layout
+    batch: Batch
+    notes: list[str] = field(default_factory=list)
+
+
+def check_model(r: Recipe) -> list[Problem]:
+    m, out = r.model, []
+    kv = m.num_kv_heads or m.num_attention_heads
+    if m.hidden_size % m.num_attention_heads:
+        out.append(Problem("model.hidden_size", f"{m.hidden_size} is not divisible by num_attention_heads "
+                           f"{m.num_attention_heads}", "choose a hidden size that is a multiple of the head count"))
+    if m.num_attention_heads % kv:
+        out.append(Problem("model.num_kv_heads", f"num_attention_heads {m.num_attention_heads} is not divisible by "
+                           f"num_kv_heads {kv}", "grouped-query attention needs heads = kv_heads x an integer"))
+    if r.data.seq_len > m.max_position_embeddings:
+        out.append(Problem("data.seq_len", f"{r.data.seq_len} exceeds model.max_position_embeddings "
+                           f"{m.max_position_embeddings}", "shorten data.seq_len or raise max_position_embeddings "
+                           "(with rope_scaling for a pretrained model)"))
+    if m.pretrained and not m.hf_path:
+        out.append(Problem("model.pretrained", "true, but model.hf_path is not set",
+                           "set model.hf_path to a local Hugging Face model folder"))
+    return out
+
+
+def check_model_parallel(r: Recipe) -> list[Problem]:
+    p, m, out = r.parallel, r.model, []
+    kv = m.num_kv_heads or m.num_attention_heads
+    for name, heads in (("num_attention_heads", m.num_attention_heads), ("num_kv_heads", kv)):
+        if heads % p.tp:
+            out.append(Problem(f"model.{name}", f"{heads} is not divisible by parallel.tp {p.tp}: tensor parallelism "
+                               "gives each rank whole heads", f"use a tp that divides {heads}"))
+    if m.num_layers % (p.pp * p.vpp):
+        out.append(Problem("model.num_layers", f"{m.num_layers} is not divisible by pp x vpp = {p.pp} x {p.vpp} = "
+                           f"{p.pp * p.vpp}: every pipeline chunk needs the same number of layers",
+                           "choose pp and vpp whose product divides the layer count"))
+    if p.vpp > 1 and p.pp == 1:
+        out.append(Problem("parallel.vpp", f"{p.vpp} virtual chunks need pipeline parallelism, but pp = 1",
+                           "set parallel.pp >= 2 or parallel.vpp to 1"))
+    if p.sp and p.tp == 1:
+        out.append(Problem("parallel.sp", "sequence parallelism splits activations across the tensor-parallel group, "
+                           "but tp = 1", "set parallel.tp >= 2 or parallel.sp to false"))
+    if p.sp and r.data.seq_len % p.tp:
+        out.append(Problem("data.seq_len", f"{r.data.seq_len} is not divisible by parallel.tp {p.tp}, which sequence "
+                           "parallelism requires", f"use a seq_len that is a multiple of {p.tp}"))
+    if p.cp > 1 and r.data.seq_len % (2 * p.cp):
+        out.append(Problem("data.seq_len", f"{r.data.seq_len} is not divisible by 2 x cp = {2 * p.cp}: context "
+                           "parallelism cuts each sequence into 2 x cp load-balanced chunks",
+                           f"use a seq_len that is a multiple of {2 * p.cp}"))
+    return out
+
+
+def check_backend(r: Recipe) -> list[Problem]:
+    p, out = r.parallel, []
+    if p.backend == "deepspeed":
+        extra = [f"{k}={v}" for k, v in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("vpp", p.vpp)) if v > 1]
+        extra += ["sp=true"] * p.sp
+        if extra:
+            out.append(Problem("parallel.backend", f"the deepspeed backend runs data parallel + ZeRO only, but the "
+                               f"recipe asks for {', '.join(extra)}",
+                               "set parallel.backend: megatron for tensor/pipeline/sequence/context parallelism"))
+    else:
+        if "nvme" in (p.offload_optimizer, p.offload_params):
+            out.append(Problem("parallel.offload_optimizer" if p.offload_optimizer == "nvme" else
+                               "parallel.offload_params", "the megatron backend cannot offload to NVMe",
+                               "use backend: deepspeed with zero_stage: 3 for ZeRO-Infinity, or offload: none"))
+        elif "cpu" in (p.offload_optimizer, p.offload_params):
+            out.append(Problem("parallel.offload_optimizer", "the megatron backend does not offload to CPU here",
+                               "use backend: deepspeed for ZeRO-Offload, or set offload to none"))
+        if p.zero_stage > 1:
+            out.append(Problem("parallel.zero_stage", f"{p.zero_stage} is a DeepSpeed stage; the megatron backend "
+                               "shards optimizer states only (zero_stage 1 = distributed optimizer)",
+                               "set parallel.zero_stage to 0 or 1, or use backend: deepspeed"))
+    if p.pp > 1 and p.zero_stage >= 2:
+        out.append(Problem("parallel.zero_stage", f"ZeRO-{p.zero_stage} shards gradients, which pipeline parallelism "
+                           f"(pp={p.pp}) cannot combine with", "use zero_stage 0 or 1 with pipeline parallelism"))
+    return out
+
+
+def check_offload(r: Recipe) -> list[Problem]:
+    p, out = r.parallel, []
+    if "nvme" in (p.offload_optimizer, p.offload_params) and not p.nvme_path:
+        out.append(Problem("parallel.nvme_path", "offload to nvme needs a folder on a local NVMe drive, but "
+                           "nvme_path is not set", "set parallel.nvme_path, e.g. /local_nvme/offload"))
+    if p.offload_params != "none" and p.zero_stage != 3:
+        out.append(Problem("parallel.offload_params", f"{p.offload_params} needs ZeRO-3 (parameters are only "
+                           f"partitioned at stage 3), but zero_stage = {p.zero_stage}",
+                           "set parallel.zero_stage: 3 or offload_params: none"))
+    if p.offload_optimizer == "nvme" and p.zero_stage != 3:
+        out.append(Problem("parallel.offload_optimizer", f"nvme needs ZeRO-3 (ZeRO-Infinity), but zero_stage = "
+                           f"{p.zero_stage}", "set parallel.zero_stage: 3, or offload_optimizer: cpu"))
+    if p.offload_optimizer == "cpu" and p.zero_stage == 0:
+        out.append(Problem("parallel.offload_optimizer", "cpu needs ZeRO stage 1, 2 or 3 (ZeRO-Offload), but "
+                           "zero_stage = 0", "set parallel.zero_stage to 2 (the usual choice with CPU offload)"))
+    return out
+
+
+def check_training(r: Recipe) -> list[Problem]:
+    t, out = r.training, []
+    if t.schedule.warmup_steps > t.steps:
+        out.append(Problem("training.schedule.warmup_steps", f"{t.schedule.warmup_steps} exceeds training.steps "
+                           f"{t.steps}", "shorten the warm-up or train longer"))
+    if t.schedule.min_lr > t.optimizer.lr:
+        out.append(Problem("training.schedule.min_lr", f"{t.schedule.min_lr} is above the peak lr "
+                           f"{t.optimizer.lr}", "set min_lr below training.optimizer.lr (often lr / 10)"))
+    if not all(0 <= b < 1 for b in t.optimizer.betas):
+        out.append(Problem("training.optimizer.betas", f"{list(t.optimizer.betas)}: each beta must be in [0, 1)",
+                           "the usual values are [0.9, 0.95]"))
+    return out
+
+
+def resolve(r: Recipe, world_size: int | None = None, source: str | None = None) -> Plan:
+    """Check every rule for `world_size` ranks (default: the recipe's own) and derive the layout and batch."""
+    p = r.parallel
+    world = world_size or p.world_size or (p.dp or 1) * p.tp * p.pp * p.cp
+    problems = check_model(r) + check_model_parallel(r) + check_backend(r) + check_offload(r) + check_training(r)
+    dp, dp_problems = derive_dp(world, p.tp, p.pp, p.cp, p.dp)
+    problems += dp_problems
+    batch, notes = None, []
+    if dp is not None:
+        t = r.training
+        batch, notes, batch_problems = derive_batch(t.global_batch_size, t.micro_batch_size, t.grad_accum_steps, dp)
+        problems += batch_problems
+    if problems:
+        raise RecipeError(source or r.name, problems)
+    layout = Layout(p.backend, world, dp, p.tp, p.pp, p.vpp, p.cp, p.sp, p.zero_stage)
+    return Plan(r, layout, batch, notes)
+
+
+def check_paths(r: Recipe) -> list[Problem]:
+    """Files the run will read or write, checked just before it starts (not by `validate`, so cluster recipes
+    can be validated on a laptop)."""
+    out = []
+    if r.data.hub_dataset is None:
+        for pattern in r.data.paths:
+            if not _glob(pattern):
+                out.append(Problem("data.paths", f"{pattern} matches no file (relative paths are read from "
+                                   f"{os.getcwd()})", "run from the repository root or use absolute paths"))
+    if not Path(r.data.tokenizer).is_dir() and r.data.tokenizer.startswith((".", "/", "recipes")):
+        out.append(Problem("data.tokenizer", f"{r.data.tokenizer} is not a folder", "point it at a tokenizer folder"))
+    if r.model.pretrained and r.model.hf_path and not list(Path(r.model.hf_path).glob("*.safetensors")):
+        out.append(Problem("model.hf_path", f"{r.model.hf_path} has no *.safetensors weights to load",
+                           "convert the weights to safetensors, or set model.pretrained: false"))
+    out += _check_hf_config(r)
+    if r.parallel.nvme_path and not os.access(Path(r.parallel.nvme_path).parent, os.W_OK):
+        out.append(Problem("parallel.nvme_path", f"{r.parallel.nvme_path} cannot be created or written",
+                           "point nvme_path at a writable folder on a local NVMe drive"))
+    return out
+
+
+def _check_hf_config(r: Recipe) -> list[Problem]:
+    """A preset and an hf_path together must describe the same architecture."""
+    if not (r.model.preset and r.model.hf_path):
+        return []
+    cfg = Path(r.model.hf_path) / "config.json"
+    if not cfg.is_file():
+        return [Problem("model.hf_path", f"{cfg} does not exist", "point hf_path at a Hugging Face model folder")]
+    theirs = model_keys_from_hf_config(json.loads(cfg.read_text()))
+    ours = r.model.model_dump()
+    diff = [f"{k}: {ours[k]} in the recipe, {v} in config.json" for k, v in theirs.items()
+            if k in ours and k != "rope_scaling" and ours[k] != v and not (k == "num_kv_heads" and ours[k] is None)]
+    if not diff:
+        return []
+    return [Problem("model.preset", f"{r.model.preset} does not match {cfg}: " + "; ".join(diff),
+                    "drop model.preset (the architecture then comes from hf_path) or fix the mismatching keys")]
+
+
+def _glob(pattern: str) -> list[Path]:
+    p = Path(pattern)
+    if p.is_absolute():
+        return sorted(Path(p.anchor).glob(str(p.relative_to(p.anchor))))
+    return sorted(Path().glob(pattern))

@@ -1,0 +1,235 @@
+"""The one typed schema of a training recipe: every field, its default and what it means.
+
+YAML files and `--set` overrides are views onto these classes; defaults live here and nowhere else.
+Field docstrings double as the text `toolkit show --explain` prints and unknown-key errors list.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Offload = Literal["none", "cpu", "nvme"]
+
+
+class _Section(BaseModel):
+    # extra="forbid": an unknown key is an error that lists the valid ones, never silently ignored.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=False)
+
+
+class ModelConfig(_Section):
+    family: Literal["llama"] = "llama"
+    """Architecture family; Llama (2, 3 and tiny test sizes) is the one supported so far."""
+    preset: Optional[str] = None
+    """Named size (see `toolkit show --presets`); its values sit under any key you set yourself."""
+    hf_path: Optional[str] = None
+    """Local Hugging Face model folder; its config.json gives the architecture."""
+    pretrained: bool = False
+    """Load the weights in `hf_path` (fine-tuning) instead of a random initialisation."""
+    vocab_size: int = Field(32000, gt=0)
+    """Rows of the embedding table; must hold every id the tokenizer produces."""
+    hidden_size: int = Field(4096, gt=0)
+    """Width of the residual stream."""
+    intermediate_size: int = Field(11008, gt=0)
+    """Width of the SwiGLU MLP."""
+    num_layers: int = Field(32, gt=0)
+    """Number of transformer blocks."""
+    num_attention_heads: int = Field(32, gt=0)
+    """Query heads per layer."""
+    num_kv_heads: Optional[int] = Field(None, gt=0)
+    """Key/value heads (grouped-query attention); null means as many as query heads."""
+    max_position_embeddings: int = Field(4096, gt=0)
+    """Longest sequence the position encoding is set up for."""
+    rope_theta: float = Field(10000.0, gt=0)
+    """RoPE base frequency."""
+    rope_scaling: Optional[dict] = None
+    """RoPE scaling as Hugging Face spells it (e.g. Llama 3.1: rope_type llama3, factor 8, ...)."""
+    rms_norm_eps: float = Field(1e-5, gt=0)
+    """Epsilon of the RMSNorm layers."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output projection."""
+    initializer_range: float = Field(0.02, gt=0)
+    """Std of the normal initialisation of a random model."""
+
+
+class DataConfig(_Section):
+    paths: list[str] = Field(default_factory=lambda: ["recipes/data/demo_corpus/train.jsonl"])
+    """Local text/jsonl/json/parquet files or globs, relative to the repo root or absolute."""
+    hub_dataset: Optional[str] = None
+    """A `datasets` hub name to use instead of `paths` (needs network access)."""
+    format: Literal["auto", "text", "json", "parquet"] = "auto"
+    """File format; auto picks it from the file extension."""
+    text_field: str = "text"
+    """Column holding the raw text in json/parquet files."""
+    tokenizer: str = "recipes/data/demo_tokenizer"
+    """Tokenizer folder (or hub name when online), loaded with AutoTokenizer."""
+    seq_len: int = Field(128, gt=1)
+    """Tokens per training sequence."""
+    packing: bool = True
+    """Concatenate documents (separated by EOS) and cut them into full seq_len blocks."""
+    num_workers: int = Field(0, ge=0)
+    """DataLoader worker processes per rank."""
+
+
+class OptimizerConfig(_Section):
+    name: Literal["adamw"] = "adamw"
+    """Optimizer; AdamW (fused on GPU, DeepSpeed's CPU Adam when offloaded)."""
+    lr: float = Field(3e-4, gt=0)
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam beta1, beta2."""
+    eps: float = Field(1e-8, gt=0)
+    """Adam epsilon."""
+    weight_decay: float = Field(0.1, ge=0)
+    """Decoupled weight decay."""
+
+
+class ScheduleConfig(_Section):
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up from 0 to the peak lr."""
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape of the decay after warm-up, down to min_lr at the last step."""
+    min_lr: float = Field(0.0, ge=0)
+    """Learning rate reached at the last step (cosine and linear)."""
+
+
+class TrainingConfig(_Section):
+    global_batch_size: Optional[int] = Field(None, gt=0)
+    """Sequences per optimizer step over all data-parallel ranks; derived when null."""
+    micro_batch_size: Optional[int] = Field(None, gt=0)
+    """Sequences per rank per forward pass; derived when null."""
+    grad_accum_steps: Optional[int] = Field(None, gt=0)
+    """Micro-batches accumulated per optimizer step; derived when null."""
+    steps: int = Field(100, gt=0)
+    """Optimizer steps to train (the LR schedule spans them)."""
+    stop_at_step: Optional[int] = Field(None, gt=0)
+    """End this launch after this step with a checkpoint (the schedule still spans `steps`); relaunch resumes."""
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """Optimizer settings."""
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    """Learning-rate schedule."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    """Training precision: bf16 or fp16 mixed precision (fp32 master weights), or plain fp32."""
+    fp16_initial_scale_power: int = Field(16, ge=0, le=32)
+    """fp16 only: dynamic loss scaling starts at 2**this."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them."""
+    seed: int = 1234
+    """Seed for initialisation and data order; every rank uses the same seed."""
+
+
+class DeepSpeedConfig(_Section):
+    config: Optional[str] = None
+    """A DeepSpeed JSON of your own; its "auto" values are filled from this recipe."""
+    overlap_comm: bool = True
+    """Overlap gradient reduction with backward."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
+    reduce_bucket_size: int = Field(500_000_000, gt=0)
+    """Elements per gradient reduce bucket."""
+    allgather_bucket_size: int = Field(500_000_000, gt=0)
+    """Elements per all-gather bucket (ZeRO-1/2)."""
+    stage3_prefetch_bucket_size: int = Field(50_000_000, gt=0)
+    """ZeRO-3: elements of parameters prefetched ahead of use."""
+    stage3_param_persistence_threshold: int = Field(100_000, ge=0)
+    """ZeRO-3: parameters smaller than this stay gathered (saves many small all-gathers)."""
+    stage3_max_live_parameters: int = Field(1_000_000_000, gt=0)
+    """ZeRO-3: upper bound on gathered parameter elements alive at once."""
+    stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
+    """ZeRO-3: keep a parameter gathered if it is reused within this many elements."""
+    gather_16bit_weights_on_save: bool = True
+    """ZeRO-3: also write consolidated 16-bit weights when saving."""
+    pin_memory: bool = True
+    """Offload: page-locked CPU buffers (faster host-device copies)."""
+    buffer_count: int = Field(5, gt=0)
+    """NVMe offload: optimizer-state buffers in flight."""
+    param_buffer_count: int = Field(5, gt=0)
+    """NVMe offload: parameter buffers in flight."""
+    param_buffer_size: int = Field(100_000_000, gt=0)
+    """NVMe offload: elements per parameter buffer (must hold the largest parameter)."""
+    aio_block_size: int = Field(1_048_576, gt=0)
+    """NVMe offload: async I/O block size in bytes."""
+    aio_queue_depth: int = Field(8, gt=0)
+    """NVMe offload: async I/O queue depth."""
+    aio_intra_op_parallelism: int = Field(1, gt=0)
+    """NVMe offload: async I/O threads per request."""
+
+
+class ParallelConfig(_Section):
+    backend: Literal["deepspeed", "megatron"] = "deepspeed"
+    """Which engine runs the recipe."""
+    world_size: Optional[int] = Field(None, gt=0)
+    """Ranks this recipe is written for; used by validate/render when no launcher says otherwise."""
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage: 0 plain data parallel, 1 shard optimizer, 2 + gradients, 3 + parameters."""
+    offload_optimizer: Offload = "none"
+    """Where optimizer states live: GPU (none), CPU RAM, or NVMe."""
+    offload_params: Offload = "none"
+    """Where ZeRO-3 parameters live between uses: GPU (none), CPU RAM, or NVMe."""
+    nvme_path: Optional[str] = None
+    """Folder on a fast local NVMe drive, required by nvme offload."""
+    tp: int = Field(1, gt=0)
+    """Tensor-parallel size (Megatron)."""
+    pp: int = Field(1, gt=0)
+    """Pipeline-parallel size (Megatron)."""
+    vpp: int = Field(1, gt=0)
+    """Virtual pipeline chunks per stage (interleaved 1F1B, Megatron)."""
+    sp: bool = False
+    """Sequence parallelism on top of tensor parallelism (Megatron)."""
+    cp: int = Field(1, gt=0)
+    """Context-parallel size (Megatron)."""
+    dp: Optional[int] = Field(None, gt=0)
+    """Data-parallel size; derived as world_size / (tp*pp*cp) when null."""
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
+    """DeepSpeed-specific tuning."""
+
+
+class CheckpointConfig(_Section):
+    dir: Optional[str] = None
+    """Where checkpoints go; defaults to <output_dir>/checkpoints."""
+    interval: int = Field(100, gt=0)
+    """Save every this many steps (and at the end)."""
+    keep: int = Field(2, gt=0)
+    """Complete checkpoints to keep; older ones are deleted after a newer one is complete."""
+    resume: str = "auto"
+    """auto: continue from the latest complete checkpoint if any; never; or a checkpoint folder."""
+
+
+class LoggingConfig(_Section):
+    interval: int = Field(10, gt=0)
+    """Log every this many steps (the only steps that sync the host with the device)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under <output_dir>/tensorboard."""
+    peak_tflops: Optional[float] = Field(None, gt=0)
+    """Dense peak TFLOP/s of one device for MFU; detected for known GPUs when null."""
+
+
+class Recipe(_Section):
+    name: str = "run"
+    """Run name, used in logs and the default output folder."""
+    description: str = ""
+    """What the recipe is for and the hardware it targets."""
+    output_dir: Optional[str] = None
+    """Folder for logs, metrics and checkpoints; defaults to runs/<name>."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Model architecture and weights."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Training data and tokenizer."""
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    """Batch, optimizer, schedule and precision."""
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """Backend and parallel layout."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoint cadence and resume."""
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """What is logged and how often."""
+
+    @property
+    def out_dir(self) -> str:
+        return self.output_dir or f"runs/{self.name}"
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or f"{self.out_dir}/checkpoints"

@@ -1,0 +1,1 @@
+"""Training runtime: process groups, the step loop, metrics and resumable checkpoints."""

@@ -1,0 +1,83 @@
+"""Throughput arithmetic and the run's log: console, metrics.jsonl and TensorBoard (rank 0 only)."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from toolkit.recipe.schema import ModelConfig
+
+# Dense bf16/fp16 peak TFLOP/s of one device, by a substring of its name (vendor data sheets, no sparsity).
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A800": 312.0, "H800": 989.0, "L40S": 362.0,
+               "A10G": 125.0, "A6000": 155.0, "V100": 125.0, "4090": 165.0, "MI300X": 1307.0}
+
+
+def count_params(m: ModelConfig) -> dict:
+    """Parameter counts of the Llama architecture, from the recipe alone."""
+    h, kv = m.hidden_size, m.num_kv_heads or m.num_attention_heads
+    head = h // m.num_attention_heads
+    attn = h * h * 2 + 2 * h * kv * head  # q and o, plus k and v
+    mlp = 3 * h * m.intermediate_size
+    layer = attn + mlp + 2 * h
+    embed = m.vocab_size * h
+    body = m.num_layers * layer + h
+    lm_head = 0 if m.tie_word_embeddings else embed
+    return {"total": body + embed + lm_head, "embedding": embed, "non_embedding": body + lm_head}
+
+
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs per trained token (forward + backward = 3 x forward): 6 x the matmul parameters plus attention
+    scores 12 x layers x hidden x seq_len (PaLM appendix B). Recomputation is not counted: this is MFU's numerator."""
+    return 6 * count_params(m)["non_embedding"] + 12 * m.num_layers * m.hidden_size * seq_len
+
+
+def detect_peak_tflops(device: str, precision: str) -> float | None:
+    """The device's dense 16-bit peak, or None where it is unknown (CPU, fp32): then no MFU is printed."""
+    if device != "cuda" or precision == "fp32":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+class RunLog:
+    """Writes each logged step to the console, <out>/metrics.jsonl and TensorBoard. Only rank 0 writes."""
+
+    def __init__(self, out_dir: str, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.writer = None
+        self.path = Path(out_dir) / "metrics.jsonl"
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+
+    def info(self, text: str) -> None:
+        if self.enabled:
+            print(text, flush=True)
+
+    def step(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"time": round(time.time(), 3), **record}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        parts = [f"step {record['step']:>6}", f"loss {record['loss']:.4f}", f"lr {record['lr']:.3e}"]
+        if record.get("grad_norm") is not None:
+            parts.append(f"grad_norm {record['grad_norm']:.3f}")
+        parts.append(f"tokens/s {record['tokens_per_s']:,.0f}")
+        parts.append(f"TFLOP/s/rank {record['tflops_per_rank']:.3g}")
+        if record.get("mfu") is not None:
+            parts.append(f"MFU {record['mfu']:.1%}")
+        print(" | ".join(parts), flush=True)
+        if self.writer:
+            for k, v in record.items():
+                if k not in ("step", "time") and isinstance(v, (int, float)):
+                    self.writer.add_scalar(f"train/{k}", v, record["step"])
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
