@@ -26,7 +26,7 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
 
 
 def _plan(args) -> Plan:
-    return resolve(load_recipe(args.recipe, args.overrides), args.world_size)
+    return resolve(load_recipe(args.recipe, args.overrides), args.world_size, source=args.recipe)
 
 
 def cmd_validate(args) -> int:
@@ -72,7 +72,7 @@ def cmd_show(args) -> int:
         return 0
     if not args.recipe:
         raise ToolkitError("toolkit show needs --recipe NAME (or --list / --explain)")
-    plan = resolve(load_recipe(args.recipe, args.overrides), args.world_size)
+    plan = _plan(args)
     print(f"# {plan.layout.describe()}")
     for note in plan.notes:
         print(f"# {note}")

@@ -1,0 +1,71 @@
+"""The command line: validate/show/render output, exit code 2 on bad input, and nothing written on failure."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO, launch
+
+
+def toolkit(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, cwd=REPO)
+
+
+def test_validate_prints_layout_and_batch_arithmetic():
+    proc = toolkit("validate", "--recipe", "llama7b_zero3", "--world-size", "64")
+    assert proc.returncode == 0, proc.stderr
+    assert "deepspeed on 64 ranks: dp=64" in proc.stdout
+    assert "global batch 512 = micro 1 x accumulation 8 x dp 64" in proc.stdout
+    assert "training.grad_accum_steps = global 512 / (micro 1 x dp 64) = 8 (derived)" in proc.stdout
+
+
+def test_show_prints_the_resolved_recipe():
+    proc = toolkit("show", "--recipe", "tiny_zero3", "--set", "training.steps=70")
+    assert proc.returncode == 0, proc.stderr
+    d = yaml.safe_load(proc.stdout)
+    assert d["training"]["steps"] == 70 and d["training"]["grad_accum_steps"] == 1
+    assert d["model"]["hidden_size"] == 128 and d["parallel"]["dp"] == 2
+    assert d["checkpoint"]["dir"] == "runs/tiny_zero3/checkpoints"
+
+
+def test_show_explain_and_list():
+    explain = toolkit("show", "--explain").stdout
+    assert "  micro_batch_size: null  # Sequences per rank per forward pass; derived when null." in explain
+    assert "tiny_zero3" in toolkit("show", "--list").stdout.split()
+
+
+def test_render_ds_config_prints_json():
+    proc = toolkit("render", "ds-config", "--recipe", "tiny_zero3", "--device", "cpu")
+    assert proc.returncode == 0
+    assert json.loads(proc.stdout)["zero_optimization"]["stage"] == 3
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["validate", "--recipe", "nope"], "no recipe file or shipped recipe named 'nope'"),
+    (["validate", "--recipe", "tiny_zero0", "--world-size", "3"], "16 is not divisible by micro_batch_size x dp"),
+    (["validate", "--recipe", "tiny_zero0", "--set", "training"], "expected KEY.PATH=VALUE"),
+    (["show"], "needs --recipe"),
+])
+def test_bad_command_lines_exit_2_without_traceback(args, needle):
+    proc = toolkit(*args)
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_train_with_bad_recipe_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    proc = launch("tiny_zero0", ["training.global_batch_size=3", "logging.interval=1"], nproc=1, out_dir=out,
+                  launcher="python", check=False)
+    assert proc.returncode == 2
+    assert "training.global_batch_size: 3 is not divisible" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+def test_train_with_missing_data_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    proc = launch("tiny_zero0", [f"data.paths=[{tmp_path}/none/*.jsonl]"], nproc=1, out_dir=out, launcher="python",
+                  check=False)
+    assert proc.returncode == 2 and "matches no file" in proc.stderr and not out.exists()

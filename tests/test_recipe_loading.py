@@ -1,0 +1,99 @@
+"""Loading: precedence (--set > file > base > preset > field defaults), unknown keys, presets, hf_path configs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from toolkit.errors import RecipeError
+from toolkit.recipe import load_recipe, resolve
+from toolkit.recipe.loader import parse_overrides
+from toolkit.recipe.schema import Recipe
+
+
+def _write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_precedence_set_over_file_over_base_over_preset_over_default(tmp_path):
+    _write(tmp_path, "base.yaml", "model: {preset: tiny, hidden_size: 96, num_layers: 3}\n"
+                                  "training: {steps: 7, seed: 5, grad_clip: 0.5}\n")
+    child = _write(tmp_path, "child.yaml", "base: base.yaml\nmodel: {num_layers: 6}\ntraining: {steps: 8, seed: 6}\n")
+    r = load_recipe(str(child), ["training.steps=9"])
+    assert r.training.steps == 9                  # --set beats the file
+    assert r.training.seed == 6                   # the file beats its base
+    assert r.training.grad_clip == 0.5            # the base beats the field default (1.0)
+    assert r.model.num_layers == 6                # the file beats base and preset
+    assert r.model.hidden_size == 96              # the base beats the preset (64)
+    assert r.model.intermediate_size == 176       # the preset beats the field default (11008)
+    assert r.training.optimizer.lr == Recipe().training.optimizer.lr  # field default when nobody sets it
+
+
+def test_set_parses_yaml_values_and_nested_keys():
+    assert parse_overrides(["a.b=3", "a.c=true", "d=[1, 2]", "e=null", "f=x=y"], "t") == {
+        "a": {"b": 3, "c": True}, "d": [1, 2], "e": None, "f": "x=y"}
+
+
+@pytest.mark.parametrize("bad", ["nodot", "=3", "a..b=1"])
+def test_set_rejects_malformed_items(bad):
+    with pytest.raises(RecipeError, match="expected KEY.PATH=VALUE"):
+        parse_overrides([bad], "t")
+
+
+def test_set_unknown_key_lists_valid_keys_and_suggests():
+    with pytest.raises(RecipeError) as err:
+        load_recipe("tiny_zero0", ["training.step=3"])
+    (p,) = err.value.problems
+    assert p.key == "training.step" and "did you mean `steps`?" in p.fix and "global_batch_size" in p.fix
+
+
+def test_recipe_by_name_and_by_path_are_the_same(tmp_path):
+    from toolkit.recipe.loader import RECIPE_DIR
+
+    assert load_recipe("tiny_zero3") == load_recipe(str(RECIPE_DIR / "tiny_zero3.yaml"))
+
+
+def test_missing_recipe_lists_shipped_ones():
+    with pytest.raises(RecipeError) as err:
+        load_recipe("no_such_recipe")
+    assert "tiny_zero3" in err.value.problems[0].fix
+
+
+def test_hf_path_config_gives_architecture(tmp_path):
+    cfg = {"vocab_size": 1000, "hidden_size": 48, "intermediate_size": 100, "num_hidden_layers": 3,
+           "num_attention_heads": 6, "num_key_value_heads": 2, "max_position_embeddings": 512,
+           "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = load_recipe("tiny_zero0", ["model.preset=null", f"model.hf_path={tmp_path}"])
+    assert (r.model.vocab_size, r.model.hidden_size, r.model.num_layers, r.model.num_kv_heads) == (1000, 48, 3, 2)
+    assert r.model.rope_theta == 500000.0 and r.model.rope_scaling["rope_type"] == "llama3"
+
+
+def test_preset_with_mismatching_hf_config_is_caught_before_the_run(tmp_path):
+    from toolkit.recipe import check_paths
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 4096, "num_hidden_layers": 32}))
+    r = load_recipe("tiny_zero0", [f"model.hf_path={tmp_path}"])
+    msgs = [p.message for p in check_paths(r) if p.key == "model.preset"]
+    assert msgs and "hidden_size: 128 in the recipe, 4096 in config.json" in msgs[0]
+
+
+@pytest.mark.parametrize("given,expect", [
+    ({"global_batch_size": 64, "micro_batch_size": 4}, (64, 4, 2)),
+    ({"global_batch_size": 64, "grad_accum_steps": 4}, (64, 2, 4)),
+    ({"micro_batch_size": 4, "grad_accum_steps": 3}, (96, 4, 3)),
+    ({"global_batch_size": 64}, (64, 8, 1)),
+    ({}, (8, 1, 1)),
+])
+def test_batch_derivation(given, expect):
+    sets = [f"training.{k}={v}" for k, v in given.items()]
+    sets += [f"training.{k}=null" for k in ("global_batch_size", "micro_batch_size", "grad_accum_steps")
+             if k not in given]
+    plan = resolve(load_recipe("tiny_zero0", sets), world_size=8)
+    assert (plan.batch.global_batch, plan.batch.micro_batch, plan.batch.grad_accum) == expect
+    assert plan.batch.global_batch == plan.batch.micro_batch * plan.batch.grad_accum * plan.layout.dp
+    if len(given) < 3:
+        assert plan.notes and "(derived)" in plan.notes[-1]
