@@ -202,6 +202,10 @@ class LoggingConfig(_Section):
     """Log every this many steps (the only steps that sync the host with the device)."""
     tensorboard: bool = True
     """Write TensorBoard event files under <output_dir>/tensorboard."""
+    sample_prompt: Optional[str] = None
+    """At the end of training, print the model's greedy continuation of this text (a visible sanity check)."""
+    sample_tokens: int = Field(48, gt=0)
+    """Tokens to generate for sample_prompt."""
     peak_tflops: Optional[float] = Field(None, gt=0)
     """Dense peak TFLOP/s of one device for MFU; detected for known GPUs when null."""
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -40,6 +41,8 @@ def init_distributed() -> DistInfo:
     elif "OMP_NUM_THREADS" not in os.environ:
         # ranks on one CPU share its cores; oversubscription makes every rank slower
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    # DeepSpeed 0.19 calls torch's deprecated reduce_scatter_tensor every ZeRO step; the warning is not the user's
+    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated")
     deepspeed.init_distributed(verbose=False)
     import torch.distributed as dist
 

@@ -65,6 +65,10 @@ def train(recipe: Recipe) -> list[dict]:
     log.info(f"[toolkit] {r.name}: {layout.describe()}; {batch.describe()}")
     for note in plan.notes:
         log.info(f"[toolkit] {note}")
+    if info.rank != 0:
+        import datasets
+
+        datasets.disable_progress_bars()  # one progress bar per job, not one per rank
     tokenizer = AutoTokenizer.from_pretrained(r.data.tokenizer)
     _check_vocab(r, tokenizer)
     dataset = build_dataset(r.data, tokenizer, rank_zero_first)
@@ -84,6 +88,8 @@ def train(recipe: Recipe) -> list[dict]:
         log.info(f"[toolkit] resumed from {tag_dir} at step {start}")
     meta = {"layout": layout_meta, "recipe": r.model_dump(mode="json"), "backend": "deepspeed"}
     records = _loop(engine, stream, plan, info, log, start, root, meta)
+    if r.logging.sample_prompt and (not records or records[-1]["step"] == r.training.steps):
+        log.info(f"[toolkit] sample: {sample(engine, tokenizer, r.logging.sample_prompt, r.logging.sample_tokens)!r}")
     log.close()
     return records
 
@@ -137,3 +143,17 @@ def _grad_norm(engine):
         return None
     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
     return torch.nn.utils.get_total_norm(grads) if grads else None
+
+
+@torch.no_grad()
+def sample(engine, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    """Greedy continuation of `prompt`. Every rank calls this: under ZeRO-3 each forward gathers parameters from
+    all ranks, so generation must stay in lock-step (synced_gpus)."""
+    model = engine.module
+    model.eval()
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(engine.device)
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
+                         synced_gpus=engine.zero_optimization_stage() == 3 and dist.get_world_size() > 1,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model.train()
+    return prompt + tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

@@ -1,0 +1,66 @@
+"""The LR schedule's shape, and how checkpoints are chosen for resume and pruned."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from toolkit.errors import ToolkitError
+from toolkit.train import checkpoint as ckpt
+from toolkit.train.schedule import lr_multiplier
+
+
+def test_warmup_then_cosine_to_min_lr_at_the_last_step():
+    f = [lr_multiplier(s, warmup=4, total=14, decay="cosine", min_ratio=0.1) for s in range(14)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]       # step 0 already trains; peak at the end of warm-up
+    assert f[4] == 1.0 and math.isclose(f[-1], 0.1)
+    assert all(a >= b for a, b in zip(f[4:], f[5:]))
+    assert math.isclose(f[9], 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 5 / 9)))
+
+
+def test_linear_and_constant():
+    assert math.isclose(lr_multiplier(9, 0, 10, "linear", 0.0), 0.0)
+    assert math.isclose(lr_multiplier(5, 0, 11, "linear", 0.0), 0.5)
+    assert lr_multiplier(99, 10, 100, "constant", 0.0) == 1.0
+
+
+def _fake_ckpt(root, step, complete=True):
+    d = root / ckpt.tag_for(step)
+    d.mkdir(parents=True)
+    (d / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    if complete:
+        (d / ckpt.META).write_text(json.dumps({"step": step, "layout": {"world_size": 2, "zero_stage": 3}}))
+    return d
+
+
+def test_resume_skips_incomplete_checkpoints_and_stale_pointers(tmp_path):
+    _fake_ckpt(tmp_path, 10)
+    _fake_ckpt(tmp_path, 20)
+    _fake_ckpt(tmp_path, 30, complete=False)  # a crash mid-save
+    assert ckpt.find_resume(tmp_path, "auto") == tmp_path / "step_00000020"
+    (tmp_path / ckpt.POINTER).write_text("step_00000030")  # even a pointer to it is not trusted
+    assert ckpt.find_resume(tmp_path, "auto") == tmp_path / "step_00000020"
+    assert ckpt.find_resume(tmp_path, "never") is None
+    assert ckpt.find_resume(tmp_path, str(tmp_path / "step_00000010")) == tmp_path / "step_00000010"
+    with pytest.raises(ToolkitError, match="neither a complete checkpoint"):
+        ckpt.find_resume(tmp_path, str(tmp_path / "step_00000030"))
+
+
+def test_fresh_directory_starts_from_scratch(tmp_path):
+    assert ckpt.find_resume(tmp_path / "none", "auto") is None
+
+
+def test_prune_keeps_the_newest_complete_and_removes_crash_debris(tmp_path):
+    for s in (10, 20, 30):
+        _fake_ckpt(tmp_path, s)
+    _fake_ckpt(tmp_path, 25, complete=False)
+    _fake_ckpt(tmp_path, 40, complete=False)  # possibly being written right now: newer than the newest complete
+    ckpt.prune(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000020", "step_00000030", "step_00000040"]
+
+
+def test_resume_on_another_layout_is_refused_before_loading(tmp_path):
+    d = _fake_ckpt(tmp_path, 10)
+    with pytest.raises(ToolkitError, match="written by 2 ranks at ZeRO-3, this run has 4 ranks at ZeRO-3"):
+        ckpt.load(engine=None, tag_dir=d, layout_meta={"world_size": 4, "zero_stage": 3, "dp": 4})
