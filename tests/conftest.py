@@ -52,17 +52,27 @@ def read_metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="session")
-def tiny_hf_checkpoint(tmp_path_factory) -> Path:
-    """A randomly initialised tiny Llama saved as a Hugging Face safetensors folder: the shared initial weights."""
+def _random_hf_checkpoint(folder: Path, preset: str) -> Path:
     import torch
     from transformers import LlamaForCausalLM
 
     from toolkit.model import to_hf_config
     from toolkit.recipe import load_recipe
 
-    folder = tmp_path_factory.mktemp("tiny_hf")
-    recipe = load_recipe("tiny_zero0", ["model.preset=tiny"])
+    recipe = load_recipe("tiny_zero0", [f"model.preset={preset}"])
     torch.manual_seed(7)
     LlamaForCausalLM(to_hf_config(recipe.model)).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory) -> Path:
+    """A randomly initialised tiny Llama (2 layers, GQA 4/2) as a Hugging Face safetensors folder: the shared
+    initial weights."""
+    return _random_hf_checkpoint(tmp_path_factory.mktemp("tiny_hf"), "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny4l_hf_checkpoint(tmp_path_factory) -> Path:
+    """The same with 4 layers (hidden 128, GQA 8/4), enough for pipeline 2 x 2 virtual chunks."""
+    return _random_hf_checkpoint(tmp_path_factory.mktemp("tiny4l_hf"), "tiny-4l")

@@ -62,5 +62,6 @@ def test_prune_keeps_the_newest_complete_and_removes_crash_debris(tmp_path):
 
 def test_resume_on_another_layout_is_refused_before_loading(tmp_path):
     d = _fake_ckpt(tmp_path, 10)
-    with pytest.raises(ToolkitError, match="written by 2 ranks at ZeRO-3, this run has 4 ranks at ZeRO-3"):
-        ckpt.load(engine=None, tag_dir=d, layout_meta={"world_size": 4, "zero_stage": 3, "dp": 4})
+    with pytest.raises(ToolkitError, match="written with world_size=2, zero_stage=3, this run has dp=4, "
+                                           "world_size=4, zero_stage=3"):
+        ckpt.load(backend=None, tag_dir=d, layout_meta={"world_size": 4, "zero_stage": 3, "dp": 4})

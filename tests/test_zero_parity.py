@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import launch, read_metrics
+from reference import reference_losses
 
 STEPS = 6
 # fp32 on CPU: reduction order differs between 1 and 2 ranks (and DeepSpeed's CPU Adam vs torch's AdamW for
@@ -20,41 +21,9 @@ RTOL = 5e-6
 SCHEDULE = ["training.schedule.warmup_steps=2", "training.schedule.min_lr=1e-4"]  # warm-up, then cosine decay
 
 
-def reference_losses(hf_path, steps: int) -> list[float]:
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    from toolkit.data import DataStream, build_dataset
-    from toolkit.recipe import load_recipe, resolve
-    from toolkit.train.schedule import build_scheduler
-
-    r = load_recipe("tiny_zero0", ["model.preset=null", f"model.hf_path={hf_path}", "model.pretrained=true",
-                                   f"training.steps={steps}", *SCHEDULE])
-    plan = resolve(r, world_size=1)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=r.training.optimizer.lr, betas=r.training.optimizer.betas,
-                            eps=r.training.optimizer.eps, weight_decay=r.training.optimizer.weight_decay)
-    sched = build_scheduler(opt, r.training)
-    tok = AutoTokenizer.from_pretrained(r.data.tokenizer)
-    stream = DataStream(build_dataset(r.data, tok), plan.batch.micro_batch, plan.batch.grad_accum, 1, 0, r.training.seed)
-    losses = []
-    for _ in range(steps):
-        micro_losses = []
-        for micro in stream.next_step():
-            loss = model(input_ids=micro["input_ids"], labels=micro["labels"]).loss
-            (loss / plan.batch.grad_accum).backward()
-            micro_losses.append(loss.item())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), r.training.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(sum(micro_losses) / len(micro_losses))
-    return losses
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_hf_checkpoint):
-    return reference_losses(tiny_hf_checkpoint, STEPS)
+    return reference_losses(tiny_hf_checkpoint, STEPS, SCHEDULE)
 
 
 @pytest.mark.slow
@@ -88,7 +57,7 @@ def test_random_init_is_the_same_at_every_zero_stage(tmp_path):
     r = load_recipe("tiny_zero0", ["model.preset=tiny"])
     folder = tmp_path / "seeded"
     build_model(r.model, r.training.seed, AutoTokenizer.from_pretrained(r.data.tokenizer)).save_pretrained(folder)
-    expected = reference_losses(folder, STEPS)
+    expected = reference_losses(folder, STEPS, SCHEDULE)
     launch("tiny_zero3", ["model.preset=tiny", f"training.steps={STEPS}", *SCHEDULE, "logging.interval=1",
                           "checkpoint.interval=1000"], nproc=2, out_dir=tmp_path / "run")
     got = [m["loss"] for m in read_metrics(tmp_path / "run")]

@@ -104,3 +104,12 @@ def _copy_into(param, tensor, key: str, zero3: bool) -> None:
         if dist.get_rank() == 0:
             with torch.no_grad():
                 param.copy_(tensor)
+
+
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (and embeddings), none on norm weights: the same split Megatron-Core makes, so
+    both backends train the same way. ZeRO-3 partitions hold their real shape in ds_shape."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -73,6 +73,10 @@ def check_backend(r: Recipe) -> list[Problem]:
     if p.backend == "deepspeed":
         extra = [f"{k}={v}" for k, v in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("vpp", p.vpp)) if v > 1]
         extra += ["sp=true"] * p.sp
+        if r.training.activation_checkpointing == "selective":
+            out.append(Problem("training.activation_checkpointing", "selective recomputation is a Megatron-Core "
+                               "feature; the deepspeed backend recomputes whole blocks",
+                               "use full (or none) with backend: deepspeed"))
         if extra:
             out.append(Problem("parallel.backend", f"the deepspeed backend runs data parallel + ZeRO only, but the "
                                f"recipe asks for {', '.join(extra)}",
@@ -139,6 +143,10 @@ def resolve(r: Recipe, world_size: int | None = None, source: str | None = None)
         t = r.training
         batch, notes, batch_problems = derive_batch(t.global_batch_size, t.micro_batch_size, t.grad_accum_steps, dp)
         problems += batch_problems
+    if batch is not None and p.backend == "megatron" and p.vpp > 1 and batch.grad_accum % p.pp:
+        problems.append(Problem("training.grad_accum_steps", f"{batch.grad_accum} micro-batches per step, but the "
+                                f"interleaved pipeline schedule (vpp={p.vpp}) needs a multiple of pp = {p.pp}",
+                                f"make global_batch_size / (micro_batch_size x dp) a multiple of {p.pp}"))
     if problems:
         raise RecipeError(source or r.name, problems)
     layout = Layout(p.backend, world, dp, p.tp, p.pp, p.vpp, p.cp, p.sp, p.zero_stage)

@@ -114,8 +114,8 @@ class TrainingConfig(_Section):
     """Training precision: bf16 or fp16 mixed precision (fp32 master weights), or plain fp32."""
     fp16_initial_scale_power: int = Field(16, ge=0, le=32)
     """fp16 only: dynamic loss scaling starts at 2**this."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward instead of storing them."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward: full (each block), selective (attention core, Megatron only), none."""
     seed: int = 1234
     """Seed for initialisation and data order; every rank uses the same seed."""
 
@@ -157,6 +157,19 @@ class DeepSpeedConfig(_Section):
     """NVMe offload: async I/O threads per request."""
 
 
+class MegatronConfig(_Section):
+    transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
+    """Layer implementation: Transformer Engine when importable on a GPU (auto), or Megatron's local modules."""
+    overlap_grad_reduce: bool = True
+    """Overlap the data-parallel gradient reduction with backward."""
+    overlap_param_gather: bool = True
+    """Distributed optimizer: overlap the parameter all-gather with the next forward."""
+    bucket_size: Optional[int] = Field(None, gt=0)
+    """Elements per gradient bucket; null = Megatron's default (max(40M, 1M x dp))."""
+    make_vocab_size_divisible_by: int = Field(128, gt=0)
+    """Pad the vocabulary to a multiple of this x tp (Megatron's rule)."""
+
+
 class ParallelConfig(_Section):
     backend: Literal["deepspeed", "megatron"] = "deepspeed"
     """Which engine runs the recipe."""
@@ -184,6 +197,8 @@ class ParallelConfig(_Section):
     """Data-parallel size; derived as world_size / (tp*pp*cp) when null."""
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
     """DeepSpeed-specific tuning."""
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    """Megatron-Core-specific tuning."""
 
 
 class CheckpointConfig(_Section):

@@ -62,11 +62,11 @@ def complete_tags(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))
 
 
-def save(engine, root: Path, step: int, data_state: dict, meta: dict) -> Path:
+def save(backend, root: Path, step: int, data_state: dict, meta: dict) -> Path:
     """Save on every rank; mark complete (meta, then pointers) only after all ranks have written their files."""
     tag = tag_for(step)
     tag_dir = root / tag
-    engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+    backend.save_state(root, tag)
     torch.save({"rng": rng_state(), "data": data_state, "step": step},
                tag_dir / f"toolkit_rank{dist.get_rank():05d}.pt")
     dist.barrier()  # every rank's files are written before rank 0 declares the checkpoint complete
@@ -113,18 +113,19 @@ def find_resume(root: Path, resume: str) -> Path | None:
     return done[-1] if done else None
 
 
-def load(engine, tag_dir: Path, layout_meta: dict) -> dict:
-    """Restore engine, optimizer and scheduler through DeepSpeed, then this rank's RNG. Returns the saved state."""
+def _describe(layout: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(layout.items()))
+
+
+def load(backend, tag_dir: Path, layout_meta: dict) -> dict:
+    """Restore the backend's model and optimizer state, then this rank's RNG. Returns the saved toolkit state."""
     meta = json.loads((tag_dir / META).read_text())
     saved = meta.get("layout", {})
-    if saved.get("world_size") != layout_meta["world_size"] or saved.get("zero_stage") != layout_meta["zero_stage"]:
-        raise ToolkitError(f"checkpoint {tag_dir} was written by {saved.get('world_size')} ranks at ZeRO-"
-                           f"{saved.get('zero_stage')}, this run has {layout_meta['world_size']} ranks at ZeRO-"
-                           f"{layout_meta['zero_stage']}; relaunch with the saved layout, or set "
+    if saved != layout_meta:
+        raise ToolkitError(f"checkpoint {tag_dir} was written with {_describe(saved)}, this run has "
+                           f"{_describe(layout_meta)}; relaunch with the saved layout, or set "
                            "checkpoint.resume: never to start fresh")
-    path, _ = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
-    if path is None:
-        raise ToolkitError(f"DeepSpeed could not load checkpoint {tag_dir}")
+    backend.load_state(tag_dir)
     state = torch.load(tag_dir / f"toolkit_rank{dist.get_rank():05d}.pt", weights_only=True)
     set_rng_state(state["rng"])
     return state

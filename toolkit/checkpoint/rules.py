@@ -1,0 +1,154 @@
+"""Typed split/merge rules: how Hugging Face tensors become per-TP-rank Megatron-Core shards, and back, exactly."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from toolkit.errors import ToolkitError
+
+HFTensors = Union[Tensor, tuple[Tensor, ...]]  # one HF tensor, or several fused into one Megatron parameter
+
+
+class Rule(Protocol):
+    """split(full, tp) gives one shard per TP rank; merge(shards) is its exact inverse."""
+
+    def split(self, full: HFTensors, tp: int) -> list[Tensor]: ...
+
+    def merge(self, shards: Sequence[Tensor]) -> HFTensors: ...
+
+
+def _own(t: Tensor) -> Tensor:
+    # Slices are views of the whole tensor, and torch.save writes a view's entire storage, so every shard or
+    # merged tensor we hand out gets its own compact storage.
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _split_dim(full: Tensor, tp: int, dim: int, what: str) -> list[Tensor]:
+    if tp < 1 or full.shape[dim] % tp:
+        raise ToolkitError(f"{what}: cannot split dim {dim} of a tensor of shape {tuple(full.shape)} into tp = {tp} "
+                           f"equal shards ({full.shape[dim]} is not divisible by {tp}); "
+                           f"choose a tensor-parallel size that divides {full.shape[dim]}")
+    return [_own(piece) for piece in torch.chunk(full, tp, dim)]
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """Every rank holds the full tensor (norms); merge checks the copies agree."""
+
+    def split(self, full: Tensor, tp: int) -> list[Tensor]:
+        return [_own(full) for _ in range(tp)]
+
+    def merge(self, shards: Sequence[Tensor]) -> Tensor:
+        for rank, shard in enumerate(shards[1:], 1):
+            if not torch.equal(shard, shards[0]):
+                raise ToolkitError(f"replicated tensor differs between tp rank 0 and tp rank {rank}; the ranks of "
+                                   "this checkpoint are out of sync: check it was saved from one consistent step")
+        return shards[0]
+
+
+@dataclass(frozen=True)
+class ColumnParallel:
+    """Output features (dim 0) are split across TP ranks."""
+
+    def split(self, full: Tensor, tp: int) -> list[Tensor]:
+        return _split_dim(full, tp, 0, "column-parallel weight")
+
+    def merge(self, shards: Sequence[Tensor]) -> Tensor:
+        return torch.cat(list(shards), 0)
+
+
+@dataclass(frozen=True)
+class RowParallel:
+    """Input features (dim 1) are split across TP ranks."""
+
+    def split(self, full: Tensor, tp: int) -> list[Tensor]:
+        return _split_dim(full, tp, 1, "row-parallel weight")
+
+    def merge(self, shards: Sequence[Tensor]) -> Tensor:
+        return torch.cat(list(shards), 1)
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    """Vocabulary rows padded with zeros to padded_vocab, then split on dim 0; merge drops the padding."""
+
+    true_vocab: int
+    padded_vocab: int
+
+    def split(self, full: Tensor, tp: int) -> list[Tensor]:
+        if full.shape[0] != self.true_vocab or self.padded_vocab < self.true_vocab:
+            raise ToolkitError(f"vocab-parallel weight has {full.shape[0]} rows; expected vocab {self.true_vocab} "
+                               f"padded to {self.padded_vocab}: make the model's vocab_size match the checkpoint")
+        padding = full.new_zeros(self.padded_vocab - self.true_vocab, *full.shape[1:])
+        return _split_dim(torch.cat([full, padding], 0), tp, 0, "vocab-parallel weight")
+
+    def merge(self, shards: Sequence[Tensor]) -> Tensor:
+        full = torch.cat(list(shards), 0)
+        if full.shape[0] != self.padded_vocab:
+            raise ToolkitError(f"vocab-parallel shards add up to {full.shape[0]} rows, expected padded vocab "
+                               f"{self.padded_vocab}: the checkpoint was saved with another vocab padding "
+                               "(make_vocab_size_divisible_by x tp); pass the dims it was saved with")
+        return _own(full[: self.true_vocab])
+
+
+@dataclass(frozen=True)
+class QKV:
+    """HF (q, k, v) <-> Megatron linear_qkv: per kv group g, rows [q heads of g, k_g, v_g]; TP-split in blocks."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def _check(self, tp: int) -> None:
+        # Megatron takes tp dividing the kv heads (whole groups per rank) or a multiple of them (each group spread
+        # over tp / kv ranks, gathered in the forward); either way a rank stores a contiguous block of the full
+        # grouped tensor, so both split the same way here.
+        g = self.num_kv_heads
+        if self.num_heads % g or self.num_heads % tp or (g % tp and tp % g):
+            raise ToolkitError(f"attention with {self.num_heads} heads and {g} kv heads cannot be split over tp = "
+                               f"{tp}: heads must be a multiple of kv heads and of tp, and tp a divisor or multiple "
+                               f"of the kv heads (Megatron's rule); choose tp dividing {g} or a multiple of {g} "
+                               f"dividing {self.num_heads}")
+
+    def split(self, full: tuple[Tensor, Tensor, Tensor], tp: int) -> list[Tensor]:
+        self._check(tp)
+        q, k, v = full
+        g, d = self.num_kv_heads, self.head_dim
+        expected = [(self.num_heads * d,), (g * d,), (g * d,)]
+        if [tuple(t.shape[:1]) for t in full] != expected:
+            raise ToolkitError(f"q/k/v have {[t.shape[0] for t in full]} rows, expected {[e[0] for e in expected]} "
+                               f"for {self.num_heads} heads, {g} kv heads of size {d}: check the model config")
+        tail = q.shape[1:]
+        grouped = torch.cat([q.reshape(g, -1, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], 1)
+        return _split_dim(grouped.reshape(-1, *tail), tp, 0, "linear_qkv weight")
+
+    def merge(self, shards: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        self._check(len(shards))
+        full = torch.cat(list(shards), 0)
+        g, d, per_group = self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
+        if full.shape[0] != (per_group + 2) * g * d:
+            raise ToolkitError(f"linear_qkv shards add up to {full.shape[0]} rows, expected "
+                               f"({self.num_heads} + 2 x {g}) x {d} = {(per_group + 2) * g * d}: check the dims")
+        tail = full.shape[1:]
+        q, k, v = torch.split(full.reshape(g, (per_group + 2) * d, *tail), [per_group * d, d, d], 1)
+        return tuple(_own(t.reshape(-1, *tail)) for t in (q, k, v))
+
+
+@dataclass(frozen=True)
+class GatedMLP:
+    """HF (gate, up) <-> Megatron linear_fc1: each rank holds cat(gate shard r, up shard r), not a split of cat."""
+
+    def split(self, full: tuple[Tensor, Tensor], tp: int) -> list[Tensor]:
+        gate, up = full
+        gates, ups = _split_dim(gate, tp, 0, "gate_proj weight"), _split_dim(up, tp, 0, "up_proj weight")
+        return [torch.cat([g, u], 0) for g, u in zip(gates, ups)]
+
+    def merge(self, shards: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        if any(shard.shape[0] % 2 for shard in shards):
+            raise ToolkitError(f"linear_fc1 shards have {[s.shape[0] for s in shards]} rows; each must hold equal "
+                               "gate and up halves: this is not a gated-MLP (SwiGLU) checkpoint")
+        halves = [torch.chunk(shard, 2, 0) for shard in shards]
+        return torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)

@@ -1,0 +1,54 @@
+"""The Megatron-Core backend behind the training loop: model chunks, DDP, optimizer and per-rank checkpoints."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from toolkit.recipe import Plan
+from toolkit.train.dist import DistInfo
+from toolkit.train.schedule import lr_multiplier
+
+
+class MegatronBackend:
+    name = "megatron"
+
+    def __init__(self, plan: Plan, info: DistInfo):
+        from megatron.core import parallel_state as ps
+
+        from toolkit.megatron import runtime
+
+        r, layout = plan.recipe, plan.layout
+        self.recipe, self.on_gpu = r, info.device == "cuda"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+        runtime.init_parallel(r, layout, self.on_gpu)
+        chunks = runtime.build_chunks(r, layout, self.on_gpu)
+        if r.model.pretrained:
+            runtime.load_hf_weights(chunks, r.model.hf_path, r, layout)
+        self.chunks, self.optimizer = runtime.wrap_and_optimize(chunks, r, layout)
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.rank_tag = f"tp{ps.get_tensor_model_parallel_rank():02d}_pp{ps.get_pipeline_model_parallel_rank():03d}"
+        self.layout_meta = {"world_size": layout.world_size, "zero_stage": layout.zero_stage, "dp": layout.dp,
+                            "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": layout.cp}
+
+    def current_lr(self, step: int) -> float:
+        """The toolkit's schedule, the same on both backends (Megatron's OptimizerParamScheduler would train its
+        first warm-up step at lr 0)."""
+        t = self.recipe.training
+        s = t.schedule
+        return t.optimizer.lr * lr_multiplier(step, s.warmup_steps, t.steps, s.decay, s.min_lr / t.optimizer.lr)
+
+    def step(self, batches: list[dict], lr: float, want_grad_norm: bool):
+        from toolkit.megatron.runtime import train_step
+
+        return train_step(self.chunks, self.optimizer, batches, self.recipe, lr, self.device)
+
+    def save_state(self, root: Path, tag: str) -> None:
+        from toolkit.megatron.checkpoint import save_rank_state
+
+        save_rank_state(self, root / tag)
+
+    def load_state(self, tag_dir: Path) -> None:
+        from toolkit.megatron.checkpoint import load_rank_state
+
+        load_rank_state(self, tag_dir)

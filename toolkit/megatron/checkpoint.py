@@ -1,0 +1,51 @@
+"""Per-rank checkpoint files of the Megatron backend, inside the toolkit's step_* folders.
+
+  model_tpTT_ppPPP.pt      the (tp, pp) rank's model chunks and optimizer state, written by data-parallel rank 0
+  distopt_tpTT_ppPPP.pt    with the distributed optimizer: its fp32 master weights and Adam moments, gathered
+                           from the data-parallel ranks by Megatron's save_parameter_state
+
+The layout (tp, pp, vpp, dp, ...) is recorded in the step folder's toolkit_meta.json by the toolkit's
+checkpoint module, which also decides when a checkpoint is complete.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from toolkit.errors import ToolkitError
+
+
+def _chunk_states(backend) -> list[dict]:
+    return [{k: v for k, v in w.module.state_dict().items() if not k.endswith("_extra_state")}
+            for w in backend.chunks]
+
+
+def _distributed(backend) -> bool:
+    return backend.layout_meta["zero_stage"] == 1
+
+
+def save_rank_state(backend, tag_dir: Path) -> None:
+    from megatron.core import parallel_state as ps
+
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    if _distributed(backend):  # collective over the data-parallel group: every DP rank takes part
+        backend.optimizer.save_parameter_state(str(tag_dir / f"distopt_{backend.rank_tag}.pt"))
+    if ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0:
+        torch.save({"chunks": _chunk_states(backend), "optimizer": backend.optimizer.state_dict()},
+                   tag_dir / f"model_{backend.rank_tag}.pt")
+
+
+def load_rank_state(backend, tag_dir: Path) -> None:
+    from toolkit.megatron.runtime import load_chunk_state
+
+    path = tag_dir / f"model_{backend.rank_tag}.pt"
+    if not path.is_file():
+        raise ToolkitError(f"{path} is missing: the checkpoint was not written by this layout or is incomplete")
+    # Megatron's optimizer state holds plain Python containers and tensors only, so weights_only loading works
+    state = torch.load(path, weights_only=True, map_location=backend.device)
+    for w, chunk_state in zip(backend.chunks, state["chunks"]):
+        load_chunk_state(w.module, chunk_state)
+    backend.optimizer.load_state_dict(state["optimizer"])
+    if _distributed(backend):
+        backend.optimizer.load_parameter_state(str(tag_dir / f"distopt_{backend.rank_tag}.pt"))

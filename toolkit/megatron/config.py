@@ -1,0 +1,110 @@
+"""Recipe + layout -> Megatron-Core's configuration, as plain data (no processes, no GPUs).
+
+The runtime turns these dicts into `initialize_model_parallel(**...)`, `TransformerConfig(**...)`,
+`DistributedDataParallelConfig(**...)`, `OptimizerConfig(**...)` and `GPTModel(**...)` calls; tests check them
+as data. The Llama architecture in Megatron terms: RMSNorm, SwiGLU (gated linear unit with SiLU), RoPE, grouped
+query attention through query groups, no biases, untied embeddings unless the recipe ties them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from toolkit.checkpoint.llama import padded_vocab_size
+from toolkit.errors import Problem
+from toolkit.layout import Layout
+from toolkit.recipe.schema import Recipe
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Megatron's rope_scaling implements Llama 3.1's scheme with these fixed constants.
+LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def to_parallel_kwargs(layout: Layout) -> dict:
+    """Arguments of parallel_state.initialize_model_parallel."""
+    return {"tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
+            "virtual_pipeline_model_parallel_size": layout.vpp if layout.vpp > 1 else None,
+            "context_parallel_size": layout.cp, "order": "tp-cp-ep-dp-pp"}
+
+
+def _recompute(mode: str) -> dict:
+    if mode == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if mode == "selective":
+        return {"recompute_granularity": "selective"}
+    return {}
+
+
+def to_transformer_config_kwargs(r: Recipe, layout: Layout, on_gpu: bool) -> dict:
+    """TransformerConfig fields for the recipe's Llama. Fusions that need GPU kernels are on only on GPUs."""
+    m, precision = r.model, r.training.precision
+    dtype = DTYPES[precision]
+    return {
+        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.intermediate_size,
+        "num_attention_heads": m.num_attention_heads,
+        "num_query_groups": m.num_kv_heads or m.num_attention_heads,
+        "kv_channels": m.hidden_size // m.num_attention_heads,
+        "normalization": "RMSNorm", "layernorm_epsilon": m.rms_norm_eps,
+        "gated_linear_unit": True, "activation_func": F.silu, "add_bias_linear": False, "add_qkv_bias": False,
+        "hidden_dropout": 0.0, "attention_dropout": 0.0, "init_method_std": m.initializer_range,
+        "tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
+        "virtual_pipeline_model_parallel_size": layout.vpp if layout.vpp > 1 else None,
+        "context_parallel_size": layout.cp, "sequence_parallel": layout.sp,
+        "params_dtype": dtype, "pipeline_dtype": dtype, "bf16": precision == "bf16", "fp16": precision == "fp16",
+        "bias_activation_fusion": on_gpu, "masked_softmax_fusion": on_gpu, "bias_dropout_fusion": on_gpu,
+        "apply_rope_fusion": False, "gradient_accumulation_fusion": False, "persist_layer_norm": False,
+        "use_cpu_initialization": not on_gpu, "deallocate_pipeline_outputs": on_gpu,
+        **_recompute(r.training.activation_checkpointing),
+    }
+
+
+def to_gpt_model_kwargs(r: Recipe, layout: Layout) -> dict:
+    """GPTModel arguments other than config, spec and the per-stage pre/post_process flags."""
+    m = r.model
+    rope = m.rope_scaling or {}
+    return {"vocab_size": padded_vocab_size(m.vocab_size, layout.tp, r.parallel.megatron.make_vocab_size_divisible_by),
+            "max_sequence_length": r.data.seq_len, "position_embedding_type": "rope", "rotary_base": int(m.rope_theta),
+            "rope_scaling": rope.get("rope_type") == "llama3", "rope_scaling_factor": float(rope.get("factor", 8.0)),
+            "share_embeddings_and_output_weights": m.tie_word_embeddings, "parallel_output": True}
+
+
+def to_ddp_config_kwargs(r: Recipe, layout: Layout) -> dict:
+    mc = r.parallel.megatron
+    distributed = layout.zero_stage == 1
+    return {"grad_reduce_in_fp32": True, "overlap_grad_reduce": mc.overlap_grad_reduce,
+            "overlap_param_gather": mc.overlap_param_gather and distributed,
+            "use_distributed_optimizer": distributed, "bucket_size": mc.bucket_size, "average_in_collective": True}
+
+
+def to_optimizer_config_kwargs(r: Recipe, layout: Layout) -> dict:
+    """The recipe's ZeRO-1 intent (zero_stage: 1) is Megatron's distributed optimizer."""
+    t = r.training
+    return {"optimizer": "adam", "lr": t.optimizer.lr, "min_lr": t.schedule.min_lr,
+            "weight_decay": t.optimizer.weight_decay, "adam_beta1": t.optimizer.betas[0],
+            "adam_beta2": t.optimizer.betas[1], "adam_eps": t.optimizer.eps, "decoupled_weight_decay": True,
+            "clip_grad": t.grad_clip, "bf16": t.precision == "bf16", "fp16": t.precision == "fp16",
+            "params_dtype": DTYPES[t.precision], "initial_loss_scale": 2.0 ** t.fp16_initial_scale_power,
+            "use_distributed_optimizer": layout.zero_stage == 1}
+
+
+def check_megatron(r: Recipe, te_available: bool) -> list[Problem]:
+    """What the Megatron backend needs beyond the shared rules (run before any process starts)."""
+    p, out = r.parallel, []
+    rope = r.model.rope_scaling or {}
+    if rope and (rope.get("rope_type") != "llama3"
+                 or any(float(rope.get(k, v)) != v for k, v in LLAMA3_ROPE_FIXED.items())):
+        out.append(Problem("model.rope_scaling", f"{rope} cannot be expressed in Megatron-Core, which supports Llama "
+                           f"3.1 scaling with {LLAMA3_ROPE_FIXED} and any factor",
+                           "use backend: deepspeed for other RoPE scalings"))
+    if not te_available and (p.sp or p.cp > 1):
+        what = " and ".join(x for x, on in (("sequence parallel", p.sp), ("context parallel", p.cp > 1)) if on)
+        out.append(Problem("parallel.sp" if p.sp else "parallel.cp",
+                           f"{what} needs Transformer Engine on GPUs (Megatron-Core's local layers support neither: "
+                           "torch norms reject sequence parallel and local attention has no context parallel), and "
+                           "Transformer Engine is not importable here",
+                           "run on GPU nodes with transformer-engine installed, or set sp: false and cp: 1 for a "
+                           "CPU rehearsal"))
+    if p.megatron.transformer_impl == "transformer_engine" and not te_available:
+        out.append(Problem("parallel.megatron.transformer_impl", "transformer_engine, but Transformer Engine is not "
+                           "importable here", "install transformer-engine on GPU nodes, or use auto/local"))
+    return out

@@ -1,0 +1,69 @@
+"""CPU rehearsal mode for Megatron-Core 0.16, which hard-codes CUDA in a few places (device="cuda" literals,
+torch.cuda RNG and device calls, `param.type() == "torch.cuda.FloatTensor"` checks).
+
+Installed only when no GPU is present (`install()` refuses otherwise), so the GPU path never runs through it.
+It redirects CUDA device requests to the CPU and answers the CUDA queries Megatron makes; all the real work
+(TP/PP collectives on gloo, schedules, DDP, optimizers) is still Megatron-Core's own code.
+"""
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_installed = False
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # torch.cuda.current_device() style ordinals
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Maps device="cuda..." to the CPU, makes .cuda() a no-op, and names CPU float tensors torch.cuda.* types."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type:
+            return _tensor_type(func, args, kwargs)
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _tensor_type(func, args, kwargs):
+    name = args[1] if len(args) > 1 else kwargs.get("dtype")
+    if name is None:
+        return func(args[0]).replace("torch.", "torch.cuda.", 1)
+    if isinstance(name, str):
+        name = name.replace("torch.cuda.", "torch.")
+    return func(args[0], name)
+
+
+def install() -> None:
+    """Activate the shim for the rest of the process (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("the Megatron CPU shim must not be installed on a machine with a GPU")
+    import megatron.core.tensor_parallel.random as mrandom
+
+    cpu_state = lambda *a, **k: torch.get_rng_state()  # noqa: E731
+    set_state = lambda state, *a, **k: torch.set_rng_state(state)  # noqa: E731
+    for mod in (torch.cuda, torch.cuda.random):
+        mod.get_rng_state, mod.set_rng_state = cpu_state, set_state
+        mod.manual_seed = lambda seed: None  # CPU init uses the CPU generator (use_cpu_initialization)
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.device_count = lambda: 1
+    mrandom._get_cuda_rng_state = cpu_state
+    mrandom._set_cuda_rng_state = set_state
+    _CudaToCpu().__enter__()  # stays active for the life of the process
+    _installed = True

@@ -1,0 +1,156 @@
+"""Megatron-Core runtime wiring: process groups, GPTModel chunks, DDP, optimizer, and one training step.
+
+Order matters and follows Megatron-LM: model-parallel groups exist before any model is built (layers ask them
+for their TP/PP rank); models are built, loaded with weights, then wrapped in DDP (which allocates the
+gradient buffers over the final parameters); the optimizer is built last over the DDP-wrapped chunks.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from toolkit.layout import Layout
+from toolkit.megatron import config as mcfg
+from toolkit.recipe.schema import Recipe
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+        return False
+    return torch.cuda.is_available()
+
+
+def init_parallel(r: Recipe, layout: Layout, on_gpu: bool) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not on_gpu:
+        from toolkit.megatron import cpu_shim
+
+        cpu_shim.install()
+    parallel_state.initialize_model_parallel(**mcfg.to_parallel_kwargs(layout))
+    model_parallel_cuda_manual_seed(r.training.seed)
+
+
+def layer_spec(r: Recipe, on_gpu: bool):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    impl = r.parallel.megatron.transformer_impl
+    if impl == "transformer_engine" or (impl == "auto" and on_gpu and te_available()):
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_chunks(r: Recipe, layout: Layout, on_gpu: bool) -> list:
+    """One GPTModel per virtual pipeline chunk of this rank (one chunk without interleaving)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    tconfig = TransformerConfig(**mcfg.to_transformer_config_kwargs(r, layout, on_gpu))
+    spec, kwargs = layer_spec(r, on_gpu), mcfg.to_gpt_model_kwargs(r, layout)
+    chunks = []
+    for vp in range(layout.vpp):
+        vp_stage = vp if layout.vpp > 1 else None
+        chunk = GPTModel(tconfig, spec, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                         vp_stage=vp_stage, **kwargs)
+        chunks.append(chunk.cuda() if on_gpu else chunk)
+    return chunks
+
+
+def load_hf_weights(chunks: list, hf_path: str, r: Recipe, layout: Layout) -> None:
+    """Fill this rank's chunks from a Hugging Face checkpoint through the shared Llama mapping rules."""
+    from megatron.core import parallel_state as ps
+
+    from toolkit.checkpoint.hf_io import read_hf_state
+    from toolkit.checkpoint import LlamaDims, hf_to_megatron
+
+    from toolkit.model import to_hf_config
+
+    dims = LlamaDims.from_hf(to_hf_config(r.model), layout.tp, r.parallel.megatron.make_vocab_size_divisible_by)
+    shards = hf_to_megatron(read_hf_state(hf_path), dims, layout.tp, layout.pp, layout.vpp)
+    mine = shards[(ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())]
+    for chunk, state in zip(chunks, mine):
+        load_chunk_state(chunk, state)
+
+
+def load_chunk_state(chunk, state: dict) -> None:
+    """Copy tensors into a chunk; anything missing or unexpected (other than _extra_state) is an error."""
+    own = {k: v for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"weights do not fit the model chunk: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    with torch.no_grad():
+        for k, v in own.items():
+            if v.shape != state[k].shape:
+                raise ValueError(f"{k}: shape {tuple(state[k].shape)} in the weights, {tuple(v.shape)} in the model")
+            v.copy_(state[k])
+
+
+def wrap_and_optimize(chunks: list, r: Recipe, layout: Layout):
+    """DDP around each chunk, then Megatron's optimizer (distributed when zero_stage is 1)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_config = DistributedDataParallelConfig(**mcfg.to_ddp_config_kwargs(r, layout))
+    wrapped = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c,
+                                       disable_bucketing=i > 0)  # later chunks reduce after the first, as in Megatron-LM
+               for i, c in enumerate(chunks)]
+    config = wrapped[0].module.config
+    config.finalize_model_grads_func = finalize_model_grads  # DP reduce + tied-embedding sync across stages
+    config.no_sync_func = [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    if ddp_config.overlap_grad_reduce:
+        config.grad_sync_func = [w.start_grad_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].start_grad_sync
+    if ddp_config.overlap_param_gather:
+        config.param_sync_func = [w.start_param_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].start_param_sync
+    optimizer = get_megatron_optimizer(OptimizerConfig(**mcfg.to_optimizer_config_kwargs(r, layout)), wrapped)
+    return wrapped, optimizer
+
+
+def _batch_tensors(micro: dict, device) -> tuple:
+    """Megatron's GPTModel scores position t against labels[t] (no internal shift, unlike Hugging Face): shift
+    here and mask the last position, so the loss is the same mean over the same seq_len - 1 predictions."""
+    ids = micro["input_ids"].to(device)
+    labels = torch.roll(micro["labels"].to(device), shifts=-1, dims=1)
+    mask = torch.ones_like(labels, dtype=torch.float32)
+    mask[:, -1] = 0
+    mask[labels == -100] = 0
+    labels = labels.masked_fill(labels == -100, 0)
+    positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
+    return ids, labels, mask, positions
+
+
+def _loss(mask, output_tensor):
+    loss = (output_tensor.float() * mask).sum() / mask.sum()
+    return loss, {"loss": loss.detach().clone()}  # a copy: the schedule divides `loss` in place afterwards
+
+
+def forward_step(device, data_iterator, model):
+    ids, labels, mask, positions = _batch_tensors(next(data_iterator), device)
+    return model(ids, positions, attention_mask=None, labels=labels), partial(_loss, mask)
+
+
+def train_step(wrapped: list, optimizer, batches: list[dict], r: Recipe, lr: float, device) -> tuple:
+    """One optimizer step over `batches` (this rank's micro-batches). Returns (mean loss on the last pipeline
+    stage, or None elsewhere; grad norm)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for w in wrapped:
+        w.zero_grad_buffer()
+    optimizer.zero_grad()
+    wd = r.training.optimizer.weight_decay
+    for g in optimizer.param_groups:  # what OptimizerParamScheduler would do: lr, and wd x the group's wd_mult
+        g["lr"] = lr * g.get("lr_mult", 1.0)
+        g["weight_decay"] = wd * g.get("wd_mult", 1.0)  # 0 for norms and biases
+    iters = [iter(batches) for _ in wrapped]
+    losses = get_forward_backward_func()(
+        forward_step_func=partial(forward_step, device), data_iterator=iters if len(iters) > 1 else iters[0],
+        model=wrapped if len(wrapped) > 1 else wrapped[0], num_microbatches=len(batches),
+        seq_length=r.data.seq_len, micro_batch_size=batches[0]["input_ids"].shape[0], forward_only=False)
+    _, grad_norm, _ = optimizer.step()
+    loss = torch.stack([x["loss"] for x in losses]).mean() if losses else None
+    return loss, grad_norm

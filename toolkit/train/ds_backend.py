@@ -1,0 +1,80 @@
+"""The DeepSpeed backend behind the training loop: a DeepSpeed engine over a Hugging Face Llama."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from toolkit.errors import ToolkitError
+from toolkit.recipe import Plan
+from toolkit.train.dist import DistInfo
+
+
+class DeepSpeedBackend:
+    name = "deepspeed"
+
+    def __init__(self, plan: Plan, info: DistInfo, tokenizer):
+        """The DeepSpeed config exists before the model so ZeRO-3 can partition the parameters as they are
+        created (zero.Init) instead of after a full copy has been materialised."""
+        import deepspeed
+
+        from toolkit.adapters.deepspeed import build_ds_config
+        from toolkit.model import build_model, param_groups
+        from toolkit.train.schedule import build_scheduler
+
+        r, layout = plan.recipe, plan.layout
+        ds_config = build_ds_config(plan, info.device)
+        model = build_model(r.model, r.training.seed, tokenizer, ds_config if layout.zero_stage == 3 else None)
+        if r.training.activation_checkpointing == "full":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=param_groups(model, r.training.optimizer.weight_decay), config=ds_config,
+            lr_scheduler=lambda opt: build_scheduler(opt, r.training))
+        self.dp_rank = info.rank
+        self.layout_meta = {"world_size": layout.world_size, "zero_stage": layout.zero_stage, "dp": layout.dp}
+
+    def current_lr(self, step: int) -> float:
+        return self.engine.get_lr()[0]  # the lr this step trains with (the scheduler moves on in engine.step)
+
+    def step(self, batches: list[dict], lr: float, want_grad_norm: bool):
+        """Forward/backward every micro-batch and take the optimizer step (at `lr`, which the engine's scheduler
+        already holds). Returns (mean loss tensor of this rank, grad norm or None); no host sync unless the grad
+        norm is asked for."""
+        engine, device, losses, grad_norm = self.engine, self.engine.device, [], None
+        for micro in batches:
+            out = engine(input_ids=micro["input_ids"].to(device), labels=micro["labels"].to(device))
+            engine.backward(out.loss)
+            if want_grad_norm and engine.is_gradient_accumulation_boundary() and engine.zero_optimization_stage() == 0:
+                grad_norm = _grad_norm(engine.module)  # ZeRO-0 keeps none; the gradients are all-reduced by now
+            engine.step()
+            losses.append(out.loss.detach())
+        if want_grad_norm and grad_norm is None:
+            grad_norm = engine.get_global_grad_norm()
+        return torch.stack(losses).float().mean(), grad_norm
+
+    def save_state(self, root: Path, tag: str) -> None:
+        self.engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+
+    def load_state(self, tag_dir: Path) -> None:
+        path, _ = self.engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        if path is None:
+            raise ToolkitError(f"DeepSpeed could not load checkpoint {tag_dir}")
+
+    @torch.no_grad()
+    def sample(self, tokenizer, prompt: str, max_new_tokens: int) -> str:
+        """Greedy continuation of `prompt`. Every rank calls this: under ZeRO-3 each forward gathers parameters
+        from all ranks, so generation must stay in lock-step (synced_gpus)."""
+        engine, model = self.engine, self.engine.module
+        model.eval()
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(engine.device)
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
+                             synced_gpus=engine.zero_optimization_stage() == 3 and dist.get_world_size() > 1,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        model.train()
+        return prompt + tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def _grad_norm(module) -> torch.Tensor | None:
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else None
