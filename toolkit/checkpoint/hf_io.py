@@ -8,14 +8,36 @@ import torch
 from toolkit.errors import ToolkitError
 
 
-def read_hf_state(folder: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face model folder's *.safetensors files."""
-    from safetensors.torch import load_file
+class LazyHFState:
+    """A read-only mapping over a Hugging Face checkpoint's safetensors files that reads a tensor only when asked
+    (memory-mapped), so a rank can take the few tensors it needs from a checkpoint larger than its memory."""
 
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise ToolkitError(f"{folder} holds no *.safetensors files; save the model with safe_serialization")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self._handles: list = []
+        self._where: dict[str, object] = {}
+
+    def __enter__(self) -> "LazyHFState":
+        from safetensors import safe_open
+
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise ToolkitError(f"{self.folder} holds no *.safetensors files; save the model with safe_serialization")
+        for f in files:
+            handle = safe_open(str(f), framework="pt")
+            self._handles.append(handle)
+            self._where.update({k: handle for k in handle.keys()})
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handles.clear()
+        self._where.clear()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise ToolkitError(f"{self.folder} has no tensor {name!r}: the checkpoint is incomplete or of another "
+                               "architecture than the recipe's model section")
+        return self._where[name].get_tensor(name)

@@ -48,4 +48,19 @@ def load_rank_state(backend, tag_dir: Path) -> None:
         load_chunk_state(w.module, chunk_state)
     backend.optimizer.load_state_dict(state["optimizer"])
     if _distributed(backend):
-        backend.optimizer.load_parameter_state(str(tag_dir / f"distopt_{backend.rank_tag}.pt"))
+        _load_distributed_state(backend.optimizer, tag_dir / f"distopt_{backend.rank_tag}.pt")
+
+
+def _load_distributed_state(optimizer, path: Path) -> None:
+    """Megatron's load_parameter_state, working around its torch-AdamW fallback (no Apex/TE, as on CPU): there
+    load_state_dict restores each parameter's Adam "step" from the param groups, but load_parameter_state then
+    expects "step" among the saved tensors, which save_parameter_state never writes. Set it aside meanwhile, and
+    give each parameter its own step tensor: load_state_dict shares one, which torch's AdamW would then increment
+    once per parameter per step, corrupting Adam's bias correction."""
+    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    steps = [{p: st.pop("step") for p, st in opt.state.items() if "step" in st} for opt in inner]
+    with torch.no_grad():  # in fp32 the main params are views of the model's (leaf) params
+        optimizer.load_parameter_state(str(path))
+    for opt, saved in zip(inner, steps):
+        for p, step in saved.items():
+            opt.state[p]["step"] = step.detach().clone()

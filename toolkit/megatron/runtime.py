@@ -6,8 +6,10 @@ gradient buffers over the final parameters); the optimizer is built last over th
 """
 from __future__ import annotations
 
+import random
 from functools import partial
 
+import numpy as np
 import torch
 
 from toolkit.layout import Layout
@@ -32,7 +34,13 @@ def init_parallel(r: Recipe, layout: Layout, on_gpu: bool) -> None:
 
         cpu_shim.install()
     parallel_state.initialize_model_parallel(**mcfg.to_parallel_kwargs(layout))
-    model_parallel_cuda_manual_seed(r.training.seed)
+    # As Megatron-LM does: pipeline stages get different seeds, or every stage would initialise its first layer
+    # like stage 0's. TP ranks share the seed (CPU init builds the full matrix, then splits it).
+    seed = r.training.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
 
 
 def layer_spec(r: Recipe, on_gpu: bool):
@@ -63,18 +71,23 @@ def build_chunks(r: Recipe, layout: Layout, on_gpu: bool) -> list:
 
 
 def load_hf_weights(chunks: list, hf_path: str, r: Recipe, layout: Layout) -> None:
-    """Fill this rank's chunks from a Hugging Face checkpoint through the shared Llama mapping rules."""
+    """Fill this rank's chunks from a Hugging Face checkpoint through the shared Llama mapping rules, reading only
+    the tensors this pipeline rank holds, one parameter at a time (memory-mapped safetensors)."""
     from megatron.core import parallel_state as ps
 
-    from toolkit.checkpoint.hf_io import read_hf_state
-    from toolkit.checkpoint import LlamaDims, hf_to_megatron
-
+    from toolkit.checkpoint import LlamaDims, iter_entries
+    from toolkit.checkpoint.hf_io import LazyHFState
     from toolkit.model import to_hf_config
 
     dims = LlamaDims.from_hf(to_hf_config(r.model), layout.tp, r.parallel.megatron.make_vocab_size_divisible_by)
-    shards = hf_to_megatron(read_hf_state(hf_path), dims, layout.tp, layout.pp, layout.vpp)
-    mine = shards[(ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())]
-    for chunk, state in zip(chunks, mine):
+    pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    states: list[dict] = [{} for _ in chunks]
+    with LazyHFState(hf_path) as hf:
+        for entry in iter_entries(dims, layout.pp, layout.vpp):
+            if entry.pp_rank == pp_rank:
+                tensors = [hf[name] for name in entry.hf_names]
+                states[entry.chunk][entry.megatron_name] = entry.to_megatron(tensors, layout.tp)[tp_rank]
+    for chunk, state in zip(chunks, states):
         load_chunk_state(chunk, state)
 
 
