@@ -43,6 +43,19 @@ def launch(recipe: str, overrides: list[str], nproc: int, out_dir: Path, launche
     return proc
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA GPUs: on a machine without them they are deselected (reported as such, never
+    counted as passed). `pytest -m gpu` on a GPU machine runs them."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+
+
 @pytest.fixture(autouse=True)
 def _run_from_repo_root(monkeypatch):
     monkeypatch.chdir(REPO)  # recipes name their data relative to the repository root

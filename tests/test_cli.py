@@ -69,3 +69,12 @@ def test_train_with_missing_data_writes_nothing(tmp_path):
     proc = launch("tiny_zero0", [f"data.paths=[{tmp_path}/none/*.jsonl]"], nproc=1, out_dir=out, launcher="python",
                   check=False)
     assert proc.returncode == 2 and "matches no file" in proc.stderr and not out.exists()
+
+
+def test_sequence_parallel_without_transformer_engine_is_refused_before_training(tmp_path):
+    out = tmp_path / "run"
+    proc = launch("tiny_tp2", ["parallel.sp=true"], nproc=2, out_dir=out, check=False)
+    assert proc.returncode != 0
+    assert "parallel.sp: sequence parallel needs Transformer Engine on GPUs" in proc.stderr
+    # torchrun reports the failed children with its own traceback; the ranks themselves print none
+    assert "[rank0]: Traceback" not in proc.stderr and not out.exists()

@@ -124,27 +124,42 @@ def wrap_and_optimize(chunks: list, r: Recipe, layout: Layout):
     return wrapped, optimizer
 
 
-def _batch_tensors(micro: dict, device) -> tuple:
+def _batch_tensors(micro: dict, device) -> dict:
     """Megatron's GPTModel scores position t against labels[t] (no internal shift, unlike Hugging Face): shift
-    here and mask the last position, so the loss is the same mean over the same seq_len - 1 predictions."""
+    here and mask the last position, so the loss is the same mean over the same seq_len - 1 predictions. With
+    context parallelism, Megatron's own splitter keeps this rank's 2 load-balanced chunks of every sequence."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
     ids = micro["input_ids"].to(device)
     labels = torch.roll(micro["labels"].to(device), shifts=-1, dims=1)
     mask = torch.ones_like(labels, dtype=torch.float32)
     mask[:, -1] = 0
     mask[labels == -100] = 0
-    labels = labels.masked_fill(labels == -100, 0)
     positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
-    return ids, labels, mask, positions
+    batch = {"tokens": ids, "labels": labels.masked_fill(labels == -100, 0), "loss_mask": mask,
+             "position_ids": positions}
+    return get_batch_on_this_cp_rank(batch)
 
 
 def _loss(mask, output_tensor):
-    loss = (output_tensor.float() * mask).sum() / mask.sum()
-    return loss, {"loss": loss.detach().clone()}  # a copy: the schedule divides `loss` in place afterwards
+    """Mean loss over the micro-batch's predicted tokens. Under context parallelism each rank holds part of every
+    sequence: divide by the token count of the whole CP group and scale by cp, because the gradient reduction
+    averages over dp x cp ranks (as Megatron-LM's pretrain_gpt does)."""
+    from megatron.core import parallel_state as ps
+
+    local = (output_tensor.float() * mask).sum()
+    totals = torch.stack([local.detach(), mask.sum()])
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1:
+        torch.distributed.all_reduce(totals, group=ps.get_context_parallel_group())
+    loss = local * cp / totals[1]
+    return loss, {"loss": (totals[0] / totals[1]).clone()}  # a copy: the schedule divides `loss` in place
 
 
 def forward_step(device, data_iterator, model):
-    ids, labels, mask, positions = _batch_tensors(next(data_iterator), device)
-    return model(ids, positions, attention_mask=None, labels=labels), partial(_loss, mask)
+    b = _batch_tensors(next(data_iterator), device)
+    out = model(b["tokens"], b["position_ids"], attention_mask=None, labels=b["labels"])
+    return out, partial(_loss, b["loss_mask"])
 
 
 def train_step(wrapped: list, optimizer, batches: list[dict], r: Recipe, lr: float, device) -> tuple:
