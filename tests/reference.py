@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 
-def reference_losses(hf_path, steps: int, schedule: list[str]) -> list[float]:
+def reference_losses(hf_path, steps: int, schedule: list[str], model_out: dict | None = None) -> list[float]:
+    """Losses of `steps` optimizer steps; with `model_out`, the trained weights are put in model_out["state"]."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from toolkit.data import DataStream, build_dataset
@@ -41,4 +42,6 @@ def reference_losses(hf_path, steps: int, schedule: list[str]) -> list[float]:
         sched.step()
         opt.zero_grad()
         losses.append(sum(micro_losses) / len(micro_losses))
+    if model_out is not None:
+        model_out["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return losses
