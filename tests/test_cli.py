@@ -78,3 +78,18 @@ def test_sequence_parallel_without_transformer_engine_is_refused_before_training
     assert "parallel.sp: sequence parallel needs Transformer Engine on GPUs" in proc.stderr
     # torchrun reports the failed children with its own traceback; the ranks themselves print none
     assert "[rank0]: Traceback" not in proc.stderr and not out.exists()
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path):
+    out = tmp_path / "run"
+    proc = launch("tiny_zero0", ["data.tokenizer=no-such-org/no-such-tokenizer"], nproc=1, out_dir=out,
+                  launcher="python", check=False)
+    assert proc.returncode == 2 and "data.tokenizer: cannot load 'no-such-org/no-such-tokenizer'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_validate_warns_when_this_machine_cannot_run_a_megatron_recipe():
+    proc = toolkit("validate", "--recipe", "llama3_8b_tp2_cp2")
+    assert proc.returncode == 0  # the recipe is valid; the cluster has Transformer Engine
+    assert "note: launched on this machine, the run would stop at: parallel.sp: sequence parallel and context " \
+           "parallel needs Transformer Engine" in proc.stdout

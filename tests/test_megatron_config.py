@@ -84,3 +84,12 @@ def test_unsupported_rope_scaling_is_refused():
     r = load_recipe("tiny_tp2", ["model.rope_scaling={rope_type: yarn, factor: 4.0}"])
     (problem,) = mcfg.check_megatron(r, te_available=False)
     assert problem.key == "model.rope_scaling" and "cannot be expressed in Megatron-Core" in problem.message
+
+
+def test_transformer_engine_norm_names_map_to_local_spec_names():
+    from toolkit.checkpoint.llama import local_spec_name
+
+    assert local_spec_name("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight") == \
+        "decoder.layers.3.input_layernorm.weight"
+    assert local_spec_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == "decoder.layers.0.pre_mlp_layernorm.weight"
+    assert local_spec_name("decoder.layers.0.mlp.linear_fc1.weight") == "decoder.layers.0.mlp.linear_fc1.weight"

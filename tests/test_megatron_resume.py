@@ -40,7 +40,8 @@ def test_tp2_pp2_trains_and_checkpoints(tmp_path):
 
 def test_resume_on_another_layout_is_refused(tmp_path):
     """A checkpoint written at TP2 is not silently loaded into a PP2 run (conversion is `toolkit convert`'s job)."""
-    launch("tiny_tp2", ["training.steps=1", "training.schedule.warmup_steps=1"], nproc=2, out_dir=tmp_path / "run")
+    launch("tiny_tp2", ["training.steps=1", "training.schedule.warmup_steps=1"], nproc=2, out_dir=tmp_path / "run",
+           launcher="deepspeed")  # the Megatron backend under DeepSpeed's launcher too
     proc = launch("tiny_pp2", ["training.steps=2", "training.schedule.warmup_steps=1"], nproc=2,
                   out_dir=tmp_path / "run", check=False)
     assert proc.returncode != 0

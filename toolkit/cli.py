@@ -36,6 +36,12 @@ def cmd_validate(args) -> int:
           f"= {plan.batch.global_batch * plan.recipe.data.seq_len:,} tokens per step")
     for note in plan.notes:
         print(f"    {note}")
+    if plan.layout.backend == "megatron":
+        from toolkit.megatron.config import check_megatron
+        from toolkit.megatron.runtime import te_available
+
+        for p in check_megatron(plan.recipe, te_available()):
+            print(f"    note: launched on this machine, the run would stop at: {p.key}: {p.message}")
     return 0
 
 

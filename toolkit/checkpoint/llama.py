@@ -126,3 +126,17 @@ def output_map(dims: LlamaDims) -> ParamMap:
     source = "model.embed_tokens.weight" if dims.tied else "lm_head.weight"
     return ParamMap((source,), "output_layer.weight", VocabParallel(dims.vocab, dims.padded_vocab),
                     ((dims.vocab, dims.hidden),))
+
+
+# Megatron's Transformer Engine layer spec fuses the two norms into the linears that follow them; the local spec
+# (the names above) keeps them as modules. Checkpoints and weight loading speak local names; these translate.
+TE_NORM_NAMES = {".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
+                 ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight"}
+
+
+def local_spec_name(name: str) -> str:
+    """The local-spec name of a Megatron parameter that may carry a Transformer Engine spec name."""
+    for te, local in TE_NORM_NAMES.items():
+        if name.endswith(te):
+            return name[: -len(te)] + local
+    return name

@@ -17,8 +17,9 @@ from toolkit.errors import ToolkitError
 
 
 def _chunk_states(backend) -> list[dict]:
-    return [{k: v for k, v in w.module.state_dict().items() if not k.endswith("_extra_state")}
-            for w in backend.chunks]
+    from toolkit.megatron.runtime import chunk_state
+
+    return [chunk_state(w.module) for w in backend.chunks]  # local-spec names: files do not depend on the spec
 
 
 def _distributed(backend) -> bool:

@@ -91,9 +91,16 @@ def load_hf_weights(chunks: list, hf_path: str, r: Recipe, layout: Layout) -> No
         load_chunk_state(chunk, state)
 
 
+def chunk_state(chunk) -> dict:
+    """A chunk's tensors under local-spec names (whatever the spec), without Megatron's _extra_state entries."""
+    from toolkit.checkpoint.llama import local_spec_name
+
+    return {local_spec_name(k): v for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
+
+
 def load_chunk_state(chunk, state: dict) -> None:
-    """Copy tensors into a chunk; anything missing or unexpected (other than _extra_state) is an error."""
-    own = {k: v for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
+    """Copy tensors (local-spec names) into a chunk; anything missing or unexpected is an error."""
+    own = chunk_state(chunk)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
         raise ValueError(f"weights do not fit the model chunk: missing {missing[:4]}, unexpected {unexpected[:4]}")

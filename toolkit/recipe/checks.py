@@ -162,7 +162,7 @@ def check_paths(r: Recipe) -> list[Problem]:
             if not _glob(pattern):
                 out.append(Problem("data.paths", f"{pattern} matches no file (relative paths are read from "
                                    f"{os.getcwd()})", "run from the repository root or use absolute paths"))
-    if not Path(r.data.tokenizer).is_dir() and r.data.tokenizer.startswith((".", "/", "recipes")):
+    if r.data.tokenizer.startswith((".", "/")) and not Path(r.data.tokenizer).is_dir():  # a path, not a hub name
         out.append(Problem("data.tokenizer", f"{r.data.tokenizer} is not a folder", "point it at a tokenizer folder"))
     if r.model.pretrained and r.model.hf_path and not list(Path(r.model.hf_path).glob("*.safetensors")):
         out.append(Problem("model.hf_path", f"{r.model.hf_path} has no *.safetensors weights to load",

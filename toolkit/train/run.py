@@ -39,6 +39,18 @@ def build_backend(plan: Plan, info: DistInfo, tokenizer):
     return DeepSpeedBackend(plan, info, tokenizer)
 
 
+def _load_tokenizer(r: Recipe):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(r.data.tokenizer)
+    except (OSError, ValueError) as e:
+        raise RecipeError(r.name, [Problem("data.tokenizer", f"cannot load {r.data.tokenizer!r}: {e}",
+                                           "point it at a local tokenizer folder (or a hub name when online)")])
+    _check_vocab(r, tokenizer)
+    return tokenizer
+
+
 def _check_vocab(r: Recipe, tokenizer) -> None:
     if len(tokenizer) > r.model.vocab_size:
         raise RecipeError(r.name, [Problem("model.vocab_size", f"{r.model.vocab_size} is smaller than the "
@@ -48,8 +60,6 @@ def _check_vocab(r: Recipe, tokenizer) -> None:
 
 def train(recipe: Recipe) -> list[dict]:
     """Run the recipe to its last step (resuming when a checkpoint exists). Returns rank 0's logged records."""
-    from transformers import AutoTokenizer
-
     from toolkit.data import DataStream, build_dataset
 
     plan, info = prepare(recipe)
@@ -62,8 +72,7 @@ def train(recipe: Recipe) -> list[dict]:
         import datasets
 
         datasets.disable_progress_bars()  # one progress bar per job, not one per rank
-    tokenizer = AutoTokenizer.from_pretrained(r.data.tokenizer)
-    _check_vocab(r, tokenizer)
+    tokenizer = _load_tokenizer(r)
     dataset = build_dataset(r.data, tokenizer, rank_zero_first)
     backend = build_backend(plan, info, tokenizer)
     stream = DataStream(dataset, batch.micro_batch, batch.grad_accum, layout.dp, backend.dp_rank, r.training.seed,
@@ -80,8 +89,12 @@ def train(recipe: Recipe) -> list[dict]:
     meta = {"layout": backend.layout_meta, "recipe": r.model_dump(mode="json"), "backend": backend.name}
     records = _loop(backend, stream, plan, info, log, start, root, meta)
     finished = not records or records[-1]["step"] == r.training.steps
-    if r.logging.sample_prompt and finished and hasattr(backend, "sample"):
-        log.info(f"[toolkit] sample: {backend.sample(tokenizer, r.logging.sample_prompt, r.logging.sample_tokens)!r}")
+    if r.logging.sample_prompt and finished:
+        if hasattr(backend, "sample"):
+            text = backend.sample(tokenizer, r.logging.sample_prompt, r.logging.sample_tokens)
+            log.info(f"[toolkit] sample: {text!r}")
+        else:
+            log.info(f"[toolkit] logging.sample_prompt is ignored: the {backend.name} backend does not generate yet")
     log.close()
     return records
 
