@@ -12,6 +12,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from toolkit.errors import ToolkitError
 from toolkit.layout import Layout
 from toolkit.megatron import config as mcfg
 from toolkit.recipe.schema import Recipe
@@ -102,12 +103,14 @@ def load_chunk_state(chunk, state: dict) -> None:
     """Copy tensors (local-spec names) into a chunk; anything missing or unexpected is an error."""
     own = chunk_state(chunk)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"weights do not fit the model chunk: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    shapes = [f"{k}: {tuple(state[k].shape)} in the weights, {tuple(v.shape)} in the model"
+              for k, v in own.items() if k in state and v.shape != state[k].shape]
+    if missing or unexpected or shapes:
+        raise ToolkitError(f"the weights do not fit this model chunk (missing {missing[:4]}, unexpected "
+                           f"{unexpected[:4]}, shapes {shapes[:4]}); check that model.* matches the checkpoint's "
+                           "architecture and that the checkpoint was written at this layout")
     with torch.no_grad():
         for k, v in own.items():
-            if v.shape != state[k].shape:
-                raise ValueError(f"{k}: shape {tuple(state[k].shape)} in the weights, {tuple(v.shape)} in the model")
             v.copy_(state[k])
 
 
@@ -122,13 +125,18 @@ def wrap_and_optimize(chunks: list, r: Recipe, layout: Layout):
                for i, c in enumerate(chunks)]
     config = wrapped[0].module.config
     config.finalize_model_grads_func = finalize_model_grads  # DP reduce + tied-embedding sync across stages
-    config.no_sync_func = [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    config.no_sync_func = _one_or_list([w.no_sync for w in wrapped])
     if ddp_config.overlap_grad_reduce:
-        config.grad_sync_func = [w.start_grad_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].start_grad_sync
+        config.grad_sync_func = _one_or_list([w.start_grad_sync for w in wrapped])
     if ddp_config.overlap_param_gather:
-        config.param_sync_func = [w.start_param_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].start_param_sync
+        config.param_sync_func = _one_or_list([w.start_param_sync for w in wrapped])
     optimizer = get_megatron_optimizer(OptimizerConfig(**mcfg.to_optimizer_config_kwargs(r, layout)), wrapped)
     return wrapped, optimizer
+
+
+def _one_or_list(items: list):
+    """Megatron's schedules take a single model/iterator/hook without interleaving and a list with it."""
+    return items if len(items) > 1 else items[0]
 
 
 def _batch_tensors(micro: dict, device) -> dict:
@@ -181,10 +189,9 @@ def train_step(wrapped: list, optimizer, batches: list[dict], r: Recipe, lr: flo
     for g in optimizer.param_groups:  # what OptimizerParamScheduler would do: lr, and wd x the group's wd_mult
         g["lr"] = lr * g.get("lr_mult", 1.0)
         g["weight_decay"] = wd * g.get("wd_mult", 1.0)  # 0 for norms and biases
-    iters = [iter(batches) for _ in wrapped]
     losses = get_forward_backward_func()(
-        forward_step_func=partial(forward_step, device), data_iterator=iters if len(iters) > 1 else iters[0],
-        model=wrapped if len(wrapped) > 1 else wrapped[0], num_microbatches=len(batches),
+        forward_step_func=partial(forward_step, device), data_iterator=_one_or_list([iter(batches) for _ in wrapped]),
+        model=_one_or_list(wrapped), num_microbatches=len(batches),
         seq_length=r.data.seq_len, micro_batch_size=batches[0]["input_ids"].shape[0], forward_only=False)
     _, grad_norm, _ = optimizer.step()
     loss = torch.stack([x["loss"] for x in losses]).mean() if losses else None
