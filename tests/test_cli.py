@@ -71,11 +71,12 @@ def test_train_with_missing_data_writes_nothing(tmp_path):
     assert proc.returncode == 2 and "matches no file" in proc.stderr and not out.exists()
 
 
-def test_sequence_parallel_without_transformer_engine_is_refused_before_training(tmp_path):
+def test_context_parallel_without_transformer_engine_is_refused_before_training(tmp_path):
     out = tmp_path / "run"
-    proc = launch("tiny_tp2", ["parallel.sp=true"], nproc=2, out_dir=out, check=False)
+    proc = launch("tiny_dp2_distopt", ["parallel.cp=2", "parallel.zero_stage=0", "training.global_batch_size=8"],
+                  nproc=2, out_dir=out, check=False)
     assert proc.returncode != 0
-    assert "parallel.sp: sequence parallel needs Transformer Engine on GPUs" in proc.stderr
+    assert "parallel.cp: context parallelism needs Transformer Engine's attention on GPUs" in proc.stderr
     # torchrun reports the failed children with its own traceback; the ranks themselves print none
     assert "[rank0]: Traceback" not in proc.stderr and not out.exists()
 
@@ -91,5 +92,5 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path):
 def test_validate_warns_when_this_machine_cannot_run_a_megatron_recipe():
     proc = toolkit("validate", "--recipe", "llama3_8b_tp2_cp2")
     assert proc.returncode == 0  # the recipe is valid; the cluster has Transformer Engine
-    assert "note: launched on this machine, the run would stop at: parallel.sp: sequence parallel and context " \
-           "parallel needs Transformer Engine" in proc.stdout
+    assert "note: launched on this machine, the run would stop at: parallel.cp: context parallelism needs " \
+           "Transformer Engine" in proc.stdout

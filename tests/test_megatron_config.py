@@ -71,13 +71,14 @@ def test_optimizer_config_carries_adamw_hyperparameters():
     assert k["decoupled_weight_decay"] and k["clip_grad"] == 1.0 and k["bf16"]
 
 
-def test_sp_and_cp_need_transformer_engine():
+def test_cp_needs_transformer_engine_but_sp_does_not():
     r = load_recipe("llama3_8b_tp2_cp2")
     (problem,) = mcfg.check_megatron(r, te_available=False)
-    assert problem.key == "parallel.sp"
-    assert problem.message.startswith("sequence parallel and context parallel needs Transformer Engine on GPUs")
+    assert problem.key == "parallel.cp"
+    assert problem.message.startswith("context parallelism needs Transformer Engine's attention on GPUs")
     assert "transformer-engine" in problem.fix
     assert mcfg.check_megatron(r, te_available=True) == []
+    assert mcfg.check_megatron(load_recipe("llama13b_tp4_pp2"), te_available=False) == []  # SP: local spec
 
 
 def test_unsupported_rope_scaling_is_refused():

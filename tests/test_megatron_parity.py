@@ -4,8 +4,9 @@ Every layout loads the same Hugging Face checkpoint through the shared mapping r
 the initial weights are identical. Two checks:
 - logits of one forward pass at TP2, PP2, TP2xPP2, PP2xVPP2 equal Megatron's own TP1xPP1 model and Hugging
   Face's LlamaForCausalLM (this pins RoPE, GQA, SwiGLU, RMSNorm epsilon and the weight mapping);
-- the loss of 4 training steps at TP2, PP2 (1F1B), TP2xPP2, PP2xVPP2 (interleaved) and DP2 with the distributed
-  optimizer equals the plain PyTorch loop of tests/reference.py (same global batch, AdamW, schedule, clipping).
+- the loss of 4 training steps at TP2, PP2 (1F1B), TP2xPP2, PP2xVPP2 (interleaved), DP2 with the distributed
+  optimizer, TP2 + sequence parallel, and TP2xPP2 + SP + full recomputation equals the plain PyTorch loop of
+  tests/reference.py (same global batch, AdamW, schedule, clipping).
 """
 from __future__ import annotations
 
@@ -68,11 +69,14 @@ def reference(tiny4l_hf_checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe,nproc", [("tiny_tp2", 2), ("tiny_pp2", 2), ("tiny_tp2_pp2", 4),
-                                          ("tiny_pp2_vpp2", 2), ("tiny_dp2_distopt", 2)])
-def test_layout_training_matches_single_process(recipe, nproc, reference, tiny4l_hf_checkpoint, tmp_path):
+@pytest.mark.parametrize("recipe,nproc,extra", [
+    ("tiny_tp2", 2, []), ("tiny_pp2", 2, []), ("tiny_tp2_pp2", 4, []), ("tiny_pp2_vpp2", 2, []),
+    ("tiny_dp2_distopt", 2, []), ("tiny_tp2", 2, ["parallel.sp=true"]),
+    ("tiny_tp2_pp2", 4, ["parallel.sp=true", "training.activation_checkpointing=full"]),
+], ids=["tp2", "pp2", "tp2_pp2", "pp2_vpp2", "dp2_distopt", "tp2_sp", "tp2_pp2_sp_recompute"])
+def test_layout_training_matches_single_process(recipe, nproc, extra, reference, tiny4l_hf_checkpoint, tmp_path):
     launch(recipe, ["model.preset=null", f"model.hf_path={tiny4l_hf_checkpoint}", "model.pretrained=true",
-                    f"training.steps={STEPS}", *SCHEDULE, "logging.interval=1", "checkpoint.interval=1000"],
+                    f"training.steps={STEPS}", *SCHEDULE, "logging.interval=1", "checkpoint.interval=1000", *extra],
            nproc=nproc, out_dir=tmp_path / "run")
     got = [m["loss"] for m in read_metrics(tmp_path / "run")]
     assert len(got) == STEPS and reference[-1] < reference[0] - 0.05

@@ -96,14 +96,10 @@ def check_megatron(r: Recipe, te_available: bool) -> list[Problem]:
         out.append(Problem("model.rope_scaling", f"{rope} cannot be expressed in Megatron-Core, which supports Llama "
                            f"3.1 scaling with {LLAMA3_ROPE_FIXED} and any factor",
                            "use backend: deepspeed for other RoPE scalings"))
-    if not te_available and (p.sp or p.cp > 1):
-        what = " and ".join(x for x, on in (("sequence parallel", p.sp), ("context parallel", p.cp > 1)) if on)
-        out.append(Problem("parallel.sp" if p.sp else "parallel.cp",
-                           f"{what} needs Transformer Engine on GPUs (Megatron-Core's local layers support neither: "
-                           "torch norms reject sequence parallel and local attention has no context parallel), and "
-                           "Transformer Engine is not importable here",
-                           "run on GPU nodes with transformer-engine installed, or set sp: false and cp: 1 for a "
-                           "CPU rehearsal"))
+    if not te_available and p.cp > 1:
+        out.append(Problem("parallel.cp", "context parallelism needs Transformer Engine's attention on GPUs "
+                           "(Megatron-Core's local attention has none), and Transformer Engine is not importable here",
+                           "run on GPU nodes with transformer-engine installed, or set cp: 1 for a CPU rehearsal"))
     if p.megatron.transformer_impl == "transformer_engine" and not te_available:
         out.append(Problem("parallel.megatron.transformer_impl", "transformer_engine, but Transformer Engine is not "
                            "importable here", "install transformer-engine on GPU nodes, or use auto/local"))

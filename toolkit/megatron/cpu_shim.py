@@ -46,6 +46,20 @@ def _tensor_type(func, args, kwargs):
     return func(args[0], name)
 
 
+# Factory functions also wrapped at module level: code run inside autograd backward (activation recomputation,
+# sequence-parallel gradient buffers) runs where no TorchFunctionMode is active.
+_FACTORIES = ("empty", "zeros", "ones", "full", "arange", "tensor", "rand", "randn", "randint", "triu", "tril")
+
+
+def _cpu_factory(fn):
+    def wrapper(*args, **kwargs):
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def install() -> None:
     """Activate the shim for the rest of the process (idempotent)."""
     global _installed
@@ -60,9 +74,13 @@ def install() -> None:
     for mod in (torch.cuda, torch.cuda.random):
         mod.get_rng_state, mod.set_rng_state = cpu_state, set_state
         mod.manual_seed = lambda seed: None  # CPU init uses the CPU generator (use_cpu_initialization)
-    torch.cuda.current_device = lambda: 0
+    # "cpu", not an ordinal: tensors Megatron creates inside autograd backward (sequence-parallel reduce-scatter
+    # buffers) are made where no TorchFunctionMode is active, with device=torch.cuda.current_device()
+    torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.device_count = lambda: 1
+    for name in _FACTORIES:
+        setattr(torch, name, _cpu_factory(getattr(torch, name)))
     mrandom._get_cuda_rng_state = cpu_state
     mrandom._set_cuda_rng_state = set_state
     _CudaToCpu().__enter__()  # stays active for the life of the process

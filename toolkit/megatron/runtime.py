@@ -44,13 +44,17 @@ def init_parallel(r: Recipe, layout: Layout, on_gpu: bool) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def layer_spec(r: Recipe, on_gpu: bool):
+def layer_spec(r: Recipe, on_gpu: bool, tconfig, vp_stage: int | None):
+    """Transformer Engine layers when asked for, or by default on GPUs where TE imports; else the local spec
+    (with an RMSNorm that supports sequence parallelism)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    from toolkit.megatron.local_spec import local_block_spec
 
     impl = r.parallel.megatron.transformer_impl
     if impl == "transformer_engine" or (impl == "auto" and on_gpu and te_available()):
         return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    return local_block_spec(tconfig, vp_stage)
 
 
 def build_chunks(r: Recipe, layout: Layout, on_gpu: bool) -> list:
@@ -60,11 +64,11 @@ def build_chunks(r: Recipe, layout: Layout, on_gpu: bool) -> list:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     tconfig = TransformerConfig(**mcfg.to_transformer_config_kwargs(r, layout, on_gpu))
-    spec, kwargs = layer_spec(r, on_gpu), mcfg.to_gpt_model_kwargs(r, layout)
+    kwargs = mcfg.to_gpt_model_kwargs(r, layout)
     chunks = []
     for vp in range(layout.vpp):
         vp_stage = vp if layout.vpp > 1 else None
-        chunk = GPTModel(tconfig, spec, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        chunk = GPTModel(tconfig, layer_spec(r, on_gpu, tconfig, vp_stage), pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                          post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                          vp_stage=vp_stage, **kwargs)
         chunks.append(chunk.cuda() if on_gpu else chunk)
