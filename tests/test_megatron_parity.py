@@ -73,7 +73,8 @@ def reference(tiny4l_hf_checkpoint):
     ("tiny_tp2", 2, []), ("tiny_pp2", 2, []), ("tiny_tp2_pp2", 4, []), ("tiny_pp2_vpp2", 2, []),
     ("tiny_dp2_distopt", 2, []), ("tiny_tp2", 2, ["parallel.sp=true"]),
     ("tiny_tp2_pp2", 4, ["parallel.sp=true", "training.activation_checkpointing=full"]),
-], ids=["tp2", "pp2", "tp2_pp2", "pp2_vpp2", "dp2_distopt", "tp2_sp", "tp2_pp2_sp_recompute"])
+    ("tiny_tp2", 2, ["training.activation_checkpointing=selective"]),
+], ids=["tp2", "pp2", "tp2_pp2", "pp2_vpp2", "dp2_distopt", "tp2_sp", "tp2_pp2_sp_recompute", "tp2_selective"])
 def test_layout_training_matches_single_process(recipe, nproc, extra, reference, tiny4l_hf_checkpoint, tmp_path):
     launch(recipe, ["model.preset=null", f"model.hf_path={tiny4l_hf_checkpoint}", "model.pretrained=true",
                     f"training.steps={STEPS}", *SCHEDULE, "logging.interval=1", "checkpoint.interval=1000", *extra],
