@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from conftest import launch, read_metrics
 from reference import reference_losses

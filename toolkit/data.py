@@ -11,11 +11,10 @@ from contextlib import nullcontext
 from itertools import chain
 from pathlib import Path
 
-import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from toolkit.errors import ToolkitError
-from toolkit.recipe.checks import _glob
+from toolkit.recipe.checks import expand_glob
 from toolkit.recipe.schema import DataConfig
 
 _BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -36,7 +35,7 @@ def load_raw(cfg: DataConfig):
 
     if cfg.hub_dataset:
         return datasets.load_dataset(cfg.hub_dataset, split="train")
-    files = [str(p) for pattern in cfg.paths for p in _glob(pattern)]
+    files = [str(p) for pattern in cfg.paths for p in expand_glob(pattern)]
     builder = _builder(files, cfg.format)
     return datasets.load_dataset(builder, data_files=files, split="train")
 

@@ -159,7 +159,7 @@ def check_paths(r: Recipe) -> list[Problem]:
     out = []
     if r.data.hub_dataset is None:
         for pattern in r.data.paths:
-            if not _glob(pattern):
+            if not expand_glob(pattern):
                 out.append(Problem("data.paths", f"{pattern} matches no file (relative paths are read from "
                                    f"{os.getcwd()})", "run from the repository root or use absolute paths"))
     if r.data.tokenizer.startswith((".", "/")) and not Path(r.data.tokenizer).is_dir():  # a path, not a hub name
@@ -191,7 +191,7 @@ def _check_hf_config(r: Recipe) -> list[Problem]:
                     "drop model.preset (the architecture then comes from hf_path) or fix the mismatching keys")]
 
 
-def _glob(pattern: str) -> list[Path]:
+def expand_glob(pattern: str) -> list[Path]:
     p = Path(pattern)
     if p.is_absolute():
         return sorted(Path(p.anchor).glob(str(p.relative_to(p.anchor))))

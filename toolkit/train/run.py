@@ -46,7 +46,7 @@ def _load_tokenizer(r: Recipe):
         tokenizer = AutoTokenizer.from_pretrained(r.data.tokenizer)
     except (OSError, ValueError) as e:
         raise RecipeError(r.name, [Problem("data.tokenizer", f"cannot load {r.data.tokenizer!r}: {e}",
-                                           "point it at a local tokenizer folder (or a hub name when online)")])
+                                           "point it at a local tokenizer folder (or a hub name when online)")]) from None
     _check_vocab(r, tokenizer)
     return tokenizer
 
