@@ -44,6 +44,16 @@ def test_render_ds_config_prints_json():
     assert json.loads(proc.stdout)["zero_optimization"]["stage"] == 3
 
 
+def test_render_megatron_config_prints_every_argument():
+    proc = toolkit("render", "megatron-config", "--recipe", "llama70b_tp8_pp4")
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    assert d["initialize_model_parallel"]["virtual_pipeline_model_parallel_size"] == 5
+    assert d["TransformerConfig"]["activation_func"] == "silu" and d["TransformerConfig"]["params_dtype"] == "bfloat16"
+    assert d["OptimizerConfig"]["use_distributed_optimizer"] is True
+    assert toolkit("render", "megatron-config", "--recipe", "tiny_zero3").returncode == 2
+
+
 @pytest.mark.parametrize("args,needle", [
     (["validate", "--recipe", "nope"], "no recipe file or shipped recipe named 'nope'"),
     (["validate", "--recipe", "tiny_zero0", "--world-size", "3"], "16 is not divisible by micro_batch_size x dp"),

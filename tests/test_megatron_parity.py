@@ -74,7 +74,9 @@ def reference(tiny4l_hf_checkpoint):
     ("tiny_dp2_distopt", 2, []), ("tiny_tp2", 2, ["parallel.sp=true"]),
     ("tiny_tp2_pp2", 4, ["parallel.sp=true", "training.activation_checkpointing=full"]),
     ("tiny_tp2", 2, ["training.activation_checkpointing=selective"]),
-], ids=["tp2", "pp2", "tp2_pp2", "pp2_vpp2", "dp2_distopt", "tp2_sp", "tp2_pp2_sp_recompute", "tp2_selective"])
+    ("tiny_tp2", 1, ["parallel.tp=1", "parallel.world_size=1"]),
+], ids=["tp2", "pp2", "tp2_pp2", "pp2_vpp2", "dp2_distopt", "tp2_sp", "tp2_pp2_sp_recompute", "tp2_selective",
+        "megatron_single_process"])
 def test_layout_training_matches_single_process(recipe, nproc, extra, reference, tiny4l_hf_checkpoint, tmp_path):
     launch(recipe, ["model.preset=null", f"model.hf_path={tiny4l_hf_checkpoint}", "model.pretrained=true",
                     f"training.steps={STEPS}", *SCHEDULE, "logging.interval=1", "checkpoint.interval=1000", *extra],

@@ -105,6 +105,17 @@ def cmd_render_ds(args) -> int:
     return 0
 
 
+def cmd_render_megatron(args) -> int:
+    from toolkit.megatron.config import to_json_dict
+
+    plan = _plan(args)
+    if plan.layout.backend != "megatron":
+        raise ToolkitError(f"recipe {args.recipe} uses backend {plan.layout.backend!r}; there is no Megatron "
+                           "config to render")
+    print(json.dumps(to_json_dict(plan.recipe, plan.layout, args.device == "cuda"), indent=2))
+    return 0
+
+
 def shipped_deepspeed_recipes() -> list[str]:
     return [n for n in list_recipes() if load_recipe(n).parallel.backend == "deepspeed"]
 
@@ -136,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="render for GPUs (default) or CPU")
     p.add_argument("--all", action="store_true", help="rewrite ds_configs/<name>.json for every shipped recipe")
     p.set_defaults(func=cmd_render_ds)
+    p = rsub.add_parser("megatron-config", help="print the Megatron-Core arguments a recipe runs with")
+    _recipe_args(p)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="render for GPUs (default) or CPU")
+    p.set_defaults(func=cmd_render_megatron)
     return ap
 
 

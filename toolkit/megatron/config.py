@@ -104,3 +104,17 @@ def check_megatron(r: Recipe, te_available: bool) -> list[Problem]:
         out.append(Problem("parallel.megatron.transformer_impl", "transformer_engine, but Transformer Engine is not "
                            "importable here", "install transformer-engine on GPU nodes, or use auto/local"))
     return out
+
+
+def to_json_dict(r: Recipe, layout: Layout, on_gpu: bool = True) -> dict:
+    """Every Megatron-Core argument the recipe produces, as JSON-able data (`toolkit render megatron-config`)."""
+
+    def plain(d: dict) -> dict:
+        return {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else
+                    getattr(v, "__name__", v) if callable(v) else v) for k, v in d.items()}
+
+    return {"initialize_model_parallel": plain(to_parallel_kwargs(layout)),
+            "TransformerConfig": plain(to_transformer_config_kwargs(r, layout, on_gpu)),
+            "GPTModel": plain(to_gpt_model_kwargs(r, layout)),
+            "DistributedDataParallelConfig": plain(to_ddp_config_kwargs(r, layout)),
+            "OptimizerConfig": plain(to_optimizer_config_kwargs(r, layout))}
