@@ -97,3 +97,13 @@ def test_batch_derivation(given, expect):
     assert plan.batch.global_batch == plan.batch.micro_batch * plan.batch.grad_accum * plan.layout.dp
     if len(given) < 3:
         assert plan.notes and "(derived)" in plan.notes[-1]
+
+
+def test_nvme_path_may_be_created_but_not_under_a_file(tmp_path):
+    from toolkit.recipe import check_paths
+
+    fresh = load_recipe("tiny_zero3_nvme", [f"parallel.nvme_path={tmp_path}/not/yet/there"])
+    assert not [p for p in check_paths(fresh) if p.key == "parallel.nvme_path"]
+    (tmp_path / "file").write_text("x")
+    blocked = load_recipe("tiny_zero3_nvme", [f"parallel.nvme_path={tmp_path}/file/swap"])
+    assert [p.key for p in check_paths(blocked)] == ["parallel.nvme_path"]

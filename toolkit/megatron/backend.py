@@ -17,6 +17,7 @@ class MegatronBackend:
         from megatron.core import parallel_state as ps
 
         from toolkit.megatron import runtime
+        from toolkit.megatron.checkpoint import rank_tag
 
         r, layout = plan.recipe, plan.layout
         self.recipe, self.on_gpu = r, info.device == "cuda"
@@ -27,7 +28,7 @@ class MegatronBackend:
             runtime.load_hf_weights(chunks, r.model.hf_path, r, layout)
         self.chunks, self.optimizer = runtime.wrap_and_optimize(chunks, r, layout)
         self.dp_rank = ps.get_data_parallel_rank()
-        self.rank_tag = f"tp{ps.get_tensor_model_parallel_rank():02d}_pp{ps.get_pipeline_model_parallel_rank():03d}"
+        self.rank_tag = rank_tag(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
         self.layout_meta = {"world_size": layout.world_size, "zero_stage": layout.zero_stage, "dp": layout.dp,
                             "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": layout.cp}
 

@@ -16,6 +16,11 @@ import torch
 from toolkit.errors import ToolkitError
 
 
+def rank_tag(tp_rank: int, pp_rank: int) -> str:
+    """The (tp, pp) part of a per-rank file name."""
+    return f"tp{tp_rank:02d}_pp{pp_rank:03d}"
+
+
 def _chunk_states(backend) -> list[dict]:
     from toolkit.megatron.runtime import chunk_state
 

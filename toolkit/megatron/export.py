@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from toolkit.errors import ToolkitError
+from toolkit.megatron.checkpoint import rank_tag
 
 
 def read_megatron_shards(tag_dir: Path, meta: dict) -> dict:
@@ -22,7 +23,7 @@ def read_megatron_shards(tag_dir: Path, meta: dict) -> dict:
     shards = {}
     for pp in range(layout["pp"]):
         for tp in range(layout["tp"]):
-            path = tag_dir / f"model_tp{tp:02d}_pp{pp:03d}.pt"
+            path = tag_dir / f"model_{rank_tag(tp, pp)}.pt"
             if not path.is_file():
                 raise ToolkitError(f"{path} is missing: the checkpoint is incomplete for its layout "
                                    f"tp={layout['tp']} pp={layout['pp']}")

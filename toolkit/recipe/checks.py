@@ -168,7 +168,7 @@ def check_paths(r: Recipe) -> list[Problem]:
         out.append(Problem("model.hf_path", f"{r.model.hf_path} has no *.safetensors weights to load",
                            "convert the weights to safetensors, or set model.pretrained: false"))
     out += _check_hf_config(r)
-    if r.parallel.nvme_path and not os.access(Path(r.parallel.nvme_path).parent, os.W_OK):
+    if r.parallel.nvme_path and not _creatable(Path(r.parallel.nvme_path)):
         out.append(Problem("parallel.nvme_path", f"{r.parallel.nvme_path} cannot be created or written",
                            "point nvme_path at a writable folder on a local NVMe drive"))
     return out
@@ -189,6 +189,14 @@ def _check_hf_config(r: Recipe) -> list[Problem]:
         return []
     return [Problem("model.preset", f"{r.model.preset} does not match {cfg}: " + "; ".join(diff),
                     "drop model.preset (the architecture then comes from hf_path) or fix the mismatching keys")]
+
+
+def _creatable(path: Path) -> bool:
+    """The folder exists and is writable, or its nearest existing ancestor is (so it can be created)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path.is_dir() and os.access(path, os.W_OK)
 
 
 def expand_glob(pattern: str) -> list[Path]:
