@@ -65,3 +65,18 @@ def test_resume_on_another_layout_is_refused_before_loading(tmp_path):
     with pytest.raises(ToolkitError, match="written with world_size=2, zero_stage=3, this run has dp=4, "
                                            "world_size=4, zero_stage=3"):
         ckpt.load(backend=None, tag_dir=d, layout_meta={"world_size": 4, "zero_stage": 3, "dp": 4})
+
+
+def test_resume_skips_a_checkpoint_whose_files_no_longer_match_its_manifest(tmp_path):
+    for step in (10, 20):
+        d = _fake_ckpt(tmp_path, step)
+        meta = json.loads((d / ckpt.META).read_text())
+        meta["files"] = {"mp_rank_00_model_states.pt": 1}
+        (d / ckpt.META).write_text(json.dumps(meta))
+    (tmp_path / "step_00000020" / "mp_rank_00_model_states.pt").write_bytes(b"")  # truncated after the save
+    (tmp_path / ckpt.POINTER).write_text("step_00000020")
+    assert ckpt.verify_manifest(tmp_path / "step_00000020") == ["mp_rank_00_model_states.pt has 0 bytes, the "
+                                                                "manifest says 1"]
+    assert ckpt.find_resume(tmp_path, "auto") == tmp_path / "step_00000010"
+    with pytest.raises(ToolkitError, match="does not match its manifest"):
+        ckpt.find_resume(tmp_path, str(tmp_path / "step_00000020"))

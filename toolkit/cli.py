@@ -116,6 +116,14 @@ def cmd_render_megatron(args) -> int:
     return 0
 
 
+def cmd_inspect(args) -> int:
+    from toolkit.checkpoint.inspect import inspect, render
+
+    report = inspect(args.checkpoint)
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0 if report["complete"] else 1
+
+
 def shipped_deepspeed_recipes() -> list[str]:
     return [n for n in list_recipes() if load_recipe(n).parallel.backend == "deepspeed"]
 
@@ -147,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="render for GPUs (default) or CPU")
     p.add_argument("--all", action="store_true", help="rewrite ds_configs/<name>.json for every shipped recipe")
     p.set_defaults(func=cmd_render_ds)
+    p = sub.add_parser("inspect", help="format, layout, architecture, size, step and completeness of a checkpoint")
+    p.add_argument("checkpoint", help="a Hugging Face folder, a step_* folder, or a checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_inspect)
     p = rsub.add_parser("megatron-config", help="print the Megatron-Core arguments a recipe runs with")
     _recipe_args(p)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="render for GPUs (default) or CPU")

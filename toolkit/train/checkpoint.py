@@ -3,7 +3,8 @@
 Layout of <checkpoint dir>:
   step_00000050/            DeepSpeed's own files (engine.save_checkpoint), plus
     toolkit_rank00000.pt    this rank's RNG states and data position (read with weights_only=True)
-    toolkit_meta.json       written last, by rank 0, after every rank finished: step, layout, recipe
+    toolkit_meta.json       written last, by rank 0, after every rank finished: step, layout, recipe, and the
+                          manifest (every file of the checkpoint with its size)
   latest                    DeepSpeed's pointer (so DeepSpeed's zero_to_fp32 tooling works)
   latest_complete           the toolkit's pointer, replaced atomically only once a checkpoint is complete
 
@@ -58,6 +59,11 @@ def is_complete(tag_dir: Path) -> bool:
     return (tag_dir / META).is_file()
 
 
+def is_intact(tag_dir: Path) -> bool:
+    """Complete, and every file still has the size the manifest recorded."""
+    return is_complete(tag_dir) and not verify_manifest(tag_dir)
+
+
 def complete_tags(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))
 
@@ -71,7 +77,9 @@ def save(backend, root: Path, step: int, data_state: dict, meta: dict) -> Path:
                tag_dir / f"toolkit_rank{dist.get_rank():05d}.pt")
     dist.barrier()  # every rank's files are written before rank 0 declares the checkpoint complete
     if dist.get_rank() == 0:
-        meta = {"schema_version": SCHEMA_VERSION, "step": step, "tag": tag, **meta}
+        # the manifest: every file of the checkpoint with its size, so a reader can tell a complete one
+        files = {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir()) if p.is_file() and p.name != META}
+        meta = {"schema_version": SCHEMA_VERSION, "step": step, "tag": tag, **meta, "files": files}
         _write_atomic(tag_dir / META, json.dumps(meta, indent=2))
         _write_atomic(root / "latest", tag)
         _write_atomic(root / POINTER, tag)
@@ -99,6 +107,9 @@ def find_resume(root: Path, resume: str) -> Path | None:
     if resume != "auto":
         p = Path(resume)
         if is_complete(p):
+            problems = verify_manifest(p)
+            if problems:
+                raise ToolkitError(f"checkpoint.resume: {p} does not match its manifest: {'; '.join(problems)}")
             return p
         if (p / POINTER).is_file():
             return find_resume(p, "auto")
@@ -107,10 +118,10 @@ def find_resume(root: Path, resume: str) -> Path | None:
     pointer = root / POINTER
     if pointer.is_file():
         tag_dir = root / pointer.read_text().strip()
-        if is_complete(tag_dir):
+        if is_intact(tag_dir):
             return tag_dir
-    done = complete_tags(root)
-    return done[-1] if done else None
+    intact = [p for p in complete_tags(root) if is_intact(p)]  # newest first below; damaged ones are skipped
+    return intact[-1] if intact else None
 
 
 def _describe(layout: dict) -> str:
@@ -129,3 +140,19 @@ def load(backend, tag_dir: Path, layout_meta: dict) -> dict:
     state = torch.load(tag_dir / f"toolkit_rank{dist.get_rank():05d}.pt", weights_only=True)
     set_rng_state(state["rng"])
     return state
+
+
+def verify_manifest(tag_dir: Path) -> list[str]:
+    """What is wrong with a checkpoint folder against its manifest (missing or resized files); [] if complete."""
+    meta_path = tag_dir / META
+    if not meta_path.is_file():
+        return [f"{META} is missing: the save never completed"]
+    files = json.loads(meta_path.read_text()).get("files") or {}  # none: written before manifests existed
+    problems = []
+    for name, size in files.items():
+        path = tag_dir / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != size:
+            problems.append(f"{name} has {path.stat().st_size} bytes, the manifest says {size}")
+    return problems

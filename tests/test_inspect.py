@@ -1,0 +1,49 @@
+"""`toolkit inspect` on the checkpoints the toolkit reads and writes."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, launch
+from toolkit.checkpoint.inspect import inspect
+from toolkit.errors import ToolkitError
+
+
+def test_hugging_face_folder(tiny_hf_checkpoint):
+    report = inspect(tiny_hf_checkpoint)
+    assert report["format"] == "hf" and report["complete"]
+    assert report["architecture"]["num_key_value_heads"] == 2 and report["architecture"]["num_hidden_layers"] == 2
+    from toolkit.recipe import load_recipe
+    from toolkit.train.metrics import count_params
+
+    # the header count equals the architecture's parameter arithmetic
+    assert report["parameters"] == count_params(load_recipe("tiny_zero0", ["model.preset=tiny"]).model)["total"]
+    assert report["dtypes"] == {"F32": report["parameters"]}
+
+
+@pytest.mark.slow
+def test_training_checkpoint_and_damage(tmp_path):
+    out = tmp_path / "run"
+    launch("tiny_zero2", ["training.steps=2", "training.schedule.warmup_steps=1", "checkpoint.interval=1"], nproc=2,
+           out_dir=out)
+    root = out / "checkpoints"
+    report = inspect(root)
+    assert report["format"] == "deepspeed" and report["complete"] and report["step"] == 2
+    assert report["layout"] == {"world_size": 2, "zero_stage": 2, "dp": 2}
+    assert report["checkpoints"] == {"step_00000001": "complete", "step_00000002": "complete"}
+    victim = next((root / "step_00000002").glob("*optim_states.pt"))
+    victim.write_bytes(victim.read_bytes()[:100])  # truncated, as by a full disk
+    proc = subprocess.run([sys.executable, "-m", "toolkit", "inspect", str(root / "step_00000002"), "--json"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 1
+    damaged = json.loads(proc.stdout)
+    assert not damaged["complete"] and f"{victim.name} has 100 bytes" in damaged["problems"][0]
+    assert inspect(root)["step"] == 1  # the directory's latest intact checkpoint is the older one
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(ToolkitError, match="is not a checkpoint this toolkit reads"):
+        inspect(tmp_path)

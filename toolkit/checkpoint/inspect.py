@@ -1,0 +1,111 @@
+"""`toolkit inspect`: what a checkpoint is (format, layout, architecture, size, step) and whether it is complete.
+
+Reads headers and metadata only (safetensors headers, the toolkit's manifest), never the tensors themselves.
+Formats: a Hugging Face model folder, and the toolkit's own DeepSpeed and Megatron checkpoints (a step_* folder,
+or a checkpoint directory, which is read at its latest complete step).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from toolkit.errors import ToolkitError
+
+
+def inspect(path: str | Path) -> dict:
+    """A report as plain data (printed by the CLI, or as JSON with --json)."""
+    path = Path(path)
+    if not path.exists():
+        raise ToolkitError(f"{path} does not exist")
+    if (path / "config.json").is_file() and list(path.glob("*.safetensors")):
+        return inspect_hf(path)
+    if (path / "toolkit_meta.json").is_file() or path.name.startswith("step_"):
+        return inspect_toolkit(path)
+    if (path / "latest_complete").is_file() or list(path.glob("step_*")):
+        return inspect_root(path)
+    raise ToolkitError(f"{path} is not a checkpoint this toolkit reads: expected a Hugging Face folder (config.json + "
+                       "*.safetensors), a step_* folder with toolkit_meta.json, or a checkpoint directory of step_* "
+                       "folders")
+
+
+def inspect_hf(folder: Path) -> dict:
+    from safetensors import safe_open
+
+    config = json.loads((folder / "config.json").read_text())
+    params, dtypes, problems = 0, {}, []
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        wanted = set(json.loads(index.read_text())["weight_map"].values())
+        problems += [f"{name} is listed in the index but missing" for name in sorted(wanted)
+                     if not (folder / name).is_file()]
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                params += n
+                dtypes[sl.get_dtype()] = dtypes.get(sl.get_dtype(), 0) + n
+    return {"path": str(folder), "format": "hf", "complete": not problems, "problems": problems, "step": None,
+            "layout": None, "architecture": _hf_architecture(config), "parameters": params, "dtypes": dtypes,
+            "bytes": _bytes(folder)}
+
+
+def _hf_architecture(config: dict) -> dict:
+    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
+    return {k: config[k] for k in keys if k in config}
+
+
+def inspect_toolkit(tag_dir: Path) -> dict:
+    from toolkit.recipe.schema import Recipe
+    from toolkit.train.checkpoint import META, verify_manifest
+    from toolkit.train.metrics import count_params
+
+    problems = verify_manifest(tag_dir)
+    meta = json.loads((tag_dir / META).read_text()) if (tag_dir / META).is_file() else {}
+    model = Recipe.model_validate(meta["recipe"]).model if "recipe" in meta else None
+    return {"path": str(tag_dir), "format": meta.get("backend", "unknown"), "complete": not problems,
+            "problems": problems, "step": meta.get("step"), "layout": meta.get("layout"),
+            "architecture": model.model_dump(exclude={"preset", "hf_path", "pretrained"}) if model else None,
+            "parameters": count_params(model)["total"] if model else None, "dtypes": None,
+            "bytes": _bytes(tag_dir)}
+
+
+def inspect_root(root: Path) -> dict:
+    """The latest complete checkpoint of a directory, plus the state of every step_* folder in it."""
+    from toolkit.train.checkpoint import find_resume, verify_manifest
+
+    steps = {p.name: verify_manifest(p) for p in sorted(root.glob("step_*")) if p.is_dir()}
+    latest = find_resume(root, "auto")
+    if latest is None:
+        raise ToolkitError(f"{root} holds no complete checkpoint; incomplete: {', '.join(steps) or 'none'}")
+    report = inspect_toolkit(latest)
+    report["checkpoints"] = {name: "complete" if not p else "incomplete: " + "; ".join(p) for name, p in steps.items()}
+    return report
+
+
+def _bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def render(report: dict) -> str:
+    """The report as the few lines a person reads."""
+    lines = [f"{report['path']}: {report['format']} checkpoint, "
+             + ("complete" if report["complete"] else "INCOMPLETE")]
+    lines += [f"  problem: {p}" for p in report["problems"]]
+    if report["step"] is not None:
+        lines.append(f"  step: {report['step']}")
+    if report["layout"]:
+        lines.append("  layout: " + ", ".join(f"{k}={v}" for k, v in report["layout"].items()))
+    if report["parameters"] is not None:
+        lines.append(f"  parameters: {report['parameters']:,}")
+    if report["dtypes"]:
+        lines.append("  dtypes: " + ", ".join(f"{k} {v:,}" for k, v in report["dtypes"].items()))
+    arch = report["architecture"] or {}
+    lines.append("  architecture: " + ", ".join(f"{k}={v}" for k, v in arch.items() if v is not None))
+    lines.append(f"  bytes on disk: {report['bytes']:,}")
+    for name, state in (report.get("checkpoints") or {}).items():
+        lines.append(f"  {name}: {state}")
+    return "\n".join(lines)
