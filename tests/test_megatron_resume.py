@@ -55,12 +55,12 @@ def test_export_after_tp2_pp2_training_equals_single_process_weights(tiny4l_hf_c
     from safetensors.torch import load_file
 
     from reference import reference_losses
-    from toolkit.megatron.export import export_hf
+    from toolkit.checkpoint.convert import convert_to_hf
 
     schedule = ["training.schedule.warmup_steps=2"]
     launch("tiny_tp2_pp2", ["model.preset=null", f"model.hf_path={tiny4l_hf_checkpoint}", "model.pretrained=true",
                             "training.steps=3", *schedule, "checkpoint.interval=1000"], nproc=4, out_dir=tmp_path / "run")
-    out = export_hf(tmp_path / "run" / "checkpoints" / "step_00000003", tmp_path / "hf")
+    out = convert_to_hf(tmp_path / "run" / "checkpoints", tmp_path / "hf")
     got = load_file(str(out / "model.safetensors"))
     ref: dict = {}
     reference_losses(tiny4l_hf_checkpoint, 3, schedule, model_out=ref)
@@ -72,4 +72,4 @@ def test_export_after_tp2_pp2_training_equals_single_process_weights(tiny4l_hf_c
     # measured 8e-6; a wrong split, order or transpose gives differences of order 1
     assert max(rel.values()) < 1e-4, sorted(rel.items(), key=lambda kv: -kv[1])[:3]
     with pytest.raises(Exception, match="already exists"):
-        export_hf(tmp_path / "run" / "checkpoints" / "step_00000003", out)
+        convert_to_hf(tmp_path / "run" / "checkpoints" / "step_00000003", out)

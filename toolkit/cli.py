@@ -124,6 +124,14 @@ def cmd_inspect(args) -> int:
     return 0 if report["complete"] else 1
 
 
+def cmd_convert(args) -> int:
+    from toolkit.checkpoint.convert import convert_to_hf
+
+    out = convert_to_hf(args.src, args.dst, args.vocab_size, args.dtype, args.overwrite, not args.no_verify)
+    print(f"wrote {out}")
+    return 0
+
+
 def shipped_deepspeed_recipes() -> list[str]:
     return [n for n in list_recipes() if load_recipe(n).parallel.backend == "deepspeed"]
 
@@ -159,6 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a Hugging Face folder, a step_* folder, or a checkpoint directory")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("convert", help="convert a Megatron checkpoint (any TP x PP x VPP) to a Hugging Face folder")
+    p.add_argument("src", help="a toolkit Megatron checkpoint (step_* folder or directory) or a Megatron-LM one")
+    p.add_argument("dst", help="the Hugging Face folder to write")
+    p.add_argument("--to", choices=["hf"], required=True, help="target format (Hugging Face so far)")
+    p.add_argument("--vocab-size", type=int, default=None, help="true vocabulary size (Megatron-LM sources)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="cast the weights")
+    p.add_argument("--overwrite", action="store_true", help="replace DST once the new folder is complete")
+    p.add_argument("--no-verify", action="store_true", help="skip splitting the result back and comparing")
+    p.set_defaults(func=cmd_convert)
     p = rsub.add_parser("megatron-config", help="print the Megatron-Core arguments a recipe runs with")
     _recipe_args(p)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="render for GPUs (default) or CPU")

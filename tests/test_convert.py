@@ -1,0 +1,145 @@
+"""`toolkit convert --to hf` from Megatron-LM's legacy layout: weights, padding, safety, atomic output.
+
+The Megatron-LM checkpoint is written here the way Megatron-LM writes it (see ../shared/FACTS.md): per-rank
+model_optim_rng.pt files with an argparse.Namespace of arguments, Transformer Engine norm names, _extra_state
+entries, a vocabulary padded to 128 x tp whose padding rows are not zero, numpy RNG state, and the tracker file.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO
+from toolkit.checkpoint import LlamaDims, hf_to_megatron
+from toolkit.checkpoint.convert import convert_to_hf
+from toolkit.errors import ToolkitError
+
+VOCAB, TP, PP = 500, 2, 2
+TE_NAMES = {".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
+            ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight"}
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+                                         tie_word_embeddings=False))
+    return model
+
+
+def _te(name: str) -> str:
+    for local, te in TE_NAMES.items():
+        if name.endswith(local):
+            return name[: -len(local)] + te
+    return name
+
+
+def write_megatron_lm(root, hf_model) -> None:
+    dims = LlamaDims.from_hf(hf_model.config, TP)
+    shards = hf_to_megatron(hf_model.state_dict(), dims, TP, PP)
+    args = argparse.Namespace(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP,
+                              virtual_pipeline_model_parallel_size=None, num_layers=4, hidden_size=64,
+                              ffn_hidden_size=96, num_attention_heads=8, group_query_attention=True,
+                              num_query_groups=2, max_position_embeddings=128, norm_epsilon=1e-6, rotary_base=10000,
+                              untie_embeddings_and_output_weights=True, padded_vocab_size=dims.padded_vocab,
+                              make_vocab_size_divisible_by=128, params_dtype=torch.float32)
+    for (p, t), (state,) in shards.items():
+        model = {}
+        for name, tensor in state.items():
+            if name.endswith(("word_embeddings.weight", "output_layer.weight")):
+                tensor = tensor.clone()
+                valid = max(0, VOCAB - t * tensor.shape[0])
+                tensor[valid:] = torch.randn_like(tensor[valid:])  # trained padding rows are not zero
+            model[_te(name)] = tensor
+            model[_te(name).rsplit(".", 1)[0] + "._extra_state"] = None
+        folder = root / "iter_0000007" / f"mp_rank_{t:02d}_{p:03d}"
+        folder.mkdir(parents=True)
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 7, "model": model,
+                    "rng_state": [{"random_rng_state": None, "np_rng_state": np.random.get_state(),
+                                   "torch_rng_state": torch.get_rng_state()}]}, folder / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text("7")
+
+
+@pytest.fixture
+def megatron_lm_ckpt(tmp_path, hf_model):
+    write_megatron_lm(tmp_path / "mlm", hf_model)
+    return tmp_path / "mlm"
+
+
+def test_megatron_lm_to_hf_is_exact_and_loads(megatron_lm_ckpt, hf_model, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    out = convert_to_hf(megatron_lm_ckpt, tmp_path / "hf", vocab_size=VOCAB)
+    got = load_file(str(out / "model.safetensors"))
+    want = hf_model.state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in got)  # padding rows dropped, everything else bit-exact
+    loaded = LlamaForCausalLM.from_pretrained(out)
+    ids = torch.randint(0, VOCAB, (1, 16))
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, hf_model(ids).logits, atol=1e-6)  # the config maps back too
+
+
+def test_megatron_lm_needs_the_true_vocab_size(megatron_lm_ckpt, tmp_path):
+    with pytest.raises(ToolkitError, match="padded to 512 rows; pass the true vocabulary size with --vocab-size"):
+        convert_to_hf(megatron_lm_ckpt, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_missing_rank_is_refused_and_nothing_is_written(megatron_lm_ckpt, tmp_path):
+    (megatron_lm_ckpt / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt").unlink()
+    with pytest.raises(ToolkitError, match="is incomplete for tp=2 pp=2: missing"):
+        convert_to_hf(megatron_lm_ckpt, tmp_path / "hf", vocab_size=VOCAB)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_truncated_file_is_refused(megatron_lm_ckpt, tmp_path):
+    f = megatron_lm_ckpt / "iter_0000007" / "mp_rank_00_000" / "model_optim_rng.pt"
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(ToolkitError, match="cannot read .* safely"):
+        convert_to_hf(megatron_lm_ckpt, tmp_path / "hf", vocab_size=VOCAB)
+    assert not (tmp_path / "hf").exists()
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_planted_pickle_is_refused_and_never_runs(megatron_lm_ckpt, tmp_path):
+    marker = tmp_path / "pwned"
+    f = megatron_lm_ckpt / "iter_0000007" / "mp_rank_00_000" / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)  # our own fixture: trusted
+    state["args"].evil = _Payload(marker)
+    torch.save(state, f)
+    with pytest.raises(ToolkitError, match="refused rather than unpickled"):
+        convert_to_hf(megatron_lm_ckpt, tmp_path / "hf", vocab_size=VOCAB)
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+
+
+def test_existing_destination_needs_overwrite_and_survives_a_failure(megatron_lm_ckpt, tmp_path):
+    dst = tmp_path / "hf"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("user data")
+    proc = subprocess.run([sys.executable, "-m", "toolkit", "convert", str(megatron_lm_ckpt), str(dst), "--to", "hf",
+                           "--vocab-size", str(VOCAB)], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and "already exists; pass --overwrite" in proc.stderr
+    with pytest.raises(ToolkitError):  # a failing conversion with --overwrite leaves the old folder alone
+        convert_to_hf(megatron_lm_ckpt, dst, vocab_size=None, overwrite=True)
+    assert (dst / "keep.txt").read_text() == "user data"
+    convert_to_hf(megatron_lm_ckpt, dst, vocab_size=VOCAB, overwrite=True)
+    assert not (dst / "keep.txt").exists() and (dst / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no partial folders left

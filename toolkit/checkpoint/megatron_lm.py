@@ -1,0 +1,89 @@
+"""Reading Megatron-LM's legacy checkpoints (`--ckpt-format torch`) without running code hidden in them.
+
+Layout: <root>/latest_checkpointed_iteration.txt and <root>/iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt,
+each holding `args` (an argparse.Namespace), `iteration`, `model` (or model0, model1, ... per virtual chunk),
+and optimizer and RNG state. Files are read with torch.load(weights_only=True) and an explicit allow-list.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from toolkit.checkpoint.llama import local_spec_name
+from toolkit.errors import ToolkitError
+
+
+def _allowed_globals() -> list:
+    """What Megatron-LM pickles besides tensors: its arguments, and numpy arrays in the RNG state."""
+    import numpy as np
+
+    reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
+    dtypes = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32)]
+    return [argparse.Namespace, reconstruct, np.ndarray, np.dtype, *dtypes]
+
+
+def safe_load(path: Path) -> dict:
+    try:
+        with torch.serialization.safe_globals(_allowed_globals()):
+            return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError or EOFError here
+        raise ToolkitError(f"cannot read {path} safely: {str(e).splitlines()[0]}. Only tensors, Megatron-LM's "
+                           "arguments and numpy RNG state are loaded; anything else is refused rather than "
+                           "unpickled") from None
+
+
+def iteration_dir(path: Path) -> Path:
+    """The iter_* folder of a Megatron-LM checkpoint root (via its tracker file) or the folder itself."""
+    if path.name.startswith("iter_"):
+        return path
+    tracker = path / "latest_checkpointed_iteration.txt"
+    if not tracker.is_file():
+        raise ToolkitError(f"{path} is not a Megatron-LM checkpoint: no latest_checkpointed_iteration.txt")
+    text = tracker.read_text().strip()
+    folder = path / ("release" if text == "release" else f"iter_{int(text):07d}")
+    if not folder.is_dir():
+        raise ToolkitError(f"{tracker} points at {folder.name}, which does not exist")
+    return folder
+
+
+def rank_file(it_dir: Path, tp: int, pp: int, pp_size: int) -> Path:
+    name = f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+    return it_dir / name / "model_optim_rng.pt"
+
+
+def read(path: Path) -> tuple[argparse.Namespace, dict, int]:
+    """(args, {(pp_rank, tp_rank): [chunk state dicts with local-spec names]}, iteration)."""
+    it_dir = iteration_dir(path)
+    first = next(it_dir.glob("mp_rank_*/model_optim_rng.pt"), None)
+    if first is None:
+        raise ToolkitError(f"{it_dir} holds no mp_rank_*/model_optim_rng.pt files")
+    args = safe_load(first)["args"]
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    missing = [str(rank_file(it_dir, t, p, pp)) for p in range(pp) for t in range(tp)
+               if not rank_file(it_dir, t, p, pp).is_file()]
+    if missing:
+        raise ToolkitError(f"{it_dir} is incomplete for tp={tp} pp={pp}: missing {', '.join(missing[:4])}")
+    shards, iteration = {}, None
+    for p in range(pp):
+        for t in range(tp):
+            state = safe_load(rank_file(it_dir, t, p, pp))
+            iteration = state.get("iteration", iteration)
+            keys = ["model"] if vpp == 1 else [f"model{c}" for c in range(vpp)]
+            shards[(p, t)] = [{local_spec_name(k): v for k, v in state[key].items()
+                               if not k.endswith("_extra_state") and v is not None} for key in keys]
+    return args, shards, iteration
+
+
+def hf_config(args: argparse.Namespace, vocab_size: int) -> dict:
+    """A Hugging Face Llama config.json built from Megatron-LM's arguments and the true vocabulary size."""
+    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else args.num_attention_heads
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
+            "hidden_size": args.hidden_size, "intermediate_size": args.ffn_hidden_size,
+            "num_hidden_layers": args.num_layers, "num_attention_heads": args.num_attention_heads,
+            "num_key_value_heads": groups, "max_position_embeddings": args.max_position_embeddings,
+            "rms_norm_eps": getattr(args, "norm_epsilon", 1e-5), "rope_theta": float(getattr(args, "rotary_base", 10000)),
+            "tie_word_embeddings": not getattr(args, "untie_embeddings_and_output_weights", False),
+            "hidden_act": "silu", "torch_dtype": "float32"}
