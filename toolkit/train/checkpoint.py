@@ -120,7 +120,7 @@ def find_resume(root: Path, resume: str) -> Path | None:
         tag_dir = root / pointer.read_text().strip()
         if is_intact(tag_dir):
             return tag_dir
-    intact = [p for p in complete_tags(root) if is_intact(p)]  # newest first below; damaged ones are skipped
+    intact = [p for p in complete_tags(root) if is_intact(p)]  # oldest to newest; damaged ones are skipped
     return intact[-1] if intact else None
 
 
