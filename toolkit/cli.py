@@ -1,4 +1,7 @@
-"""The `toolkit` command: validate, show and render recipes. Heavy imports (torch, deepspeed) stay out of it."""
+"""The `toolkit` command: validate, show and render recipes; inspect and convert checkpoints.
+
+Heavy imports (torch, deepspeed, megatron) happen inside the subcommands that need them, so `validate` is fast.
+"""
 from __future__ import annotations
 
 import argparse
@@ -144,7 +147,8 @@ def render_ds_json(name: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="toolkit", description=__doc__)
+    ap = argparse.ArgumentParser(prog="toolkit", description="Train Llama models on DeepSpeed or Megatron-Core from "
+                                 "one recipe: validate, show and render recipes; inspect and convert checkpoints.")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("validate", help="check a recipe for a world size and print its batch arithmetic")
     _recipe_args(p)
