@@ -131,10 +131,9 @@ def _loop(backend, stream, plan: Plan, info: DistInfo, log: RunLog, start: int, 
 def _record(pending, step, steps, elapsed, lr, grad_norm, tokens_per_step, flops_step, peak, world) -> dict:
     """The logged numbers. The one host sync of the loop: the losses of the interval, averaged over every rank
     that computed one (all data-parallel ranks; with pipelines, the last stage's ranks)."""
-    device = pending[0].device if pending else torch.device("cpu")
-    local = torch.stack([torch.stack(pending).sum(), torch.tensor(float(len(pending)), device=device)]) if pending \
-        else torch.zeros(2, device=_comm_device())
-    local = local.to(_comm_device()).float()
+    local = torch.zeros(2, device=_comm_device())  # (sum of losses, how many)
+    if pending:
+        local[0], local[1] = torch.stack(pending).float().sum().to(local.device), len(pending)
     dist.all_reduce(local, op=dist.ReduceOp.SUM)
     tflops = flops_step * steps / elapsed / 1e12 / world
     return {"step": step, "loss": (local[0] / local[1]).item(), "lr": lr,
