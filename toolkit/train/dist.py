@@ -59,3 +59,14 @@ def rank_zero_first():
     yield
     if dist.get_rank() == 0:
         dist.barrier()
+
+
+def shutdown() -> None:
+    """Leave the process group together. Exiting with it alive lets the interpreter tear down while the
+    communication threads still run, which intermittently aborts a rank ("terminate called without an active
+    exception") after the work is done."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

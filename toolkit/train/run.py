@@ -10,7 +10,7 @@ import torch.distributed as dist
 from toolkit.errors import Problem, RecipeError
 from toolkit.recipe import Plan, Recipe, check_paths, resolve
 from toolkit.train import checkpoint as ckpt
-from toolkit.train.dist import DistInfo, init_distributed, rank_zero_first
+from toolkit.train.dist import DistInfo, init_distributed, rank_zero_first, shutdown
 from toolkit.train.metrics import RunLog, detect_peak_tflops, flops_per_token
 
 
@@ -96,6 +96,7 @@ def train(recipe: Recipe) -> list[dict]:
         else:
             log.info(f"[toolkit] logging.sample_prompt is ignored: the {backend.name} backend does not generate yet")
     log.close()
+    shutdown()
     return records
 
 
