@@ -1,7 +1,10 @@
 """Run under torchrun: build the Megatron model at (tp, pp, vpp) from a Hugging Face checkpoint, run one forward
 pass through Megatron's pipeline schedule, gather the full logits and save them (with the input ids) to a file.
 
-    torchrun --nproc_per_node N tests/megatron_logits_probe.py HF_DIR TP PP VPP OUT.pt
+    torchrun --nproc_per_node N tests/megatron_logits_probe.py HF_DIR TP PP VPP OUT.pt [MEGATRON_CKPT]
+
+With MEGATRON_CKPT (a toolkit Megatron checkpoint at TP x PP x VPP, e.g. written by `toolkit convert`), the
+weights come from it instead, and HF_DIR only gives the model's config.
 """
 import sys
 from pathlib import Path
@@ -15,7 +18,7 @@ from toolkit.recipe import load_recipe, resolve  # noqa: E402
 from toolkit.train.dist import init_distributed  # noqa: E402
 
 
-def main(hf: str, tp: int, pp: int, vpp: int, out: str) -> None:
+def main(hf: str, tp: int, pp: int, vpp: int, out: str, megatron_ckpt: str | None = None) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -29,7 +32,13 @@ def main(hf: str, tp: int, pp: int, vpp: int, out: str) -> None:
     layout = resolve(r, info.world_size).layout
     runtime.init_parallel(r, layout, on_gpu=False)
     chunks = runtime.build_chunks(r, layout, on_gpu=False)
-    runtime.load_hf_weights(chunks, hf, r, layout)
+    if megatron_ckpt:
+        from toolkit.megatron.checkpoint import load_weights
+        from toolkit.train.checkpoint import find_resume
+
+        load_weights(chunks, find_resume(Path(megatron_ckpt), "auto"))
+    else:
+        runtime.load_hf_weights(chunks, hf, r, layout)
     torch.manual_seed(0)
     ids = torch.randint(0, r.model.vocab_size, (2, 32))
     positions = torch.arange(32).unsqueeze(0).expand(2, -1)
@@ -51,4 +60,4 @@ def main(hf: str, tp: int, pp: int, vpp: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], *sys.argv[6:7])

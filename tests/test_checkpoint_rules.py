@@ -208,6 +208,37 @@ def test_hf_to_megatron_gives_every_shard_the_megatron_shape(tiny_llama, layout)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_shard_shapes_without_tensors_equal_the_real_split(tiny_llama, layout):
+    """The streaming converter lays out its files from rule.shard_shape (no tensors): it must equal split's."""
+    from toolkit.checkpoint.sources import meta_shards
+
+    config, state = tiny_llama
+    tp, pp, vpp = LAYOUTS[layout]
+    dims = LlamaDims.from_hf(config, tp=tp)
+    expected = _expected_shapes(dims, tp, pp, vpp)
+    got = meta_shards(dims, tp, pp, vpp)
+    assert set(got) == {(p, r) for p in range(pp) for r in range(tp)}
+    for (p, r), shapes in got.items():
+        want = {f"chunk{c}.{n}": s for c in range(vpp) for n, s in expected[(p, c)].items()}
+        assert shapes == want, (p, r)
+
+
+def test_views_mode_shares_storage_and_gives_equal_shards(tiny_llama):
+    from toolkit.checkpoint.rules import views
+
+    config, state = tiny_llama
+    dims = LlamaDims.from_hf(config, tp=2)
+    compact = hf_to_megatron(state, dims, 2, 1)
+    with views():
+        shared = hf_to_megatron(state, dims, 2, 1)
+    emb = "embedding.word_embeddings.weight"
+    assert shared[(0, 1)][0]["decoder.layers.0.input_layernorm.weight"].data_ptr() == \
+        state["model.layers.0.input_layernorm.weight"].data_ptr()  # a view, no copy
+    assert compact[(0, 1)][0][emb].untyped_storage().nbytes() == compact[(0, 1)][0][emb].nbytes
+    assert all(torch.equal(shared[k][0][n], t) for k, chunks in compact.items() for n, t in chunks[0].items())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_hf_to_megatron_to_hf_is_bit_exact(tiny_llama, layout):
     config, state = tiny_llama
     tp, pp, vpp = LAYOUTS[layout]

@@ -90,6 +90,25 @@ def test_megatron_lm_to_hf_is_exact_and_loads(megatron_lm_ckpt, hf_model, tmp_pa
         assert torch.allclose(loaded(ids).logits, hf_model(ids).logits, atol=1e-6)  # the config maps back too
 
 
+def test_inspect_megatron_lm(megatron_lm_ckpt):
+    from toolkit.checkpoint.inspect import inspect
+
+    report = inspect(megatron_lm_ckpt)
+    assert report["format"] == "megatron-lm" and report["complete"] and report["step"] == 7
+    assert report["layout"] == {"tp": TP, "pp": PP, "vpp": 1}
+    assert report["architecture"]["num_key_value_heads"] == 2 and report["architecture"]["vocab_size"] == "512 (padded)"
+
+
+def test_megatron_lm_to_megatron_relayout_is_exact(megatron_lm_ckpt, hf_model, tmp_path):
+    from toolkit.checkpoint.convert import convert
+
+    out = convert(megatron_lm_ckpt, tmp_path / "m", "megatron", tp=1, pp=1, vocab_size=VOCAB, progress=False,
+                  log=lambda *_: None)
+    back = convert_to_hf(out, tmp_path / "hf")
+    got = load_file(str(back / "model.safetensors"))
+    assert all(torch.equal(got[k], v) for k, v in hf_model.state_dict().items())
+
+
 def test_megatron_lm_needs_the_true_vocab_size(megatron_lm_ckpt, tmp_path):
     with pytest.raises(ToolkitError, match="padded to 512 rows; pass the true vocabulary size with --vocab-size"):
         convert_to_hf(megatron_lm_ckpt, tmp_path / "hf")

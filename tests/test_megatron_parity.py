@@ -27,10 +27,12 @@ LOSS_RTOL = 5e-6     # fp32: reduction order differs between layouts; a wrong lr
 PROBE = REPO / "tests" / "megatron_logits_probe.py"
 
 
-def probe_logits(hf_path, tp: int, pp: int, vpp: int, out) -> torch.Tensor:
+def probe_logits(hf_path, tp: int, pp: int, vpp: int, out, megatron_ckpt=None) -> torch.Tensor:
+    """Logits of Megatron's model at tp x pp x vpp, with weights from hf_path or from a Megatron checkpoint."""
     nproc = tp * pp
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), str(PROBE), str(hf_path), str(tp), str(pp), str(vpp), str(out)]
+           str(free_port()), str(PROBE), str(hf_path), str(tp), str(pp), str(vpp), str(out),
+           *([str(megatron_ckpt)] if megatron_ckpt else [])]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-5000:]

@@ -34,7 +34,8 @@ def test_tp2_pp2_trains_and_checkpoints(tmp_path):
     losses = [m["loss"] for m in read_metrics(out)]
     assert losses[-1] < losses[0] - 1.0, losses
     files = sorted(p.name for p in (out / "checkpoints" / "step_00000030").iterdir())
-    assert files == ["model_tp00_pp000.pt", "model_tp00_pp001.pt", "model_tp01_pp000.pt", "model_tp01_pp001.pt",
+    ranks = ["tp00_pp000", "tp00_pp001", "tp01_pp000", "tp01_pp001"]
+    assert files == [*[f"model_{r}.safetensors" for r in ranks], *[f"optim_{r}.safetensors" for r in ranks],
                      "toolkit_meta.json", *[f"toolkit_rank{r:05d}.pt" for r in range(4)]]
 
 

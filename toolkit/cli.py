@@ -128,9 +128,11 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from toolkit.checkpoint.convert import convert_to_hf
+    from toolkit.checkpoint.convert import convert
 
-    out = convert_to_hf(args.src, args.dst, args.vocab_size, args.dtype, args.overwrite, not args.no_verify)
+    out = convert(args.src, args.dst, args.to, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=args.dtype,
+                  vocab_size=args.vocab_size, fp32=args.fp32, weights_only=args.weights_only,
+                  overwrite=args.overwrite, verify=not args.no_verify, dp=args.dp, progress=not args.quiet)
     print(f"wrote {out}")
     return 0
 
@@ -171,14 +173,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a Hugging Face folder, a step_* folder, or a checkpoint directory")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_inspect)
-    p = sub.add_parser("convert", help="convert a Megatron checkpoint (any TP x PP x VPP) to a Hugging Face folder")
-    p.add_argument("src", help="a toolkit Megatron checkpoint (step_* folder or directory) or a Megatron-LM one")
-    p.add_argument("dst", help="the Hugging Face folder to write")
-    p.add_argument("--to", choices=["hf"], required=True, help="target format (Hugging Face so far)")
+    p = sub.add_parser("convert", help="convert a checkpoint to another format or parallel layout (streaming, "
+                       "verified, all-or-nothing)", description="Convert SRC to DST. SRC's format and layout are "
+                       "read from its own files: a Hugging Face folder, a toolkit Megatron or DeepSpeed checkpoint "
+                       "(step_* folder or its directory), or a Megatron-LM checkpoint (iter_*/mp_rank_*).")
+    p.add_argument("src", help="the checkpoint to read")
+    p.add_argument("dst", help="the folder to write (must not exist unless --overwrite)")
+    p.add_argument("--to", choices=["hf", "megatron", "deepspeed"], required=True,
+                   help="hf: a Hugging Face folder; megatron: a toolkit Megatron checkpoint at --tp/--pp/--vpp "
+                   "(with the optimizer state when SRC has it, so training resumes on the new layout); deepspeed: "
+                   "a toolkit DeepSpeed checkpoint at another data-parallel size (--dp)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of a Megatron target (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of a Megatron target (default 1)")
+    p.add_argument("--vpp", type=int, default=1, help="virtual pipeline chunks per rank (default 1)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size of a DeepSpeed target")
     p.add_argument("--vocab-size", type=int, default=None, help="true vocabulary size (Megatron-LM sources)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="cast the weights")
-    p.add_argument("--overwrite", action="store_true", help="replace DST once the new folder is complete")
-    p.add_argument("--no-verify", action="store_true", help="skip splitting the result back and comparing")
+    p.add_argument("--fp32", action="store_true", help="DeepSpeed sources: take the fp32 master weights from the "
+                   "optimizer files instead of the model states")
+    p.add_argument("--weights-only", action="store_true", help="leave the optimizer state behind")
+    p.add_argument("--overwrite", action="store_true", help="replace DST once the new checkpoint is complete")
+    p.add_argument("--verify", action="store_true", help="read every tensor back and compare it bit for bit with "
+                   "the source, and for Hugging Face targets compare logits (the default; kept for clarity)")
+    p.add_argument("--no-verify", action="store_true", help="skip the read-back check")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_convert)
     p = rsub.add_parser("megatron-config", help="print the Megatron-Core arguments a recipe runs with")
     _recipe_args(p)

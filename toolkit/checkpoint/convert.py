@@ -1,115 +1,348 @@
-"""`toolkit convert SRC DST --to hf`: Megatron checkpoints of any TP x PP x VPP layout to a Hugging Face folder.
+"""`toolkit convert SRC DST --to {hf,megatron,deepspeed}`: any supported checkpoint to any supported layout,
+streaming, verified, and all-or-nothing.
 
-Sources: the toolkit's Megatron checkpoints (a step_* folder or a checkpoint directory) and Megatron-LM's legacy
-layout (iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt). The layout is read from the source's own files.
-The output appears whole or not at all (written beside DST, verified, then renamed into place); an existing DST
-is replaced only with overwrite=True. Not streaming yet: the model is held in memory once.
+Sources (toolkit/checkpoint/sources.py) read their layout from their own files: Hugging Face folders, the
+toolkit's Megatron checkpoints (any TP x PP x VPP, with optimizer state), Megatron-LM's legacy layout and the
+toolkit's DeepSpeed checkpoints (ZeRO 0-3, from the model states or with fp32=True the fp32 master weights).
+Targets: a Hugging Face folder (sharded safetensors + index, config, tokenizer files), or a toolkit Megatron
+checkpoint directory at a new TP x PP x VPP that the Megatron backend resumes from when the source carried
+optimizer state. DeepSpeed targets change the data-parallel size of a DeepSpeed checkpoint
+(toolkit/checkpoint/deepspeed_io.py).
+
+Streaming: one Megatron parameter at a time is read (positioned reads of safetensors, or memory-mapped legacy
+files), merged to its Hugging Face tensors, split for the target and written at its offset in the target file, so
+peak memory is a few times the largest parameter, whatever the model size. The output is built in a hidden folder
+beside DST, verified, then renamed into place; an existing DST is replaced only with overwrite=True, and only
+once the new one is complete.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint import LlamaDims, hf_to_megatron, megatron_to_hf
+from toolkit.checkpoint import safetensors_stream as st
+from toolkit.checkpoint.convert_llama import iter_entries
+from toolkit.checkpoint.rules import views
+from toolkit.checkpoint.sources import WEIGHT, Source, meta_shards, open_source
 from toolkit.errors import ToolkitError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HF_SHARD_BYTES = 5 * 2**30  # what save_pretrained uses by default
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json")
+LOGITS_CHECK_MAX_PARAMS = 2 * 10**9  # the post-write forward pass runs only for models this small
 
 
-def read_toolkit_megatron(tag_dir: Path) -> tuple[dict, dict, LlamaDims, tuple[int, int, int]]:
-    """(HF config dict, shards, dims, (tp, pp, vpp)) of a toolkit Megatron checkpoint."""
-    from toolkit.megatron.checkpoint import rank_tag
-    from toolkit.model import to_hf_config
-    from toolkit.recipe.schema import Recipe
-    from toolkit.train.checkpoint import META, verify_manifest
+class Progress:
+    """Bytes written, rate and ETA on stderr: one updating line on a terminal, a line every 10 s otherwise."""
 
-    problems = verify_manifest(tag_dir)
-    if problems:
-        raise ToolkitError(f"{tag_dir} is not a complete checkpoint: {'; '.join(problems)}")
-    meta = json.loads((tag_dir / META).read_text())
-    if meta.get("backend") != "megatron":
-        raise ToolkitError(f"{tag_dir} was written by the {meta.get('backend')} backend; only Megatron checkpoints "
-                           "convert to Hugging Face so far")
-    recipe, lay = Recipe.model_validate(meta["recipe"]), meta["layout"]
-    config = to_hf_config(recipe.model)
-    dims = LlamaDims.from_hf(config, lay["tp"], recipe.parallel.megatron.make_vocab_size_divisible_by)
-    shards = {(p, t): torch.load(tag_dir / f"model_{rank_tag(t, p)}.pt", weights_only=True,
-                                 map_location="cpu")["chunks"] for p in range(lay["pp"]) for t in range(lay["tp"])}
-    return config.to_dict(), shards, dims, (lay["tp"], lay["pp"], lay["vpp"])
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.start = self.last = time.monotonic()
+        self.tty = sys.stderr.isatty()
 
-
-def read_megatron_lm(path: Path, vocab_size: int | None):
-    from toolkit.checkpoint import megatron_lm
-
-    args, shards, _ = megatron_lm.read(path)
-    if vocab_size is None:
-        raise ToolkitError(f"{path} stores the vocabulary padded to {args.padded_vocab_size} rows; pass the true "
-                           "vocabulary size with --vocab-size (the tokenizer's, e.g. 32000 for Llama 2) so the "
-                           "padding rows are dropped")
-    config = megatron_lm.hf_config(args, vocab_size)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    dims = LlamaDims.from_hf(config, tp, getattr(args, "make_vocab_size_divisible_by", 128))
-    if dims.padded_vocab != args.padded_vocab_size:
-        raise ToolkitError(f"--vocab-size {vocab_size} pads to {dims.padded_vocab} rows at tp={tp}, but the "
-                           f"checkpoint has {args.padded_vocab_size}; check the vocabulary size")
-    return config, shards, dims, (tp, pp, vpp)
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.enabled and (now - self.last > (0.5 if self.tty else 10) or self.done >= self.total):
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9)
+            eta = (self.total - self.done) / rate if rate else 0
+            line = (f"converting: {self.done / 2**30:.2f} / {self.total / 2**30:.2f} GiB, "
+                    f"{rate / 2**20:.0f} MiB/s, ETA {eta:.0f} s")
+            print(("\r" + line) if self.tty else line, end="" if self.tty and self.done < self.total else "\n",
+                  file=sys.stderr, flush=True)
 
 
-def read_source(src: Path, vocab_size: int | None):
-    from toolkit.train.checkpoint import META, find_resume
-
-    if (src / META).is_file():
-        return read_toolkit_megatron(src)
-    if (src / "latest_complete").is_file():
-        return read_toolkit_megatron(find_resume(src, "auto") or src)
-    if (src / "latest_checkpointed_iteration.txt").is_file() or src.name.startswith("iter_"):
-        return read_megatron_lm(src, vocab_size)
-    raise ToolkitError(f"{src} is neither a toolkit Megatron checkpoint nor a Megatron-LM checkpoint "
-                       "(iter_*/mp_rank_*/model_optim_rng.pt with latest_checkpointed_iteration.txt)")
+def _cast(t: torch.Tensor, dtype: torch.dtype | None, field: str) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and field == WEIGHT else t
 
 
-def _verify(hf_state: dict, shards: dict, dims: LlamaDims, layout: tuple[int, int, int]) -> None:
-    """Split the result back into the source layout: every tensor must equal the source bit for bit, except the
-    vocabulary padding rows, which the Hugging Face model does not have."""
-    again = hf_to_megatron(hf_state, dims, *layout)
-    for key, chunks in shards.items():
-        for c, state in enumerate(chunks):
-            for name, source in state.items():
-                got = again[key][c][name]
-                if name.endswith(("word_embeddings.weight", "output_layer.weight")):
-                    rows = max(0, min(got.shape[0], dims.vocab - key[1] * got.shape[0]))
-                    got, source = got[:rows], source[:rows]
-                if not torch.equal(got, source):
-                    raise ToolkitError(f"verification failed: {name} of (pp, tp) = {key}, chunk {c} does not "
-                                       "round-trip; nothing was written")
+class _WriteBehind:
+    """Writes run on one background thread (pwrite releases the GIL) while the next parameter is read and split.
+    At most `depth` parameters wait to be written, so memory stays a few parameters' worth."""
+
+    def __init__(self, bar: Progress, depth: int = 2):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool, self.pending, self.bar, self.depth = ThreadPoolExecutor(1), [], bar, depth
+
+    def submit(self, writes: list) -> None:
+        while len(self.pending) >= self.depth:
+            self.bar.add(self.pending.pop(0).result())
+        self.pending.append(self.pool.submit(lambda: sum(w.write(k, t) for w, k, t in writes)))
+
+    def __enter__(self) -> _WriteBehind:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        try:
+            while self.pending and exc_type is None:
+                self.bar.add(self.pending.pop(0).result())
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def convert_to_hf(src: str | Path, dst: str | Path, vocab_size: int | None = None, dtype: str | None = None,
-                  overwrite: bool = False, verify: bool = True) -> Path:
-    from safetensors.torch import save_file
+class HFTarget:
+    """A Hugging Face folder: config.json, model.safetensors or model-0000i-of-0000n.safetensors + index."""
 
+    def __init__(self, folder: Path, source: Source, dtype: torch.dtype | None, shard_bytes: int = HF_SHARD_BYTES):
+        self.folder, self.dims = folder, source.dims()
+        self.fields = (WEIGHT,)
+        out_dtype = dtype or source.dtype()
+        names = [(n, s) for e in iter_entries(self.dims, 1, 1) if e.reads_back for n, s in zip(e.hf_names, e.hf_shapes)]
+        shards: list[dict] = [{}]
+        size = 0
+        for name, shape in names:
+            n = st.nbytes(shape, out_dtype)
+            if shards[-1] and size + n > shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = (shape, out_dtype)
+            size += n
+        files = (["model.safetensors"] if len(shards) == 1 else
+                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        self.writers = [st.Writer(folder / f, spec, {"format": "pt"}) for f, spec in zip(files, shards)]
+        self._where = {name: w for w, spec in zip(self.writers, shards) for name in spec}
+        self.total = sum(st.nbytes(s, d) for spec in shards for s, d in spec.values())
+        if len(files) > 1:
+            weight_map = {name: w.path.name for name, w in self._where.items()}
+            (folder / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2))
+        config = dict(source.config)
+        config["torch_dtype"] = str(out_dtype).replace("torch.", "")
+        config.setdefault("architectures", ["LlamaForCausalLM"])
+        config.setdefault("model_type", "llama")
+        (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        _copy_tokenizer(source, folder)
+
+    def writes(self, entry, field: str, hf_tensors: list[torch.Tensor]) -> list[tuple[st.Writer, str, torch.Tensor]]:
+        """(file, key, tensor) for each tensor this parameter puts in the folder."""
+        if not entry.reads_back:
+            return []
+        return [(self._where[n], n, t) for n, t in zip(entry.hf_names, hf_tensors)]
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.close()
+
+
+def _copy_tokenizer(source: Source, folder: Path) -> None:
+    """Carry the tokenizer along: from a Hugging Face source folder, or the recipe's local tokenizer folder."""
+    where = getattr(source, "folder", None)
+    if where is None and source.meta and source.meta.get("recipe"):
+        from toolkit.recipe.loader import REPO_ROOT
+
+        tok = Path(source.meta["recipe"].get("data", {}).get("tokenizer") or "")
+        where = tok if tok.is_absolute() else REPO_ROOT / tok
+    if where is not None and Path(where).is_dir():
+        for name in TOKENIZER_FILES:
+            if (Path(where) / name).is_file():
+                shutil.copy2(Path(where) / name, folder / name)
+
+
+class MegatronTarget:
+    """A toolkit Megatron checkpoint directory: <dst>/step_XXXXXXXX/{model,optim}_tpTT_ppPPP.safetensors,
+    toolkit_meta.json (layout, model config, recipe when known, manifest) and the latest_complete pointer."""
+
+    def __init__(self, root: Path, source: Source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None,
+                 weights_only: bool):
+        from toolkit.megatron.checkpoint import model_file, optim_file
+        from toolkit.train.checkpoint import tag_for
+
+        self.root, self.source, self.layout = root, source, (tp, pp, vpp)
+        self.dims = source.dims(tp)
+        self.fields = (WEIGHT,) if weights_only else source.fields
+        self.step = int(source.step or 0)
+        self.tag_dir = root / tag_for(self.step)
+        self.tag_dir.mkdir(parents=True)
+        out_dtype = dtype or source.dtype()
+        optim_meta = getattr(source, "optimizer_meta", {})
+        self.writers: dict[tuple[int, int, str], st.Writer] = {}
+        self.total = 0
+        for (p, t), shapes in meta_shards(self.dims, tp, pp, vpp).items():
+            spec = {k: (s, out_dtype) for k, s in shapes.items()}
+            self.writers[(p, t, WEIGHT)] = st.Writer(model_file(self.tag_dir, t, p), spec, {"format": "toolkit-megatron"})
+            self.total += sum(st.nbytes(s, d) for s, d in spec.values())
+            extra = [f for f in self.fields if f != WEIGHT]
+            if extra:
+                spec = {f"{k}:{f}": (shape, torch.float32) for k, shape in shapes.items() for f in extra}
+                self.writers[(p, t, "optim")] = st.Writer(optim_file(self.tag_dir, t, p), spec, optim_meta)
+                self.total += sum(st.nbytes(s, d) for s, d in spec.values())
+
+    def writes(self, entry, field: str, hf_tensors: list[torch.Tensor]) -> list[tuple[st.Writer, str, torch.Tensor]]:
+        """(file, key, shard) for each TP rank's shard of this parameter."""
+        from toolkit.megatron.checkpoint import chunk_key
+
+        key = chunk_key(entry.chunk, entry.megatron_name, None if field == WEIGHT else field)
+        kind = WEIGHT if field == WEIGHT else "optim"
+        return [(self.writers[(entry.pp_rank, t, kind)], key, piece)
+                for t, piece in enumerate(entry.to_megatron(hf_tensors, self.layout[0]))]
+
+    def close(self) -> None:
+        for w in self.writers.values():
+            w.close()
+        self._finish()
+
+    def _finish(self) -> None:
+        """Per-rank toolkit state (when the source has it), then the meta with its manifest, then the pointer."""
+        from toolkit.train.checkpoint import META, POINTER, SCHEMA_VERSION
+
+        tp, pp, vpp = self.layout
+        src_meta = self.source.meta or {}
+        old = src_meta.get("layout") or {}
+        dp, cp = old.get("dp", 1), old.get("cp", 1)
+        resumable = self.fields != (WEIGHT,) and old.get("zero_stage", 0) == 0 and src_meta.get("recipe")
+        layout = {"world_size": tp * pp * cp * dp, "zero_stage": 0, "dp": dp, "tp": tp, "pp": pp, "vpp": vpp, "cp": cp}
+        meta = {"schema_version": SCHEMA_VERSION, "step": self.step, "tag": self.tag_dir.name, "backend": "megatron",
+                "layout": layout, "hf_config": self.source.config,
+                "make_vocab_size_divisible_by": self.source.divisible_by,
+                "converted_from": self.source.describe(), "weights_only": not resumable}
+        if src_meta.get("recipe") and src_meta.get("backend") == "megatron":
+            recipe = json.loads(json.dumps(src_meta["recipe"]))
+            par = recipe.setdefault("parallel", {})
+            par.update(tp=tp, pp=pp, vpp=vpp, world_size=layout["world_size"], dp=dp)
+            meta["recipe"] = recipe
+        if resumable:
+            src_dir = self.source.tag_dir
+            state = torch.load(src_dir / "toolkit_rank00000.pt", weights_only=True)
+            for rank in range(layout["world_size"]):
+                # The data position is per data-parallel rank and dp is unchanged; RNG streams cannot map onto a
+                # new set of ranks, so every rank starts from rank 0's (Llama has no dropout; sampling is seeded).
+                torch.save(state, self.tag_dir / f"toolkit_rank{rank:05d}.pt")
+        meta["files"] = {p.name: p.stat().st_size for p in sorted(self.tag_dir.iterdir()) if p.is_file()}
+        (self.tag_dir / META).write_text(json.dumps(meta, indent=2, default=str))
+        (self.root / POINTER).write_text(self.tag_dir.name)
+
+
+def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1, vpp: int = 1,
+            dtype: str | None = None, vocab_size: int | None = None, fp32: bool = False, weights_only: bool = False,
+            overwrite: bool = False, verify: bool = True, dp: int | None = None, progress: bool = True,
+            log=print) -> Path:
+    """Convert SRC into DST (see the module docstring). Returns DST."""
     src, dst = Path(src), Path(dst)
     if dst.exists() and not overwrite:
         raise ToolkitError(f"{dst} already exists; pass --overwrite to replace it (it is replaced only after the "
-                           "new model is complete)")
-    config, shards, dims, layout = read_source(src, vocab_size)
-    hf_state = megatron_to_hf(shards, dims, *layout)
-    if verify:
-        _verify(hf_state, shards, dims, layout)
-    if dtype:
-        hf_state = {k: v.to(DTYPES[dtype]) for k, v in hf_state.items()}
-        config["torch_dtype"] = str(DTYPES[dtype]).replace("torch.", "")
+                           "new checkpoint is complete and verified)")
+    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents or \
+            dst.resolve() in src.resolve().parents:
+        raise ToolkitError(f"{dst} overlaps the source {src} (the same folder, inside it, or holding it: "
+                           "--overwrite would delete the source); write the conversion somewhere else")
+    if dtype is not None and dtype not in DTYPES:
+        raise ToolkitError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if to == "deepspeed":
+        return _to_deepspeed(src, dst, dp, overwrite)
+    if to not in ("hf", "megatron"):
+        raise ToolkitError(f"--to {to!r} is not one of hf, megatron, deepspeed")
+    if to == "hf" and (tp, pp, vpp) != (1, 1, 1):
+        raise ToolkitError("--tp/--pp/--vpp describe a Megatron target; a Hugging Face folder is not sharded")
+    source = open_source(src, vocab_size, fp32, weights_only)
     tmp = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
-    tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    save_file({k: v.contiguous() for k, v in hf_state.items()}, str(tmp / "model.safetensors"), {"format": "pt"})
-    _replace(tmp, dst)
+    try:
+        tmp.mkdir(parents=True)
+        cast = DTYPES[dtype] if dtype else None
+        target = (HFTarget(tmp, source, cast) if to == "hf"
+                  else MegatronTarget(tmp, source, tp, pp, vpp, cast, weights_only))
+        log(f"converting {source.describe()} at {src} -> {to}"
+            + (f" tp={tp} pp={pp} vpp={vpp}" if to == "megatron" else "")
+            + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write)")
+        t0 = time.monotonic()
+        bar = Progress(target.total, progress)
+        with views(), _WriteBehind(bar) as behind:  # pieces are written out at once: no compact copies needed
+            for entry in iter_entries(target.dims, pp, vpp):
+                for field in target.fields:
+                    hf = [_cast(x, cast, field) for x in source.read(entry.hf_names, field)]
+                    behind.submit(target.writes(entry, field, hf))
+                    del hf
+        target.close()
+        log(f"wrote {target.total / 2**30:.2f} GiB in {time.monotonic() - t0:.1f} s")
+        if verify:
+            _verify(source, tmp if to == "hf" else target.tag_dir, target.fields, cast, log, logits=to == "hf")
+        source.close()
+        _replace(tmp, dst)
+    except BaseException:
+        source.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return dst
+
+
+def _verify(source: Source, written: Path, fields: tuple[str, ...], cast, log, logits: bool) -> None:
+    """Read the output back through its own reader: every tensor must equal the source's, bit for bit (after the
+    requested cast). For Hugging Face outputs of models that fit, transformers also loads the folder and its logits
+    on fixed tokens must equal those of the source weights."""
+    t0 = time.monotonic()
+    again = open_source(written)
+    try:
+        count = 0
+        for entry in iter_entries(source.dims(), 1, 1):
+            if not entry.reads_back:
+                continue
+            for field in fields:
+                want = [_cast(x, cast, field) for x in source.read(entry.hf_names, field)]
+                got = again.read(entry.hf_names, field)
+                for name, w, g in zip(entry.hf_names, want, got):
+                    if w.dtype != g.dtype or w.shape != g.shape or not torch.equal(w, g):
+                        raise ToolkitError(f"verification failed: {name} ({field}) reads back different from the "
+                                           "source; nothing was written")
+                    count += 1
+        log(f"verified: {count} tensors read back bit-exactly ({time.monotonic() - t0:.1f} s)")
+        if logits:
+            _verify_logits(source, written, cast, log)
+    finally:
+        again.close()
+
+
+def _verify_logits(source: Source, folder: Path, cast, log) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    dims = source.dims()
+    params = dims.vocab * dims.hidden * (1 if dims.tied else 2) + dims.layers * (
+        dims.hidden * dims.head_dim * (dims.heads * 2 + dims.kv_heads * 2) + 3 * dims.hidden * dims.ffn)
+    if params > LOGITS_CHECK_MAX_PARAMS:
+        log(f"logits check skipped: {params / 1e9:.1f}B parameters is more than this check loads "
+            f"({LOGITS_CHECK_MAX_PARAMS / 1e9:.0f}B); the bit-exact read-back above still holds")
+        return
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=cast or source.dtype())
+    config = LlamaConfig(**{k: v for k, v in source.config.items() if k not in ("torch_dtype", "dtype")})
+    # built the way from_pretrained builds (buffers such as RoPE's inv_freq stay fp32), then given the weights
+    reference = AutoModelForCausalLM.from_config(config, dtype=cast or source.dtype())
+    state = {}
+    for entry in iter_entries(dims, 1, 1):
+        if entry.reads_back:
+            state.update(zip(entry.hf_names, (_cast(x, cast, WEIGHT) for x in source.read(entry.hf_names))))
+    reference.load_state_dict(state, strict=False)
+    if dims.tied:
+        reference.tie_weights()
+    ids = torch.randint(0, dims.vocab, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = loaded(ids).logits, reference(ids).logits
+    if not torch.equal(a, b):
+        raise ToolkitError(f"verification failed: transformers' model loaded from the output gives logits up to "
+                           f"{(a - b).abs().max().item():.3g} away from the source weights'; nothing was written")
+    log("verified: transformers loads the folder and gives the source's logits on 16 fixed tokens")
+
+
+def _to_deepspeed(src: Path, dst: Path, dp: int | None, overwrite: bool) -> Path:
+    from toolkit.train.checkpoint import META, POINTER, find_resume
+
+    if dp is None:
+        raise ToolkitError("--to deepspeed changes a DeepSpeed checkpoint's data-parallel size: pass --dp N")
+    tag = src
+    if not (src / META).is_file() and (src / POINTER).is_file():
+        tag = find_resume(src, "auto")
+    if tag is None or not (tag / META).is_file() or json.loads((tag / META).read_text()).get("backend") != "deepspeed":
+        raise ToolkitError(f"{src} is not a toolkit DeepSpeed checkpoint; DeepSpeed runs load Hugging Face weights "
+                           "directly (model.hf_path + model.pretrained: true), so convert other formats --to hf")
+    from toolkit.checkpoint.deepspeed_io import reshard_deepspeed
+
+    return reshard_deepspeed(tag, dst, dp, overwrite=overwrite)
 
 
 def _replace(tmp: Path, dst: Path) -> None:
@@ -119,3 +352,10 @@ def _replace(tmp: Path, dst: Path) -> None:
         dst.rename(old)
     tmp.rename(dst)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def convert_to_hf(src: str | Path, dst: str | Path, vocab_size: int | None = None, dtype: str | None = None,
+                  overwrite: bool = False, verify: bool = True) -> Path:
+    """Shorthand for convert(..., to="hf")."""
+    return convert(src, dst, "hf", dtype=dtype, vocab_size=vocab_size, overwrite=overwrite, verify=verify,
+                   progress=False, log=lambda *_: None)

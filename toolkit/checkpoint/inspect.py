@@ -1,8 +1,8 @@
 """`toolkit inspect`: what a checkpoint is (format, layout, architecture, size, step) and whether it is complete.
 
 Reads headers and metadata only (safetensors headers, the toolkit's manifest), never the tensors themselves.
-Formats: a Hugging Face model folder, and the toolkit's own DeepSpeed and Megatron checkpoints (a step_* folder,
-or a checkpoint directory, which is read at its latest complete step).
+Formats: a Hugging Face model folder, the toolkit's own DeepSpeed and Megatron checkpoints (a step_* folder, or a
+checkpoint directory, which is read at its latest complete step), and Megatron-LM's legacy layout.
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ def inspect(path: str | Path) -> dict:
         return inspect_toolkit(path)
     if (path / "latest_complete").is_file() or list(path.glob("step_*")):
         return inspect_root(path)
+    if (path / "latest_checkpointed_iteration.txt").is_file() or path.name.startswith("iter_"):
+        return inspect_megatron_lm(path)
     raise ToolkitError(f"{path} is not a checkpoint this toolkit reads: expected a Hugging Face folder (config.json + "
                        "*.safetensors), a step_* folder with toolkit_meta.json, or a checkpoint directory of step_* "
                        "folders")
@@ -65,12 +67,69 @@ def inspect_toolkit(tag_dir: Path) -> dict:
 
     problems = verify_manifest(tag_dir)
     meta = json.loads((tag_dir / META).read_text()) if (tag_dir / META).is_file() else {}
-    model = Recipe.model_validate(meta["recipe"]).model if "recipe" in meta else None
-    return {"path": str(tag_dir), "format": meta.get("backend", "unknown"), "complete": not problems,
-            "problems": problems, "step": meta.get("step"), "layout": meta.get("layout"),
-            "architecture": model.model_dump(exclude={"preset", "hf_path", "pretrained"}) if model else None,
-            "parameters": count_params(model)["total"] if model else None, "dtypes": None,
-            "bytes": _bytes(tag_dir)}
+    report = {"path": str(tag_dir), "format": meta.get("backend", "unknown"), "complete": not problems,
+              "problems": problems, "step": meta.get("step"), "layout": meta.get("layout"), "architecture": None,
+              "parameters": None, "dtypes": None, "bytes": _bytes(tag_dir)}
+    if meta.get("hf_config"):  # written by `toolkit convert`, which records the model's config itself
+        from toolkit.checkpoint import LlamaDims, iter_entries
+
+        dims = LlamaDims.from_hf(meta["hf_config"])
+        report["architecture"] = _hf_architecture(meta["hf_config"])
+        report["parameters"] = sum(_numel(s) for e in iter_entries(dims, 1, 1) if e.reads_back for s in e.hf_shapes)
+        report["converted_from"] = meta.get("converted_from")
+        report["weights_only"] = meta.get("weights_only")
+    elif "recipe" in meta:
+        model = Recipe.model_validate(meta["recipe"]).model
+        report["architecture"] = model.model_dump(exclude={"preset", "hf_path", "pretrained"})
+        report["parameters"] = count_params(model)["total"]
+    if meta.get("backend") == "megatron" and not problems:
+        report["dtypes"] = _megatron_dtypes(tag_dir)
+    return report
+
+
+def _megatron_dtypes(tag_dir: Path) -> dict:
+    """Element counts per dtype over the per-rank weight files (TP-replicated norms count once per rank)."""
+    from toolkit.checkpoint import safetensors_stream as st
+
+    dtypes: dict[str, int] = {}
+    for f in sorted(tag_dir.glob("model_*.safetensors")):
+        with st.Reader(f) as r:
+            for k in r.keys():
+                name = st.dtype_name(r.dtype(k))
+                dtypes[name] = dtypes.get(name, 0) + _numel(r.shape(k))
+    return dtypes
+
+
+def inspect_megatron_lm(path: Path) -> dict:
+    """Megatron-LM's legacy layout, from its arguments (read safely, memory-mapped) and file list."""
+    from toolkit.checkpoint import megatron_lm
+
+    it_dir = megatron_lm.iteration_dir(path)
+    first = next(it_dir.glob("mp_rank_*/model_optim_rng.pt"), None)
+    if first is None:
+        raise ToolkitError(f"{it_dir} holds no mp_rank_*/model_optim_rng.pt files")
+    state = megatron_lm.safe_load(first, mmap=True)
+    args = state["args"]
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    problems = [f"{megatron_lm.rank_file(it_dir, t, p, pp).relative_to(it_dir)} is missing"
+                for p in range(pp) for t in range(tp) if not megatron_lm.rank_file(it_dir, t, p, pp).is_file()]
+    config = megatron_lm.hf_config(args, args.padded_vocab_size)
+    from toolkit.checkpoint import LlamaDims, iter_entries
+
+    dims = LlamaDims.from_hf(config)
+    return {"path": str(path), "format": "megatron-lm", "complete": not problems, "problems": problems,
+            "step": state.get("iteration"), "layout": {"tp": tp, "pp": pp, "vpp": vpp},
+            "architecture": {**_hf_architecture(config), "vocab_size": f"{args.padded_vocab_size} (padded)"},
+            "parameters": sum(_numel(s) for e in iter_entries(dims, 1, 1) if e.reads_back for s in e.hf_shapes),
+            "dtypes": None, "bytes": _bytes(it_dir)}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def inspect_root(root: Path) -> dict:

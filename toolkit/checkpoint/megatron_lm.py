@@ -24,10 +24,11 @@ def _allowed_globals() -> list:
     return [argparse.Namespace, reconstruct, np.ndarray, np.dtype, *dtypes]
 
 
-def safe_load(path: Path) -> dict:
+def safe_load(path: Path, mmap: bool = False) -> dict:
+    """A Megatron-LM file's contents; mmap=True maps the tensors' storage instead of reading it all."""
     try:
         with torch.serialization.safe_globals(_allowed_globals()):
-            return torch.load(path, weights_only=True, map_location="cpu")
+            return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
     except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError or EOFError here
         raise ToolkitError(f"cannot read {path} safely: {str(e).splitlines()[0]}. Only tensors, Megatron-LM's "
                            "arguments and numpy RNG state are loaded; anything else is refused rather than "
@@ -53,13 +54,13 @@ def rank_file(it_dir: Path, tp: int, pp: int, pp_size: int) -> Path:
     return it_dir / name / "model_optim_rng.pt"
 
 
-def read(path: Path) -> tuple[argparse.Namespace, dict, int]:
+def read(path: Path, mmap: bool = False) -> tuple[argparse.Namespace, dict, int]:
     """(args, {(pp_rank, tp_rank): [chunk state dicts with local-spec names]}, iteration)."""
     it_dir = iteration_dir(path)
     first = next(it_dir.glob("mp_rank_*/model_optim_rng.pt"), None)
     if first is None:
         raise ToolkitError(f"{it_dir} holds no mp_rank_*/model_optim_rng.pt files")
-    args = safe_load(first)["args"]
+    args = safe_load(first, mmap)["args"]
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     missing = [str(rank_file(it_dir, t, p, pp)) for p in range(pp) for t in range(tp)
@@ -69,7 +70,7 @@ def read(path: Path) -> tuple[argparse.Namespace, dict, int]:
     shards, iteration = {}, None
     for p in range(pp):
         for t in range(tp):
-            state = safe_load(rank_file(it_dir, t, p, pp))
+            state = safe_load(rank_file(it_dir, t, p, pp), mmap)
             iteration = state.get("iteration", iteration)
             keys = ["model"] if vpp == 1 else [f"model{c}" for c in range(vpp)]
             shards[(p, t)] = [{local_spec_name(k): v for k, v in state[key].items()

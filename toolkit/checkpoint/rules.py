@@ -1,6 +1,8 @@
 """Typed split/merge rules: how Hugging Face tensors become per-TP-rank Megatron-Core shards, and back, exactly."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Protocol, Sequence, Union
 
@@ -19,11 +21,36 @@ class Rule(Protocol):
 
     def merge(self, shards: Sequence[Tensor]) -> HFTensors: ...
 
+    def shard_shape(self, hf_shapes: Sequence[tuple[int, ...]], tp: int) -> tuple[int, ...]:
+        """The shape of every rank's shard, without any tensor (what split would give)."""
+        ...
+
+
+def _divided(shape: tuple[int, ...], dim: int, tp: int, what: str) -> tuple[int, ...]:
+    if tp < 1 or shape[dim] % tp:
+        raise ToolkitError(f"{what}: cannot split dim {dim} of shape {tuple(shape)} into tp = {tp} equal shards "
+                           f"({shape[dim]} is not divisible by {tp}); choose a tensor-parallel size that divides it")
+    return (*shape[:dim], shape[dim] // tp, *shape[dim + 1:])
+
+
+_COMPACT = contextvars.ContextVar("toolkit_rules_compact", default=True)
+
+
+@contextlib.contextmanager
+def views():
+    """Inside this block the rules may hand out views of their inputs instead of compact copies: for consumers
+    that write the bytes out at once (the streaming converter), this saves one memory copy per tensor."""
+    token = _COMPACT.set(False)
+    try:
+        yield
+    finally:
+        _COMPACT.reset(token)
+
 
 def _own(t: Tensor) -> Tensor:
-    # Slices are views of the whole tensor, and torch.save writes a view's entire storage, so every shard or
-    # merged tensor we hand out gets its own compact storage.
-    return t.clone(memory_format=torch.contiguous_format)
+    # Slices are views of the whole tensor, and torch.save writes a view's entire storage, so by default every
+    # shard or merged tensor we hand out gets its own compact storage.
+    return t.clone(memory_format=torch.contiguous_format) if _COMPACT.get() else t
 
 
 def _split_dim(full: Tensor, tp: int, dim: int, what: str) -> list[Tensor]:
@@ -41,6 +68,9 @@ class Replicated:
     def split(self, full: Tensor, tp: int) -> list[Tensor]:
         return [_own(full) for _ in range(tp)]
 
+    def shard_shape(self, hf_shapes, tp: int) -> tuple[int, ...]:
+        return tuple(hf_shapes[0])
+
     def merge(self, shards: Sequence[Tensor]) -> Tensor:
         for rank, shard in enumerate(shards[1:], 1):
             if not torch.equal(shard, shards[0]):
@@ -56,6 +86,9 @@ class ColumnParallel:
     def split(self, full: Tensor, tp: int) -> list[Tensor]:
         return _split_dim(full, tp, 0, "column-parallel weight")
 
+    def shard_shape(self, hf_shapes, tp: int) -> tuple[int, ...]:
+        return _divided(tuple(hf_shapes[0]), 0, tp, "column-parallel weight")
+
     def merge(self, shards: Sequence[Tensor]) -> Tensor:
         return torch.cat(list(shards), 0)
 
@@ -66,6 +99,9 @@ class RowParallel:
 
     def split(self, full: Tensor, tp: int) -> list[Tensor]:
         return _split_dim(full, tp, 1, "row-parallel weight")
+
+    def shard_shape(self, hf_shapes, tp: int) -> tuple[int, ...]:
+        return _divided(tuple(hf_shapes[0]), 1, tp, "row-parallel weight")
 
     def merge(self, shards: Sequence[Tensor]) -> Tensor:
         return torch.cat(list(shards), 1)
@@ -84,6 +120,9 @@ class VocabParallel:
                                f"padded to {self.padded_vocab}: make the model's vocab_size match the checkpoint")
         padding = full.new_zeros(self.padded_vocab - self.true_vocab, *full.shape[1:])
         return _split_dim(torch.cat([full, padding], 0), tp, 0, "vocab-parallel weight")
+
+    def shard_shape(self, hf_shapes, tp: int) -> tuple[int, ...]:
+        return _divided((self.padded_vocab, *hf_shapes[0][1:]), 0, tp, "vocab-parallel weight")
 
     def merge(self, shards: Sequence[Tensor]) -> Tensor:
         full = torch.cat(list(shards), 0)
@@ -125,6 +164,11 @@ class QKV:
         grouped = torch.cat([q.reshape(g, -1, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], 1)
         return _split_dim(grouped.reshape(-1, *tail), tp, 0, "linear_qkv weight")
 
+    def shard_shape(self, hf_shapes, tp: int) -> tuple[int, ...]:
+        self._check(tp)
+        rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        return _divided((rows, *hf_shapes[0][1:]), 0, tp, "linear_qkv weight")
+
     def merge(self, shards: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         self._check(len(shards))
         full = torch.cat(list(shards), 0)
@@ -145,6 +189,10 @@ class GatedMLP:
         gate, up = full
         gates, ups = _split_dim(gate, tp, 0, "gate_proj weight"), _split_dim(up, tp, 0, "up_proj weight")
         return [torch.cat([g, u], 0) for g, u in zip(gates, ups)]
+
+    def shard_shape(self, hf_shapes, tp: int) -> tuple[int, ...]:
+        gate = _divided(tuple(hf_shapes[0]), 0, tp, "gate_proj weight")
+        return (2 * gate[0], *gate[1:])
 
     def merge(self, shards: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
         if any(shard.shape[0] % 2 for shard in shards):

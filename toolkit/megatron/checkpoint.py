@@ -1,19 +1,31 @@
 """Per-rank checkpoint files of the Megatron backend, inside the toolkit's step_* folders.
 
-  model_tpTT_ppPPP.pt      the (tp, pp) rank's model chunks and optimizer state, written by data-parallel rank 0
-  distopt_tpTT_ppPPP.pt    with the distributed optimizer: its fp32 master weights and Adam moments, gathered
-                           from the data-parallel ranks by Megatron's save_parameter_state
+  model_tpTT_ppPPP.safetensors   the (tp, pp) rank's weights, keys "chunk{c}.{local-spec name}"
+  optim_tpTT_ppPPP.safetensors   its optimizer state by parameter name: "chunk{c}.{name}:exp_avg", ":exp_avg_sq"
+                                 and, when the model trains in 16-bit, ":master" (the fp32 main weights); the step
+                                 and grad-scaler state in the header's metadata
+  optim_tpTT_ppPPP.pt            instead, with the distributed optimizer: Megatron's own optimizer state_dict, and
+  distopt_tpTT_ppPPP.pt          its fp32 main weights and Adam moments, gathered from the data-parallel ranks by
+                                 Megatron's save_parameter_state
 
-The layout (tp, pp, vpp, dp, ...) is recorded in the step folder's toolkit_meta.json by the toolkit's
-checkpoint module, which also decides when a checkpoint is complete.
+Keying the optimizer state by parameter name (not by Megatron's position in its param groups) is what lets
+`toolkit convert` move it to another TP x PP layout with the same split/merge rules as the weights. Every file
+written by data-parallel rank 0 is safetensors or torch.load(weights_only=True)-safe. The layout (tp, pp, vpp,
+dp, ...) is recorded in the step folder's toolkit_meta.json by toolkit/train/checkpoint.py, which also decides
+when a checkpoint is complete.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
+from toolkit.checkpoint import safetensors_stream as st
 from toolkit.errors import ToolkitError
+
+OPTIM_FIELDS = ("exp_avg", "exp_avg_sq")
+MASTER = "master"
 
 
 def rank_tag(tp_rank: int, pp_rank: int) -> str:
@@ -21,40 +33,187 @@ def rank_tag(tp_rank: int, pp_rank: int) -> str:
     return f"tp{tp_rank:02d}_pp{pp_rank:03d}"
 
 
-def _chunk_states(backend) -> list[dict]:
-    from toolkit.megatron.runtime import chunk_state
+def model_file(tag_dir: Path, tp_rank: int, pp_rank: int) -> Path:
+    return tag_dir / f"model_{rank_tag(tp_rank, pp_rank)}.safetensors"
 
-    return [chunk_state(w.module) for w in backend.chunks]  # local-spec names: files do not depend on the spec
+
+def optim_file(tag_dir: Path, tp_rank: int, pp_rank: int) -> Path:
+    return tag_dir / f"optim_{rank_tag(tp_rank, pp_rank)}.safetensors"
+
+
+def chunk_key(chunk: int, name: str, field: str | None = None) -> str:
+    """The key of a parameter (field None) or of one of its optimizer tensors in the per-rank files."""
+    return f"chunk{chunk}.{name}" + (f":{field}" if field else "")
+
+
+def split_key(key: str) -> tuple[int, str, str | None]:
+    """(chunk, name, field) of a key written by chunk_key."""
+    head, _, rest = key.partition(".")
+    name, _, field = rest.partition(":")
+    if not head.startswith("chunk") or not head[5:].isdigit() or not name:
+        raise ToolkitError(f"{key!r} is not a toolkit Megatron checkpoint key (chunk<c>.<name>[:<field>])")
+    return int(head[5:]), name, field or None
 
 
 def _distributed(backend) -> bool:
     return backend.layout_meta["zero_stage"] == 1
 
 
+def _inner_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def named_optimizer_params(backend) -> list[tuple[str, torch.nn.Parameter, torch.nn.Parameter, object]]:
+    """(key, model parameter, parameter the optimizer updates, inner torch optimizer) for every trained parameter.
+    The two parameters differ when the model is 16-bit: the optimizer then steps an fp32 main copy."""
+    from toolkit.checkpoint.llama import local_spec_name
+
+    names = {}
+    for c, w in enumerate(backend.chunks):
+        for n, p in w.module.named_parameters():
+            names[p] = chunk_key(c, local_spec_name(n))
+    out = []
+    for o in _inner_optimizers(backend.optimizer):
+        if hasattr(o, "float16_groups"):
+            for model_group, main_group in zip(o.float16_groups, o.fp32_from_float16_groups):
+                out += [(names[p], p, m, o.optimizer) for p, m in zip(model_group, main_group)]
+            for group in o.fp32_from_fp32_groups:
+                out += [(names[p], p, p, o.optimizer) for p in group]
+        else:
+            out += [(names[p], p, p, o.optimizer) for g in o.optimizer.param_groups for p in g["params"]]
+    return out
+
+
+def _step_of(opt, main) -> int:
+    state = opt.state.get(main, {})
+    if "step" in state:
+        return int(state["step"])
+    group = next(g for g in opt.param_groups if any(p is main for p in g["params"]))
+    return int(group.get("step", 0))
+
+
+def _scaler_states(optimizer) -> list[dict]:
+    out = []
+    for o in _inner_optimizers(optimizer):
+        scaler = getattr(o, "grad_scaler", None)
+        sd = scaler.state_dict() if scaler is not None else {}
+        out.append({k: (v.item() if torch.is_tensor(v) else v) for k, v in sd.items()})
+    return out
+
+
+def optimizer_tensors(backend) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The non-distributed optimizer's state by name, and metadata (step, grad scalers)."""
+    tensors, steps = {}, set()
+    for key, model_p, main, opt in named_optimizer_params(backend):
+        state = opt.state.get(main, {})
+        if not state:  # no step taken yet
+            continue
+        for field in OPTIM_FIELDS:
+            tensors[f"{key}:{field}"] = state[field]
+        if main is not model_p:
+            tensors[f"{key}:{MASTER}"] = main.detach()
+        steps.add(_step_of(opt, main))
+    if len(steps) > 1:
+        raise ToolkitError(f"optimizer parameters are at different steps {sorted(steps)}; cannot save one step")
+    meta = {"step": str(steps.pop() if steps else 0), "grad_scalers": json.dumps(_scaler_states(backend.optimizer))}
+    return tensors, meta
+
+
+def load_optimizer_tensors(backend, tensors: dict[str, torch.Tensor], meta: dict[str, str], where: Path) -> None:
+    """Put name-keyed optimizer state (from optimizer_tensors, or a conversion) into the live optimizer."""
+    params = named_optimizer_params(backend)
+    want = {f"{key}:{f}" for key, model_p, main, _ in params
+            for f in OPTIM_FIELDS + ((MASTER,) if main is not model_p else ())}
+    step = int(meta.get("step", "0"))
+    if step == 0 and not tensors:
+        return
+    missing, unexpected = sorted(want - set(tensors)), sorted(set(tensors) - want)
+    if missing or unexpected:
+        raise ToolkitError(f"{where}: optimizer state does not fit this model (missing {missing[:3]}, unexpected "
+                           f"{unexpected[:3]}); it was written for another model or precision")
+    with torch.no_grad():
+        for key, model_p, main, opt in params:
+            state = opt.state[main]
+            for field in OPTIM_FIELDS:
+                state[field] = tensors[f"{key}:{field}"].to(device=main.device, dtype=main.dtype).clone()
+            if main is not model_p:
+                main.copy_(tensors[f"{key}:{MASTER}"])
+            if any("step" in g for g in opt.param_groups):
+                for g in opt.param_groups:
+                    g["step"] = step
+            else:
+                state["step"] = torch.tensor(float(step), dtype=torch.float32)
+    for o, saved in zip(_inner_optimizers(backend.optimizer), json.loads(meta.get("grad_scalers", "[]"))):
+        scaler = getattr(o, "grad_scaler", None)
+        if scaler is not None and saved:
+            scaler.load_state_dict({k: torch.tensor(v, dtype=torch.float32, device=backend.device)
+                                    if k == "scale" else v for k, v in saved.items()})
+
+
+def _chunk_tensors(backend) -> dict[str, torch.Tensor]:
+    from toolkit.megatron.runtime import chunk_state
+
+    return {chunk_key(c, n): v for c, w in enumerate(backend.chunks) for n, v in chunk_state(w.module).items()}
+
+
 def save_rank_state(backend, tag_dir: Path) -> None:
     from megatron.core import parallel_state as ps
 
     tag_dir.mkdir(parents=True, exist_ok=True)
+    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     if _distributed(backend):  # collective over the data-parallel group: every DP rank takes part
         backend.optimizer.save_parameter_state(str(tag_dir / f"distopt_{backend.rank_tag}.pt"))
     if ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0:
-        torch.save({"chunks": _chunk_states(backend), "optimizer": backend.optimizer.state_dict()},
-                   tag_dir / f"model_{backend.rank_tag}.pt")
+        st.save(_chunk_tensors(backend), model_file(tag_dir, tp, pp), {"format": "toolkit-megatron"})
+        if _distributed(backend):
+            torch.save(backend.optimizer.state_dict(), tag_dir / f"optim_{backend.rank_tag}.pt")
+        else:
+            tensors, meta = optimizer_tensors(backend)
+            st.save(tensors, optim_file(tag_dir, tp, pp), meta)
+
+
+def load_weights(chunks: list, tag_dir: Path) -> None:
+    """Fill this rank's model chunks (GPTModels) from a toolkit Megatron checkpoint of the same layout."""
+    from megatron.core import parallel_state as ps
+
+    from toolkit.megatron.runtime import load_chunk_state
+
+    path = model_file(tag_dir, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+    if not path.is_file():
+        raise ToolkitError(f"{path} is missing: the checkpoint was not written by this layout or is incomplete")
+    tensors, _ = st.load(path)
+    per_chunk: list[dict] = [{} for _ in chunks]
+    for key, value in tensors.items():
+        c, name, _ = split_key(key)
+        if c >= len(per_chunk):
+            raise ToolkitError(f"{path} has chunk {c}, this layout has {len(per_chunk)} chunks per rank")
+        per_chunk[c][name] = value
+    for chunk, chunk_state in zip(chunks, per_chunk):
+        load_chunk_state(chunk, chunk_state)
 
 
 def load_rank_state(backend, tag_dir: Path) -> None:
-    from toolkit.megatron.runtime import load_chunk_state
+    from megatron.core import parallel_state as ps
 
-    path = tag_dir / f"model_{backend.rank_tag}.pt"
-    if not path.is_file():
-        raise ToolkitError(f"{path} is missing: the checkpoint was not written by this layout or is incomplete")
-    # Megatron's optimizer state holds plain Python containers and tensors only, so weights_only loading works
-    state = torch.load(path, weights_only=True, map_location=backend.device)
-    for w, chunk_state in zip(backend.chunks, state["chunks"]):
-        load_chunk_state(w.module, chunk_state)
-    backend.optimizer.load_state_dict(state["optimizer"])
+    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    load_weights([w.module for w in backend.chunks], tag_dir)
     if _distributed(backend):
+        # Megatron's optimizer state holds plain Python containers and tensors only, so weights_only loading works
+        native = tag_dir / f"optim_{backend.rank_tag}.pt"
+        if not native.is_file():
+            raise ToolkitError(f"{native} is missing: this checkpoint holds no distributed-optimizer state (a "
+                               "converted checkpoint carries the plain optimizer's state only); resume it with "
+                               "parallel.megatron.distributed_optimizer: false")
+        backend.optimizer.load_state_dict(torch.load(native, weights_only=True, map_location=backend.device))
         _load_distributed_state(backend.optimizer, tag_dir / f"distopt_{backend.rank_tag}.pt")
+        return
+    optim = optim_file(tag_dir, tp, pp)
+    if not optim.is_file():
+        raise ToolkitError(f"{optim} is missing: this checkpoint holds weights only (converted with no optimizer "
+                           "state), so training cannot resume from it; to train from its weights, convert it --to hf "
+                           "and set model.hf_path to that folder with model.pretrained: true")
+    tensors, meta = st.load(optim)
+    load_optimizer_tensors(backend, tensors, meta, optim)
 
 
 def _load_distributed_state(optimizer, path: Path) -> None:
@@ -63,8 +222,8 @@ def _load_distributed_state(optimizer, path: Path) -> None:
     expects "step" among the saved tensors, which save_parameter_state never writes. Set it aside meanwhile, and
     give each parameter its own step tensor: load_state_dict shares one, which torch's AdamW would then increment
     once per parameter per step, corrupting Adam's bias correction."""
-    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
-    steps = [{p: st.pop("step") for p, st in opt.state.items() if "step" in st} for opt in inner]
+    inner = [o.optimizer for o in _inner_optimizers(optimizer)]
+    steps = [{p: st_.pop("step") for p, st_ in opt.state.items() if "step" in st_} for opt in inner]
     with torch.no_grad():  # in fp32 the main params are views of the model's (leaf) params
         optimizer.load_parameter_state(str(path))
     for opt, saved in zip(inner, steps):

@@ -133,8 +133,14 @@ def load(backend, tag_dir: Path, layout_meta: dict) -> dict:
     meta = json.loads((tag_dir / META).read_text())
     saved = meta.get("layout", {})
     if saved != layout_meta:
+        if "tp" in layout_meta:
+            move = (f"toolkit convert {tag_dir} NEW_DIR --to megatron --tp {layout_meta['tp']} --pp "
+                    f"{layout_meta['pp']} --vpp {layout_meta['vpp']}")
+        else:
+            move = f"toolkit convert {tag_dir} NEW_DIR --to deepspeed --dp {layout_meta['dp']}"
         raise ToolkitError(f"checkpoint {tag_dir} was written with {_describe(saved)}, this run has "
-                           f"{_describe(layout_meta)}; relaunch with the saved layout, or set "
+                           f"{_describe(layout_meta)}; relaunch with the saved layout, move the checkpoint to this "
+                           f"layout with `{move}` and resume from NEW_DIR (checkpoint.resume), or set "
                            "checkpoint.resume: never to start fresh")
     backend.load_state(tag_dir)
     state = torch.load(tag_dir / f"toolkit_rank{dist.get_rank():05d}.pt", weights_only=True)

@@ -1,0 +1,304 @@
+"""Checkpoint sources for `toolkit convert`: each reads its own layout from its own files, checks it is complete
+before anything is written, and hands out one parameter's Hugging Face tensors at a time.
+
+A source answers read(hf_names, field) with the full (unsharded) Hugging Face tensors of one Megatron parameter
+(e.g. q, k and v for linear_qkv). `field` is "weight", or an optimizer tensor of that parameter ("exp_avg",
+"exp_avg_sq", "master") for sources that carry optimizer state: those convert with the very same rules.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from toolkit.checkpoint import safetensors_stream as st
+from toolkit.checkpoint.convert_llama import iter_entries, raise_problems
+from toolkit.checkpoint.llama import LlamaDims, check_dims
+from toolkit.errors import Problem, ToolkitError
+
+WEIGHT = "weight"
+
+
+def meta_shards(dims: LlamaDims, tp: int, pp: int, vpp: int) -> dict[tuple[int, int], dict[str, tuple]]:
+    """{(pp_rank, tp_rank): {"chunk{c}.{name}": shard shape}} of a Megatron layout, from the rules' shard_shape
+    (tests pin it to what split really gives): the one place shapes come from, for checking sources and laying
+    out files."""
+    from toolkit.megatron.checkpoint import chunk_key
+
+    raise_problems(f"the model cannot be laid out at tp={tp} pp={pp} vpp={vpp}", check_dims(dims, tp, pp, vpp))
+    out: dict[tuple[int, int], dict[str, tuple]] = {(p, t): {} for p in range(pp) for t in range(tp)}
+    for e in iter_entries(dims, pp, vpp):
+        shape = e.rule.shard_shape(e.hf_shapes, tp)
+        for t in range(tp):
+            out[(e.pp_rank, t)][chunk_key(e.chunk, e.megatron_name)] = shape
+    return out
+
+
+class Source:
+    """What every source offers; see the module docstring."""
+
+    kind = "?"
+    config: dict
+    fields: tuple[str, ...] = (WEIGHT,)
+    step: int | None = None
+    meta: dict | None = None  # the toolkit's checkpoint metadata, when the source is a toolkit checkpoint
+    divisible_by: int = 128
+    layout: tuple[int, int, int] | None = None  # (tp, pp, vpp) of sharded sources
+
+    def dims(self, tp: int = 1) -> LlamaDims:
+        return LlamaDims.from_hf(self.config, tp, self.divisible_by)
+
+    def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        lay = f" tp={self.layout[0]} pp={self.layout[1]} vpp={self.layout[2]}" if self.layout else ""
+        return f"{self.kind}{lay}"
+
+
+class HFSource(Source):
+    """A Hugging Face folder: config.json and *.safetensors (sharded with model.safetensors.index.json, or one)."""
+
+    kind = "Hugging Face"
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        config = folder / "config.json"
+        if not config.is_file():
+            raise ToolkitError(f"{folder} has no config.json; a Hugging Face model folder needs one")
+        self.config = json.loads(config.read_text())
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map") or {}
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (folder / f).is_file()]
+            if missing:
+                raise ToolkitError(f"{folder} is incomplete: {', '.join(missing[:4])} listed in {index.name} "
+                                   f"{'is' if len(missing) == 1 else 'are'} missing")
+        else:
+            files = sorted(p.name for p in folder.glob("*.safetensors"))
+            if not files:
+                raise ToolkitError(f"{folder} holds no *.safetensors files (.bin pickles are not read: re-save the "
+                                   "model with save_pretrained(safe_serialization=True))")
+        self._readers = [st.Reader(folder / f) for f in files]
+        self._where = {k: r for r in self._readers for k in r.keys()}
+        if index.is_file():
+            wrong = [k for k, f in weight_map.items() if k not in self._where or self._where[k].path.name != f]
+            if wrong:
+                raise ToolkitError(f"{index} does not match the files: {', '.join(wrong[:4])} are not where it says")
+        dims = self.dims()
+        problems = []
+        for e in iter_entries(dims, 1, 1):
+            for name, shape in zip(e.hf_names, e.hf_shapes):
+                if name not in self._where:
+                    problems.append(Problem(name, "is missing", "check the folder is a complete LlamaForCausalLM"))
+                elif self._where[name].shape(name) != shape:
+                    problems.append(Problem(name, f"has shape {self._where[name].shape(name)}, config.json gives "
+                                            f"{shape}", "the weights and config.json are of different models"))
+        known = {n for e in iter_entries(dims, 1, 1) for n in e.hf_names} | {"lm_head.weight"}
+        extra = sorted(k for k in self._where if k not in known and not k.endswith("rotary_emb.inv_freq"))
+        if extra:
+            problems.append(Problem("weights", f"{len(extra)} tensors the Llama map does not know: "
+                                    f"{', '.join(extra[:6])}", "convert a Llama-family model"))
+        raise_problems(f"{folder} does not match its config.json", problems)
+
+    def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
+        return [self._where[n].get(n) for n in hf_names]
+
+    def dtype(self) -> torch.dtype:
+        return self._where["model.embed_tokens.weight"].dtype("model.embed_tokens.weight")
+
+    def close(self) -> None:
+        for r in self._readers:
+            r.close()
+
+
+class _ShardedSource(Source):
+    """A Megatron layout: merges the TP shards of one parameter on request."""
+
+    _get: callable  # (pp_rank, tp_rank, key) -> tensor
+
+    def _index(self) -> None:
+        tp, pp, vpp = self.layout
+        self._dims = self.dims(tp)
+        self._entries = {e.hf_names: e for e in iter_entries(self._dims, pp, vpp) if e.reads_back}
+
+    def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
+        from toolkit.megatron.checkpoint import chunk_key
+
+        entry = self._entries[tuple(hf_names)]
+        key = chunk_key(entry.chunk, entry.megatron_name, None if field == WEIGHT else field)
+        shards = [self._get(entry.pp_rank, t, key) for t in range(self.layout[0])]
+        return list(entry.to_hf(shards).values())
+
+
+class ToolkitMegatronSource(_ShardedSource):
+    """A step folder written by the toolkit's Megatron backend (or by `toolkit convert --to megatron`)."""
+
+    kind = "toolkit Megatron"
+
+    def __init__(self, tag_dir: Path, meta: dict, weights_only: bool = False):
+        from toolkit.megatron.checkpoint import model_file, optim_file
+
+        self.tag_dir, self.meta, self.step = tag_dir, meta, meta.get("step")
+        lay = meta["layout"]
+        self.layout = (lay["tp"], lay["pp"], lay["vpp"])
+        self.config, self.divisible_by = model_config(meta)
+        self._index()
+        tp, pp, _ = self.layout
+        self._models = {(p, t): st.Reader(model_file(tag_dir, t, p)) for p in range(pp) for t in range(tp)}
+        optims = {(p, t): optim_file(tag_dir, t, p) for p in range(pp) for t in range(tp)}
+        self._optims = {}
+        if not weights_only and all(f.is_file() for f in optims.values()):
+            self._optims = {k: st.Reader(f) for k, f in optims.items()}
+            fields = {split_field(k) for r in self._optims.values() for k in r.keys()}
+            self.fields = (WEIGHT, *sorted(f for f in fields if f))
+            steps = {r.metadata.get("step") for r in self._optims.values()}
+            if len(steps) != 1:
+                raise ToolkitError(f"{tag_dir}: the ranks' optimizer files are at different steps {sorted(steps)}")
+            self.optimizer_meta = dict(next(iter(self._optims.values())).metadata)
+        self._check()
+
+    def _check(self) -> None:
+        tp, pp, vpp = self.layout
+        problems = []
+        for (p, t), shapes in meta_shards(self._dims, tp, pp, vpp).items():
+            reader = self._models[(p, t)]
+            got = {k: reader.shape(k) for k in reader.keys()}
+            missing, unexpected = sorted(set(shapes) - set(got)), sorted(set(got) - set(shapes))
+            bad = [f"{k} {got[k]} (expected {shapes[k]})" for k in shapes if k in got and got[k] != shapes[k]]
+            for what, items in (("is missing", missing), ("has unexpected", unexpected), ("has misshapen", bad)):
+                if items:
+                    problems.append(Problem(reader.path.name, f"{what} {', '.join(items[:4])}",
+                                            "the file does not belong to the model and layout in toolkit_meta.json"))
+            if self._optims:
+                want = {f"{k}:{f}" for k in shapes for f in self.fields if f != WEIGHT}
+                have = set(self._optims[(p, t)].keys())
+                if want != have:
+                    problems.append(Problem(self._optims[(p, t)].path.name, f"does not hold exactly the optimizer "
+                                            f"state of its model file (missing {sorted(want - have)[:2]}, unexpected "
+                                            f"{sorted(have - want)[:2]})", "re-save the checkpoint"))
+        raise_problems(f"{self.tag_dir} does not match its toolkit_meta.json", problems)
+
+    def _get(self, p: int, t: int, key: str) -> torch.Tensor:
+        return (self._optims if ":" in key else self._models)[(p, t)].get(key)
+
+    def dtype(self) -> torch.dtype:
+        r = self._models[(0, 0)]
+        return r.dtype(r.keys()[0])
+
+    def close(self) -> None:
+        for r in [*self._models.values(), *self._optims.values()]:
+            r.close()
+
+
+def split_field(key: str) -> str | None:
+    return key.partition(":")[2] or None
+
+
+def model_config(meta: dict) -> tuple[dict, int]:
+    """(HF config dict, vocab divisor) of a toolkit checkpoint: stored by conversions, else from its recipe."""
+    if meta.get("hf_config"):
+        return meta["hf_config"], int(meta.get("make_vocab_size_divisible_by", 128))
+    from toolkit.model import to_hf_config
+    from toolkit.recipe.schema import Recipe
+
+    recipe = Recipe.model_validate(meta["recipe"])
+    return to_hf_config(recipe.model).to_dict(), recipe.parallel.megatron.make_vocab_size_divisible_by
+
+
+class MegatronLMSource(_ShardedSource):
+    """Megatron-LM's legacy layout. Its files are pickles: read with weights_only=True and an allow-list, memory-
+    mapped so only the tensors read are paged in."""
+
+    kind = "Megatron-LM"
+
+    def __init__(self, path: Path, vocab_size: int | None):
+        from toolkit.checkpoint import megatron_lm
+
+        args, self._shards, self.step = megatron_lm.read(path, mmap=True)
+        if vocab_size is None:
+            raise ToolkitError(f"{path} stores the vocabulary padded to {args.padded_vocab_size} rows; pass the true "
+                               "vocabulary size with --vocab-size (the tokenizer's, e.g. 32000 for Llama 2) so the "
+                               "padding rows are dropped")
+        self.config = megatron_lm.hf_config(args, vocab_size)
+        self.divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
+        self.layout = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                       getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+        self._index()
+        if self._dims.padded_vocab != args.padded_vocab_size:
+            raise ToolkitError(f"--vocab-size {vocab_size} pads to {self._dims.padded_vocab} rows at tp="
+                               f"{self.layout[0]}, but the checkpoint has {args.padded_vocab_size}; check the "
+                               "vocabulary size")
+        from toolkit.checkpoint.convert_llama import check_megatron_shards
+
+        raise_problems(f"{path} does not match its own arguments",
+                       check_megatron_shards(self._shards, iter_entries(self._dims, *self.layout[1:]), *self.layout))
+
+    def _get(self, p: int, t: int, key: str) -> torch.Tensor:
+        from toolkit.megatron.checkpoint import split_key
+
+        chunk, name, _ = split_key(key)
+        return self._shards[(p, t)][chunk][name]
+
+    def dtype(self) -> torch.dtype:
+        return self._shards[(0, 0)][0]["embedding.word_embeddings.weight"].dtype
+
+
+class DeepSpeedHFSource(Source):
+    """A toolkit DeepSpeed step folder (any ZeRO stage): full HF tensors gathered from the ranks' partitions."""
+
+    kind = "DeepSpeed"
+
+    def __init__(self, tag_dir: Path, meta: dict, fp32: bool):
+        from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
+
+        self._ds, self._fp32 = DeepSpeedSource(tag_dir, fp32=fp32), fp32
+        self.meta, self.step, self.config = meta, self._ds.step, self._ds.config
+        self.kind = f"DeepSpeed ZeRO-{meta['layout']['zero_stage']} ({'fp32 master' if fp32 else 'model states'})"
+
+    def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
+        return [self._ds.get(n) for n in hf_names]
+
+    def dtype(self) -> torch.dtype:
+        return torch.float32 if self._fp32 else self._ds.dtype  # the masters are fp32 whatever the training dtype
+
+    def close(self) -> None:
+        getattr(self._ds, "close", lambda: None)()
+
+
+def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, weights_only: bool = False) -> Source:
+    """The right source for a path, from its own files."""
+    from toolkit.train.checkpoint import META, POINTER, verify_manifest
+
+    if not src.exists():
+        raise ToolkitError(f"{src} does not exist")
+    if (src / "config.json").is_file():
+        return HFSource(src)
+    if not (src / META).is_file() and (src / POINTER).is_file():
+        # The newest complete checkpoint, and no silent fallback: a damaged one is reported, not skipped
+        src = src / (src / POINTER).read_text().strip()
+    if (src / META).is_file() or src.name.startswith("step_"):
+        problems = verify_manifest(src)
+        if problems:
+            raise ToolkitError(f"{src} is not a complete checkpoint: {'; '.join(problems)}")
+        meta = json.loads((src / META).read_text())
+        backend = meta.get("backend")
+        if backend == "megatron":
+            return ToolkitMegatronSource(src, meta, weights_only)
+        if backend == "deepspeed":
+            return DeepSpeedHFSource(src, meta, fp32)
+        raise ToolkitError(f"{src / META} names backend {backend!r}; expected megatron or deepspeed")
+    if (src / "latest_checkpointed_iteration.txt").is_file() or src.name.startswith("iter_"):
+        return MegatronLMSource(src, vocab_size)
+    raise ToolkitError(f"{src} is not a checkpoint this toolkit reads: expected a Hugging Face folder (config.json + "
+                       "*.safetensors), a toolkit checkpoint (step_* folder with toolkit_meta.json, or its directory) "
+                       "or a Megatron-LM checkpoint (latest_checkpointed_iteration.txt + iter_*/mp_rank_*)")
