@@ -21,12 +21,17 @@ def main() -> int:
                     help="override a recipe key (repeatable)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # from launchers
     args = ap.parse_args()
+    from toolkit.train.preempt import Preempted
+
     try:
         from toolkit.train.run import train
 
         train(load_recipe(args.recipe, args.overrides))
     except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except Preempted as e:  # checkpoint complete; <output_dir>/preempted.json tells the job script to requeue
+        print(f"[toolkit] {e}", file=sys.stderr)
         return e.exit_code
     return 0
 

@@ -43,17 +43,39 @@ def launch(recipe: str, overrides: list[str], nproc: int, out_dir: Path, launche
     return proc
 
 
+def slurm_available() -> str | None:
+    """None when this machine can run a throw-away Slurm cluster, else why not."""
+    import shutil
+
+    missing = [t for t in ("munged", "mungekey", "slurmctld", "slurmd", "sbatch") if shutil.which(t) is None]
+    if missing:
+        return f"{', '.join(missing)} not installed (apt-get install slurm-wlm munge; .ci/run does)"
+    if os.geteuid() != 0:
+        return "the throw-away cluster runs its daemons as root"
+    return None
+
+
+def _deselect(config, items, marker: str) -> None:
+    chosen = [item for item in items if item.get_closest_marker(marker)]
+    if chosen:
+        config.hook.pytest_deselected(items=chosen)
+        items[:] = [item for item in items if not item.get_closest_marker(marker)]
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need CUDA GPUs: on a machine without them they are deselected (reported as such, never
-    counted as passed). `pytest -m gpu` on a GPU machine runs them."""
+    counted as passed); `pytest -m gpu` on a GPU machine runs them. Tests marked `slurm` need Slurm installed
+    and root: deselected otherwise, unless TOOLKIT_REQUIRE_SLURM=1 (set by .ci/run), which makes a missing Slurm
+    an error instead."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    gpu = [item for item in items if item.get_closest_marker("gpu")]
-    if gpu:
-        config.hook.pytest_deselected(items=gpu)
-        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+    if not torch.cuda.is_available():
+        _deselect(config, items, "gpu")
+    why = slurm_available()
+    if why and any(item.get_closest_marker("slurm") for item in items):
+        if os.environ.get("TOOLKIT_REQUIRE_SLURM") == "1":
+            raise pytest.UsageError(f"TOOLKIT_REQUIRE_SLURM=1 but Slurm cannot run here: {why}")
+        _deselect(config, items, "slurm")
 
 
 @pytest.fixture(autouse=True)

@@ -137,6 +137,25 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_slurm_render(args) -> int:
+    from toolkit.slurm import render_job, write_job, write_shipped
+
+    if args.all:
+        for path in write_shipped():
+            print(f"wrote {path.relative_to(REPO_ROOT)}")
+        return 0
+    if args.recipe is None or args.nodes is None or args.gpus_per_node is None:
+        raise ToolkitError("toolkit slurm render needs --recipe NAME --nodes N --gpus-per-node G (or --all)")
+    script = render_job(args.recipe, args.nodes, args.gpus_per_node, args.overrides, partition=args.partition,
+                        time=args.time, account=args.account, job_name=args.job_name,
+                        signal_seconds=args.signal_seconds, cpu=args.cpu, cpus_per_task=args.cpus_per_task)
+    if args.out:
+        print(f"wrote {write_job(script, args.out, overwrite=args.overwrite)}")
+    else:
+        print(script, end="")
+    return 0
+
+
 def shipped_deepspeed_recipes() -> list[str]:
     return [n for n in list_recipes() if load_recipe(n).parallel.backend == "deepspeed"]
 
@@ -202,6 +221,29 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_args(p)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="render for GPUs (default) or CPU")
     p.set_defaults(func=cmd_render_megatron)
+    slurm = sub.add_parser("slurm", help="Slurm batch scripts for a recipe")
+    p = slurm.add_subparsers(dest="what", required=True).add_parser(
+        "render", help="print (or --out) the sbatch script that trains a recipe on nodes x GPUs, checked first",
+        description="Render an sbatch script: one torchrun per node under srun, an all-reduce preflight, and a "
+        "requeue when the trainer checkpoints after Slurm's SIGUSR1. The layout is checked for nodes x GPUs first.")
+    p.add_argument("--recipe", help="shipped recipe name (see `toolkit show --list`) or YAML path")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one recipe key (repeatable); the job passes it to training too")
+    p.add_argument("--nodes", type=int, help="nodes to allocate (one torchrun each)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node, one rank each (with --cpu: CPU ranks per node)")
+    p.add_argument("--partition", help="#SBATCH --partition")
+    p.add_argument("--time", help="#SBATCH --time, e.g. 24:00:00 (default: the partition's limit)")
+    p.add_argument("--account", help="#SBATCH --account")
+    p.add_argument("--job-name", help="#SBATCH --job-name (default: the recipe's name)")
+    p.add_argument("--signal-seconds", type=int, default=120,
+                   help="send SIGUSR1 this long before the time limit, to checkpoint and requeue (default 120)")
+    p.add_argument("--cpus-per-task", type=int, default=None,
+                   help="cores per node for its torchrun (default 8 per GPU, or 1 per rank with --cpu)")
+    p.add_argument("--cpu", action="store_true", help="CPU nodes: no GPUs requested, gloo instead of NCCL")
+    p.add_argument("--out", help="write the script to this file instead of printing it")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p.add_argument("--all", action="store_true", help="rewrite slurm/*.sbatch (toolkit.slurm.SHIPPED)")
+    p.set_defaults(func=cmd_slurm_render)
     return ap
 
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from toolkit.errors import Problem, RecipeError
 from toolkit.recipe import Plan, Recipe, check_paths, resolve
 from toolkit.train import checkpoint as ckpt
+from toolkit.train import preempt
 from toolkit.train.dist import DistInfo, init_distributed, rank_zero_first, shutdown
 from toolkit.train.metrics import RunLog, detect_peak_tflops, flops_per_token
 
@@ -87,7 +88,20 @@ def train(recipe: Recipe) -> list[dict]:
         start = state["step"]
         log.info(f"[toolkit] resumed from {tag_dir} at step {start}")
     meta = {"layout": backend.layout_meta, "recipe": r.model_dump(mode="json"), "backend": backend.name}
-    records = _loop(backend, stream, plan, info, log, start, root, meta)
+    if info.rank == 0:
+        earlier = preempt.clear_marker(Path(r.out_dir))
+        if earlier is not None:
+            log.info(f"[toolkit] continuing after a preemption at step {earlier.get('step')}")
+    watch = preempt.PreemptionWatch()
+    try:
+        records = _loop(backend, stream, plan, info, log, start, root, meta, watch)
+    except preempt.Preempted as stop:
+        log.info(f"[toolkit] {stop}")
+        log.close()
+        shutdown()
+        raise
+    finally:
+        watch.close()
     finished = not records or records[-1]["step"] == r.training.steps
     if r.logging.sample_prompt and finished:
         if hasattr(backend, "sample"):
@@ -100,7 +114,8 @@ def train(recipe: Recipe) -> list[dict]:
     return records
 
 
-def _loop(backend, stream, plan: Plan, info: DistInfo, log: RunLog, start: int, root: Path, meta: dict) -> list[dict]:
+def _loop(backend, stream, plan: Plan, info: DistInfo, log: RunLog, start: int, root: Path, meta: dict,
+          watch: preempt.PreemptionWatch) -> list[dict]:
     r, batch = plan.recipe, plan.batch
     tokens_per_step = batch.global_batch * r.data.seq_len
     flops_step = flops_per_token(r.model, r.data.seq_len) * tokens_per_step
@@ -120,12 +135,18 @@ def _loop(backend, stream, plan: Plan, info: DistInfo, log: RunLog, start: int, 
             log.step(rec)
             records.append(rec)
             pending, t0, last_logged = [], time.perf_counter(), done
-        if done % r.checkpoint.interval == 0 or done == last:
+        stop = watch.agreed()  # a preemption signal on any rank: checkpoint here, then leave
+        if done % r.checkpoint.interval == 0 or done == last or stop:
             tag_dir = ckpt.save(backend, root, done, stream.state_dict(), meta)
             if info.rank == 0:
                 pruned = ckpt.prune(root, r.checkpoint.keep)
                 log.info(f"[toolkit] saved {tag_dir}" + (f"; removed {len(pruned)} older" if pruned else ""))
             t0 = time.perf_counter()  # checkpoint time is not training throughput
+            if stop and done < last:
+                if info.rank == 0:
+                    preempt.write_marker(Path(r.out_dir), done, tag_dir, watch.name)
+                dist.barrier()
+                raise preempt.Preempted(done, tag_dir, watch.name)
     return records
 
 

@@ -1,0 +1,350 @@
+"""Slurm job scripts: slurm/ matches toolkit.slurm.SHIPPED; bash accepts every script; layouts that do not fit
+nodes x GPUs are refused before anything is written; the script's shell logic (rendezvous address and port,
+requeue on the trainer's marker) run with fake scontrol/getent/srun; the preflight under torchrun, and the whole
+script stopping at the preflight when a node never joins (a fake srun). No Slurm is needed; training and requeue
+through the script run against a real Slurm in test_slurm_cluster.py."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, free_port
+
+from toolkit.slurm import (
+    PREEMPTED_MARKER,
+    REQUEUE_EXIT,
+    SHIPPED,
+    SLURM_DIR,
+    render_job,
+    render_shipped,
+)
+
+BIN = Path(sys.executable).parent
+OFFLINE = {"TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, **{"cwd": REPO, "timeout": 120, **kw})
+
+
+def toolkit(*args: str) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "toolkit", *args])
+
+
+# ---- the shipped scripts -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_script_matches_its_entry(name):
+    path = SLURM_DIR / f"{name}.sbatch"
+    assert path.is_file(), f"run `toolkit slurm render --all` to write {path}"
+    assert path.read_text() == render_shipped(name), (
+        f"{path} drifted from toolkit.slurm.SHIPPED or its recipe; run `toolkit slurm render --all` and commit it")
+
+
+def test_no_stray_scripts():
+    assert sorted(p.stem for p in SLURM_DIR.glob("*.sbatch")) == sorted(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_bash_accepts_the_script(name):
+    proc = run(["bash", "-n", str(SLURM_DIR / f"{name}.sbatch")])
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_script_has_every_piece():
+    text = render_job("llama13b_tp4_pp2", 2, 8, ["training.steps=5000"], partition="gpu", time="2-00:00:00",
+                      account="proj", signal_seconds=300)
+    for line in ["#SBATCH --job-name=llama13b_tp4_pp2", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
+                 "#SBATCH --gpus-per-node=8", "#SBATCH --cpus-per-task=64", "#SBATCH --time=2-00:00:00",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --output=logs/%x-%j.out",
+                 "#SBATCH --signal=USR1@300", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                 "RECIPE=llama13b_tp4_pp2", "OVERRIDES=(--set training.steps=5000)", "RANKS_PER_NODE=8",
+                 "DEVICE=cuda", f"REQUEUE_EXIT={REQUEUE_EXIT}", f"MARKER_NAME={PREEMPTED_MARKER}"]:
+        assert f"\n{line}" in text, line
+    assert "megatron on 16 ranks: dp=2 tp=4 pp=2" in text.splitlines()[1]
+    for piece in ['"${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"', 'scontrol requeue "$SLURM_JOB_ID"',
+                  "--kill-on-bad-exit=1", 'trap "" USR1; exec torchrun', '--node_rank "$SLURM_NODEID"',
+                  "-m toolkit.preflight", "recipes/train.py", "python -m toolkit validate", "getent hosts",
+                  "NCCL_DEBUG=${NCCL_DEBUG:-WARN}", "TOOLKIT_NCCL_IFNAME", "OMP_NUM_THREADS"]:
+        assert piece in text, piece
+    # #SBATCH lines are read only up to the first command: all of them come before it
+    header = text.split("\nRECIPE=")[0]
+    assert header.count("#SBATCH") == text.count("#SBATCH")
+
+
+def test_cpu_script_asks_for_no_gpus_and_optional_lines_stay_out():
+    text = render_job("tiny_zero3", 1, 2, [], cpu=True)
+    assert "#SBATCH --gpus-per-node" not in text and "DEVICE=cpu" in text
+    assert "#SBATCH --cpus-per-task=2" in text
+    assert not any(f"#SBATCH --{k}" in text for k in ("time", "partition", "account"))
+
+
+# ---- refusals ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,needles", [
+    (["--recipe", "llama70b_tp8_pp4", "--nodes", "1", "--gpus-per-node", "8"],
+     ["parallel.world_size: the recipe is written for 64 ranks, but --nodes 1 x --gpus-per-node 8",
+      "render with --nodes 8 --gpus-per-node 8", "world size 8 is not divisible by tp x pp x cp = 8 x 4 x 1 = 32"]),
+    (["--recipe", "tiny_tp2", "--nodes", "1", "--gpus-per-node", "3", "--cpu", "--set", "parallel.world_size=3"],
+     ["world size 3 is not divisible by tp x pp x cp = 2 x 1 x 1 = 2"]),
+    (["--recipe", "no_such_recipe", "--nodes", "1", "--gpus-per-node", "8"],
+     ["no recipe file or shipped recipe named 'no_such_recipe'"]),
+    (["--recipe", "tiny_zero3", "--nodes", "1", "--gpus-per-node", "2", "--time", "5", "--signal-seconds", "600"],
+     ["--signal-seconds: 600 s before the end is not within the time limit 5 (300 s)"]),
+    (["--recipe", "tiny_zero3", "--nodes", "1"], ["needs --recipe NAME --nodes N --gpus-per-node G"]),
+])
+def test_render_refuses_with_a_clear_message_and_writes_nothing(tmp_path, args, needles):
+    out = tmp_path / "job.sbatch"
+    proc = toolkit("slurm", "render", *args, "--out", str(out))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists() and not proc.stdout
+
+
+def test_render_prints_or_writes_and_keeps_an_existing_file(tmp_path):
+    args = ["slurm", "render", "--recipe", "tiny_zero3", "--nodes", "1", "--gpus-per-node", "2", "--cpu"]
+    printed = toolkit(*args)
+    assert printed.returncode == 0 and printed.stdout == render_job("tiny_zero3", 1, 2, [], cpu=True)
+    out = tmp_path / "job.sbatch"
+    assert toolkit(*args, "--out", str(out)).returncode == 0 and out.read_text() == printed.stdout
+    out.write_text("mine")
+    again = toolkit(*args, "--out", str(out))
+    assert again.returncode == 2 and "pass --overwrite" in again.stderr and out.read_text() == "mine"
+    assert toolkit(*args, "--out", str(out), "--overwrite").returncode == 0 and out.read_text() == printed.stdout
+
+
+def test_constants_agree_with_the_trainer():
+    from toolkit.train import preempt
+
+    assert (preempt.REQUEUE_EXIT, preempt.MARKER) == (REQUEUE_EXIT, PREEMPTED_MARKER)
+
+
+# ---- the script's shell functions, with fake Slurm commands ---------------------------------------------------
+
+FAKES = {
+    "scontrol": r'''
+case "$1 $2" in
+  "show hostnames") printf '%s\n' $FAKE_NODES ;;
+  "show node") printf 'NodeName=%s Arch=x86_64 CoresPerSocket=1\n   NodeAddr=%s NodeHostName=%s\n' \
+                      "$3" "${FAKE_NODEADDR:-$3}" "$3" ;;
+  "requeue "*) echo "requeue $2" >> "$FAKE_LOG" ;;
+  *) echo "fake scontrol: unexpected $*" >&2; exit 1 ;;
+esac''',
+    "getent": r'''[[ " $FAKE_RESOLVES " == *" $2 "* ]] && echo "10.9.9.9 $2" && exit 0; exit 2''',
+    # drops srun's options (the script writes them as --opt=value), then runs the task once, as node 0
+    "srun": r'''
+echo "srun $*" >> "$FAKE_LOG"
+while [[ $1 == -* ]]; do shift; done
+if [[ $1 == hostname ]]; then echo "$FAKE_HOST_IPS"; exit 0; fi
+export SLURM_NODEID=0 SLURM_NNODES=${FAKE_SRUN_NODES:-1}
+exec "$@"''',
+}
+
+
+@pytest.fixture
+def fake_slurm(tmp_path) -> dict:
+    """PATH with fake scontrol/getent/srun first, and a log of what they were asked."""
+    bin_dir = tmp_path / "fakebin"
+    bin_dir.mkdir()
+    for name, body in FAKES.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body.lstrip("\n") + "\n")
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "fake.log"
+    log.touch()
+    return {"PATH": f"{bin_dir}:{BIN}:{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_NODES": "n1 n2",
+            "FAKE_RESOLVES": "", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "123456"}
+
+
+def source_and_run(snippet: str, env: dict, script: Path = SLURM_DIR / "tiny_zero3_cpu.sbatch"):
+    """Source a rendered script (which defines its functions and runs nothing) and run `snippet` after it."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "NCCL_", "GLOO_"))}
+    return run(["bash", "-c", f'source "$1"; {snippet}', "bash", str(script)], env={**clean, **env})
+
+
+@pytest.mark.parametrize("extra,expected", [
+    ({"FAKE_RESOLVES": "n1"}, "n1"),                                   # the usual case: node names resolve
+    ({"FAKE_NODEADDR": "10.1.2.3"}, "10.1.2.3"),                      # they don't: Slurm's NodeAddr
+    ({"FAKE_HOST_IPS": "10.7.7.7 172.17.0.1"}, "10.7.7.7"),          # no NodeAddr either: what the node reports
+])
+def test_master_addr(fake_slurm, extra, expected):
+    proc = source_and_run("master_addr", {**fake_slurm, **extra})
+    assert proc.returncode == 0 and proc.stdout.strip() == expected, proc.stderr
+
+
+def test_master_addr_fails_clearly_without_any_address(fake_slurm):
+    proc = source_and_run("master_addr", fake_slurm)
+    assert proc.returncode == 1 and "the first node n1 does not resolve" in proc.stderr
+
+
+def test_master_port_comes_from_the_job_id_unless_set(fake_slurm):
+    assert source_and_run("master_port", fake_slurm).stdout.strip() == str(20000 + 123456 % 20000)
+    assert source_and_run("master_port", {**fake_slurm, "MASTER_PORT": "29999"}).stdout.strip() == "29999"
+
+
+def test_network_env_defaults_and_overrides(fake_slurm):
+    show = 'network_env; echo "$NCCL_DEBUG $NCCL_IB_DISABLE ${NCCL_SOCKET_IFNAME-unset} ${GLOO_SOCKET_IFNAME-unset} ' \
+           '$OMP_NUM_THREADS"'
+    assert source_and_run(show, {**fake_slurm, "SLURM_CPUS_PER_TASK": "8"}).stdout.split() == \
+        ["WARN", "0", "unset", "unset", "4"]
+    env = {**fake_slurm, "TOOLKIT_NCCL_IFNAME": "ib0", "NCCL_DEBUG": "INFO", "NCCL_IB_DISABLE": "1"}
+    assert source_and_run(show, env).stdout.split() == ["INFO", "1", "ib0", "ib0", "1"]
+    assert source_and_run(show, {**fake_slurm, "TOOLKIT_NCCL_IFNAME": "^docker,lo"}).stdout.split()[2:4] == \
+        ["^docker,lo", "unset"]  # NCCL's exclusion syntax means nothing to gloo
+
+
+@pytest.mark.parametrize("rc,marker,requeued,exit_code", [
+    (1, True, True, 0),            # torchrun turns the trainer's 75 into 1: the marker decides
+    (REQUEUE_EXIT, False, True, 0),
+    (1, False, False, 1),
+    (0, False, False, 0),
+])
+def test_finish_requeues_after_a_preemption_checkpoint(fake_slurm, tmp_path, rc, marker, requeued, exit_code):
+    path = tmp_path / PREEMPTED_MARKER
+    if marker:
+        path.write_text('{"step": 7}')
+    proc = source_and_run(f'MARKER={path}; finish {rc}', fake_slurm)
+    assert proc.returncode == exit_code, proc.stderr
+    assert ("requeue 123456" in Path(fake_slurm["FAKE_LOG"]).read_text()) == requeued
+
+
+def test_overrides_given_at_submission_follow_the_rendered_ones(fake_slurm):
+    script = SLURM_DIR / "tiny_zero3_cpu.sbatch"
+    proc = source_and_run('OVERRIDES=(--set a=1); add_overrides --set b=2 --set=c=3; printf "%s\\n" "${OVERRIDES[@]}"',
+                          fake_slurm, script)
+    assert proc.stdout.split() == ["--set", "a=1", "--set", "b=2", "--set", "c=3"], proc.stderr
+    bad = source_and_run("add_overrides --nodes 2", fake_slurm, script)
+    assert bad.returncode == 2 and "takes only --set KEY=VALUE" in bad.stderr
+
+
+def test_a_bare_run_outside_slurm_refuses(fake_slurm):
+    env = {k: v for k, v in fake_slurm.items() if k != "SLURM_JOB_ID"}
+    proc = run(["bash", str(SLURM_DIR / "tiny_zero3_cpu.sbatch")], env={**os.environ, **env})
+    assert proc.returncode == 2 and "submit it with: sbatch" in proc.stderr
+
+
+# ---- processes: torchrun and the preflight --------------------------------------------------------------------
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _signal_step(root: int, sig: int) -> None:
+    """Signal `root` and every descendant, as Slurm signals every process of a job step (torchrun starts its
+    workers in sessions of their own, so a process-group signal would miss them)."""
+    for pid in [root, *_descendants(root)]:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+_USR1_WORKER = """
+import os, signal, sys, time
+got = []
+signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
+open(sys.argv[1] + "." + os.environ["RANK"], "w").close()
+while not got:
+    time.sleep(0.05)
+print("rank", os.environ["RANK"], "got SIGUSR1", flush=True)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_started_by_the_script_survives_usr1_and_its_workers_get_it(tmp_path, fake_slurm):
+    """The script's per-node command: torchrun ignores SIGUSR1, the workers handle it. Exit 75 comes back from
+    torchrun as 1, which is why the script requeues on the trainer's marker."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(_USR1_WORKER)
+    ready = tmp_path / "ready"
+    env = {**fake_slurm, "SLURM_NNODES": "1", "SLURM_NODEID": "0", "OMP_NUM_THREADS": "1"}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    per_node = (f'source "$1"; bash -c "$PER_NODE" torchrun --nproc_per_node 2 --master_addr 127.0.0.1 '
+                f'--master_port {free_port()} {worker} {ready} {REQUEUE_EXIT}')
+    cmd = ["bash", "-c", per_node, "bash", str(SLURM_DIR / "tiny_zero3_cpu.sbatch")]
+    proc = subprocess.Popen(cmd, env={**clean, **env}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    end = time.monotonic() + 60
+    while not all(Path(f"{ready}.{r}").exists() for r in (0, 1)) and time.monotonic() < end:
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.1)
+    _signal_step(proc.pid, 10)  # SIGUSR1
+    out, _ = proc.communicate(timeout=60)
+    assert "rank 0 got SIGUSR1" in out and "rank 1 got SIGUSR1" in out, out
+    assert proc.returncode == 1, out  # torchrun survived the signal, and reports exit 75 as a plain failure
+
+
+@pytest.mark.slow
+def test_preflight_under_torchrun_prints_one_line_per_node():
+    proc = run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "-m",
+                "toolkit.preflight", "--device", "cpu"], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("preflight ok")]
+    assert len(lines) == 1 and "ranks 0-1 of 2: all-reduce sum 2 over gloo" in lines[0]
+
+
+def test_preflight_fails_fast_and_readably_when_the_master_port_is_closed():
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "TOOLKIT_PREFLIGHT_TIMEOUT": "2"}
+    start = time.monotonic()
+    proc = run([sys.executable, "-m", "toolkit.preflight", "--device", "cpu"], env=env, timeout=60)
+    assert time.monotonic() - start < 30
+    assert proc.returncode == 1
+    for needle in ["error: preflight on", "rank 1 of 2 (gloo)", f"127.0.0.1:{env['MASTER_PORT']}",
+                   "NCCL_SOCKET_IFNAME=", "toolkit doctor"]:
+        assert needle in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "frame #" not in proc.stderr
+
+
+# ---- the whole script, on CPU, with a fake srun that runs node 0's task here -----------------------------------
+
+def _job(tmp_path: Path, fake_slurm: dict, overrides: list[str], nodes: int = 1, args: tuple[str, ...] = (),
+         **env) -> tuple[subprocess.Popen, Path]:
+    """Run a rendered tiny_zero3 CPU script as sbatch would (with `args` after it), with fake Slurm commands."""
+    out = tmp_path / "run"
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_job("tiny_zero3", nodes, 2, [f"output_dir={out}", "logging.interval=1",
+                                                          "logging.sample_prompt=", *overrides], cpu=True))
+    slurm = {"SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": str(nodes),
+             "SLURM_CPUS_PER_TASK": "2", "SLURM_JOB_NAME": "tiny", "FAKE_NODES": "localhost",
+             "FAKE_RESOLVES": "localhost", "MASTER_PORT": str(free_port()), "TOOLKIT_PREFLIGHT_TIMEOUT": "10"}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "OMP_"))}
+    proc = subprocess.Popen(["bash", str(script), *args], env={**clean, **OFFLINE, **fake_slurm, **slurm, **env},
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, out
+
+
+# The whole script training, and requeueing after SIGUSR1, run against a real Slurm in test_slurm_cluster.py.
+
+
+@pytest.mark.slow
+def test_job_script_stops_at_the_preflight_when_a_node_never_joins(tmp_path, fake_slurm):
+    """A 2-node job whose second node never starts its torchrun: the rendezvous times out in seconds, the script
+    says what to check and exits 1 without training."""
+    proc, out = _job(tmp_path, {**fake_slurm, "FAKE_SRUN_NODES": "2"},
+                     ["parallel.world_size=4", "training.micro_batch_size=4"], nodes=2, TOOLKIT_PREFLIGHT_TIMEOUT="3")
+    start = time.monotonic()
+    log, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, log[-5000:]
+    assert time.monotonic() - start < 60
+    assert "error: preflight: the 4 ranks on 2 node(s) did not all join and all-reduce within 3 s" in log
+    assert "toolkit doctor" in log
+    assert "NCCL_SOCKET_IFNAME=<unset>" in log and not out.exists()
+    assert sum(x.startswith("srun") for x in Path(fake_slurm["FAKE_LOG"]).read_text().splitlines()) == 1

@@ -1,0 +1,349 @@
+"""Slurm batch scripts for a recipe: checked against nodes x GPUs with the recipe's own rules, then rendered.
+
+    toolkit slurm render --recipe llama7b_zero3 --nodes 4 --gpus-per-node 8 > job.sbatch && sbatch job.sbatch
+    toolkit slurm render --all          # rewrite the shipped scripts in slurm/ (SHIPPED below)
+
+The script runs one torchrun per node under srun, after an all-reduce preflight (toolkit/preflight.py). Slurm
+sends SIGUSR1 `signal_seconds` before the time limit; the trainer checkpoints at the next step boundary, leaves
+<output_dir>/preempted.json and exits with REQUEUE_EXIT (toolkit/train/preempt.py); the script then requeues
+the job, which resumes from that checkpoint (checkpoint.resume: auto). Only the standard library and the recipe
+loader are imported here, so anything may import the constants below cheaply.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+from toolkit.errors import Problem, RecipeError, ToolkitError
+from toolkit.recipe import load_recipe, resolve
+from toolkit.recipe.loader import REPO_ROOT
+
+REQUEUE_EXIT = 75
+"""EX_TEMPFAIL: checkpoint written after a preemption signal; the job script requeues the job."""
+PREEMPTED_MARKER = "preempted.json"
+"""What rank 0 leaves in <output_dir> with that checkpoint. The script requeues on it, not on the exit code alone:
+torchrun reports any failed worker as exit 1, and srun the highest code of its tasks (or 128 + signal)."""
+SLURM_DIR = REPO_ROOT / "slurm"
+CPUS_PER_GPU = 8
+"""Default --cpus-per-task is this many cores per GPU (1 per rank with --cpu); --cpus-per-task overrides."""
+
+SHIPPED: dict[str, dict] = {
+    "llama7b_zero3": {"recipe": "llama7b_zero3", "nodes": 4, "gpus_per_node": 8},
+    "llama13b_tp4_pp2": {"recipe": "llama13b_tp4_pp2", "nodes": 2, "gpus_per_node": 8},
+    "llama3_8b_zero3": {"recipe": "llama3_8b_zero3", "nodes": 2, "gpus_per_node": 8},
+    "llama70b_tp8_pp4": {"recipe": "llama70b_tp8_pp4", "nodes": 8, "gpus_per_node": 8},
+    "tiny_zero3_cpu": {"recipe": "tiny_zero3", "nodes": 1, "gpus_per_node": 2, "cpu": True, "time": "00:20:00"},
+    "tiny_tp2_cpu": {"recipe": "tiny_tp2", "nodes": 1, "gpus_per_node": 2, "cpu": True, "time": "00:20:00"},
+}
+"""The scripts in slurm/: file stem -> render_job arguments. `toolkit slurm render --all` writes them."""
+
+
+def render_job(recipe_name_or_path: str, nodes: int, gpus_per_node: int, overrides: list[str] | None = None,
+               partition: str | None = None, time: str | None = None, account: str | None = None,
+               job_name: str | None = None, signal_seconds: int = 120, cpu: bool = False,
+               cpus_per_task: int | None = None) -> str:
+    """The sbatch script that trains `recipe_name_or_path` on nodes x gpus_per_node ranks (CPU ranks with `cpu`).
+    Raises RecipeError with every problem (arguments, recipe, layout for that world size) before anything else."""
+    overrides = list(overrides or [])
+    problems = check_job_args(nodes, gpus_per_node, partition, time, account, job_name, signal_seconds, cpus_per_task)
+    try:
+        recipe = load_recipe(recipe_name_or_path, overrides)
+    except RecipeError as e:
+        raise RecipeError(e.source, problems + e.problems) from None
+    world = nodes * gpus_per_node
+    problems += check_world_size(recipe.parallel.world_size, nodes, gpus_per_node, cpu)
+    plan = None
+    try:
+        plan = resolve(recipe, world, source=recipe_name_or_path) if world > 0 else None
+    except RecipeError as e:
+        problems += e.problems
+    if problems:
+        raise RecipeError(recipe_name_or_path, problems)
+    command = _command_line(recipe_name_or_path, nodes, gpus_per_node, overrides, partition=partition, time=time,
+                            account=account, job_name=job_name, signal_seconds=signal_seconds, cpu=cpu,
+                            cpus_per_task=cpus_per_task)
+    header = [
+        "#!/bin/bash",
+        (f"# Slurm job for recipe {recipe_name_or_path}: {nodes} node{'s' * (nodes > 1)} x {gpus_per_node} "
+         f"{'CPU ranks' if cpu else 'GPUs'}; {plan.layout.describe()}"),
+        f"# {plan.batch.describe()} sequences of {recipe.data.seq_len} tokens",
+        f"# Rendered by `{command}`: re-render rather than edit.",
+        "# Submit from the repository root (the job runs there; Slurm does not create logs/):",
+        "#     mkdir -p logs && sbatch THIS_FILE [--set KEY=VALUE ...]",
+        f"#SBATCH --job-name={job_name or recipe.name}",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        *([] if cpu else [f"#SBATCH --gpus-per-node={gpus_per_node}"]),
+        f"#SBATCH --cpus-per-task={cpus_per_task or gpus_per_node * (1 if cpu else CPUS_PER_GPU)}",
+        *(f"#SBATCH --{k}={v}" for k, v in (("time", time), ("partition", partition), ("account", account)) if v),
+        "#SBATCH --output=logs/%x-%j.out",
+        f"#SBATCH --signal=USR1@{signal_seconds}",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        "",
+        "# ---- this job's inputs; everything below them is the same in every rendered script ----",
+        f"RECIPE={shlex.quote(recipe_name_or_path)}",
+        (f"OVERRIDES=({' '.join(a for o in overrides for a in ('--set', shlex.quote(o)))})"
+         "  # --set KEY=VALUE, given to validate and to training alike"),
+        f"RANKS_PER_NODE={gpus_per_node}  # torchrun --nproc_per_node: " + ("CPU ranks" if cpu else "one per GPU"),
+        f"DEVICE={'cpu' if cpu else 'cuda'}  # cuda: NCCL on GPUs; cpu: gloo on CPU cores (a rehearsal)",
+        f"REQUEUE_EXIT={REQUEUE_EXIT}  # toolkit.slurm.REQUEUE_EXIT: checkpoint written after a preemption signal",
+        f"MARKER_NAME={PREEMPTED_MARKER}  # ... and left in the recipe's output_dir with it",
+    ]
+    return "\n".join(header) + "\n" + JOB_BODY
+
+
+def _command_line(recipe: str, nodes: int, gpus_per_node: int, overrides: list[str], **options) -> str:
+    """The `toolkit slurm render` command that gives this script (defaults left out)."""
+    cmd = ["toolkit", "slurm", "render", "--recipe", recipe, "--nodes", str(nodes), "--gpus-per-node",
+           str(gpus_per_node), *(a for o in overrides for a in ("--set", o))]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value not in (None, False) and not (key == "signal_seconds" and value == 120):
+            cmd += [flag, str(value)]
+    return shlex.join(cmd)
+
+
+def check_job_args(nodes: int, gpus_per_node: int, partition: str | None, time: str | None, account: str | None,
+                   job_name: str | None, signal_seconds: int, cpus_per_task: int | None) -> list[Problem]:
+    """Slurm arguments that sbatch would refuse, or that would make the preemption signal useless."""
+    out = [Problem(flag, f"{v} must be at least 1", "give a positive count")
+           for flag, v in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
+                           ("--cpus-per-task", cpus_per_task or 1)) if v < 1]
+    for flag, value in (("--partition", partition), ("--account", account), ("--job-name", job_name)):
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9._,-]+", value):
+            out.append(Problem(flag, f"{value!r} has characters Slurm names do not use",
+                               "use letters, digits, '.', '_', '-' (partitions may be a comma list)"))
+    limit = time_limit_seconds(time) if time is not None else None
+    if limit == -1:
+        out.append(Problem("--time", f"{time!r} is not a Slurm time limit",
+                           "use MINUTES, HH:MM:SS, D-HH or D-HH:MM:SS, e.g. 24:00:00 or 2-00:00:00"))
+    if not 0 <= signal_seconds <= 65535:
+        out.append(Problem("--signal-seconds", f"{signal_seconds} is outside Slurm's 0..65535",
+                           "use the seconds a checkpoint needs, with a margin (default 120)"))
+    elif limit and limit > 0 and signal_seconds >= limit:
+        out.append(Problem("--signal-seconds", f"{signal_seconds} s before the end is not within the time limit "
+                           f"{time} ({limit} s): the signal would come at the start",
+                           "lengthen --time or lower --signal-seconds"))
+    return out
+
+
+def check_world_size(recipe_world: int | None, nodes: int, per_node: int, cpu: bool) -> list[Problem]:
+    """The recipe's parallel.world_size, when it names one, must be the job's nodes x ranks per node."""
+    world = nodes * per_node
+    if not recipe_world or world < 1 or recipe_world == world:
+        return []
+    what = "CPU ranks per node" if cpu else "GPUs per node"
+    fixes = [f"--nodes {recipe_world // per_node} --gpus-per-node {per_node}"] * (recipe_world % per_node == 0)
+    fixes += [f"--nodes {nodes} --gpus-per-node {recipe_world // nodes}"] * (recipe_world % nodes == 0 and not fixes)
+    fix = f"render with {fixes[0]}, or " if fixes else ""
+    return [Problem("parallel.world_size", f"the recipe is written for {recipe_world} ranks, but --nodes {nodes} x "
+                    f"--gpus-per-node {per_node} ({what}) = {world}",
+                    f"{fix}run it at {world} ranks with --set parallel.world_size={world} (dp and the batch "
+                    "arithmetic are then derived and checked for that size)")]
+
+
+def time_limit_seconds(limit: str) -> int | None:
+    """Seconds in a Slurm --time value (None when unlimited, -1 when malformed)."""
+    if limit.upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    m = re.fullmatch(r"(\d+)-(\d+)(?::(\d+))?(?::(\d+))?", limit)
+    if m:
+        d, h, mi, s = (int(x or 0) for x in m.groups())
+        return ((d * 24 + h) * 60 + mi) * 60 + s
+    parts = [int(x) for x in limit.split(":")] if re.fullmatch(r"\d+(:\d+){0,2}", limit) else []
+    if not parts:
+        return -1
+    h, mi, s = (0, parts[0], 0) if len(parts) == 1 else (0, *parts) if len(parts) == 2 else parts
+    return (h * 60 + mi) * 60 + s
+
+
+def write_job(script: str, out: str | Path, overwrite: bool = False) -> Path:
+    """Write a rendered script; an existing file is kept unless `overwrite`."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise ToolkitError(f"{out} exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(script)
+    return out
+
+
+def render_shipped(name: str) -> str:
+    """The text of slurm/<name>.sbatch, from its SHIPPED entry."""
+    args = dict(SHIPPED[name])
+    return render_job(args.pop("recipe"), **args)
+
+
+def write_shipped() -> list[Path]:
+    """Rewrite slurm/<name>.sbatch for every entry of SHIPPED; every script is rendered before any is written."""
+    scripts = {name: render_shipped(name) for name in SHIPPED}
+    SLURM_DIR.mkdir(exist_ok=True)
+    return [write_job(text, SLURM_DIR / f"{name}.sbatch", overwrite=True) for name, text in scripts.items()]
+
+
+# The fixed part of every script. Functions first, so that `source`-ing the file defines them and runs nothing
+# (tests call them with fake scontrol/getent/srun); main runs only when sbatch executes the file.
+JOB_BODY = r'''
+log() { printf '[%s] %s\n' "$(date '+%F %T')" "$*"; }
+
+# The first node hosts the rendezvous. Its Slurm name may not resolve on the nodes (simulated nodes, some sites'
+# internal names; torch would then retry "Name or service not known" until killed): fall back to the address
+# Slurm itself uses for it (NodeAddr), then to the first address the node reports.
+master_addr() {
+    local first addr
+    first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+    if getent hosts "$first" >/dev/null; then
+        echo "$first"
+        return 0
+    fi
+    addr=$(scontrol show node "$first" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p' | head -n1)
+    if [[ -z $addr || $addr == "$first" ]]; then
+        addr=$(srun --nodes=1 --ntasks=1 --nodelist="$first" --overlap hostname -I | awk '{print $1}')
+    fi
+    if [[ -z $addr ]]; then
+        echo "error: the first node $first does not resolve and has no address in Slurm; export MASTER_ADDR" >&2
+        return 1
+    fi
+    echo "$addr"
+}
+
+# One port per job id, so jobs sharing a node do not collide; an exported MASTER_PORT wins.
+master_port() {
+    echo "${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
+}
+
+# Network and threading settings, in one place. Export any of them before sbatch to override the default.
+network_env() {
+    export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    export NCCL_IB_DISABLE=${NCCL_IB_DISABLE:-0}  # 1 on clusters without InfiniBand/RoCE
+    if [[ -n ${TOOLKIT_NCCL_IFNAME:-} ]]; then     # the interface the nodes reach each other on, e.g. ib0 or eth0
+        export NCCL_SOCKET_IFNAME=$TOOLKIT_NCCL_IFNAME
+        # gloo (CPU runs, CPU-side groups) takes plain interface names only, not NCCL's ^exclude or =exact forms
+        [[ $TOOLKIT_NCCL_IFNAME == [=^]* ]] || export GLOO_SOCKET_IFNAME=$TOOLKIT_NCCL_IFNAME
+    fi
+    local threads=$(( ${SLURM_CPUS_PER_TASK:-$RANKS_PER_NODE} / RANKS_PER_NODE ))
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
+    export PYTHONUNBUFFERED=1
+}
+
+print_topology() {
+    log "job $SLURM_JOB_ID, attempt $(( ${SLURM_RESTART_COUNT:-0} + 1 )): $SLURM_JOB_NUM_NODES node(s)" \
+        "[$SLURM_JOB_NODELIST] x $RANKS_PER_NODE ranks ($DEVICE) = $NRANKS ranks"
+    log "rendezvous $MASTER_ADDR:$MASTER_PORT; NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-<NCCL picks>}" \
+        "NCCL_IB_DISABLE=$NCCL_IB_DISABLE OMP_NUM_THREADS=$OMP_NUM_THREADS"
+    python -m toolkit validate --recipe "$RECIPE" --world-size "$NRANKS" "${OVERRIDES[@]}"
+}
+
+# One torchrun per node, started by srun (no ssh). The single quotes matter: $SLURM_NODEID must expand in each
+# node's task, not here on the first node. torchrun must ignore SIGUSR1: --signal=USR1 reaches every process of
+# the step, and torchrun, which does not handle USR1, would die of it and take its workers along. The training
+# processes install their own handler (an ignored signal stays ignored only until a handler is installed).
+# srun gets --cpus-per-task explicitly: Slurm 22.05 steps do not inherit it from sbatch.
+# shellcheck disable=SC2016
+PER_NODE='trap "" USR1; exec torchrun --nnodes "$SLURM_NNODES" --node_rank "$SLURM_NODEID" "$@"'
+on_every_node() {
+    srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
+        --kill-on-bad-exit=1 bash -c "$PER_NODE" torchrun \
+        --nproc_per_node "$RANKS_PER_NODE" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$@"
+}
+
+# Every rank joins and all-reduces once, failing in seconds instead of at the first collective of training.
+preflight() {
+    local timeout=${TOOLKIT_PREFLIGHT_TIMEOUT:-60}
+    if ! on_every_node --rdzv_conf "timeout=$timeout" -m toolkit.preflight --device "$DEVICE"; then
+        echo "error: preflight: the $NRANKS ranks on $SLURM_JOB_NUM_NODES node(s) did not all join and" \
+             "all-reduce within ${timeout} s (see above)." >&2
+        echo "  check that $MASTER_ADDR:$MASTER_PORT is reachable from every node (firewall, port in use)," >&2
+        echo "  that NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-<unset>} names an interface every node has" \
+             "(export TOOLKIT_NCCL_IFNAME=...), and run \`toolkit doctor\` on a node" >&2
+        return 1
+    fi
+}
+
+train() {
+    on_every_node recipes/train.py --recipe "$RECIPE" "${OVERRIDES[@]}"
+}
+
+# Where the trainer leaves $MARKER_NAME: the resolved recipe's output_dir (relative to the repository root).
+marker_path() {
+    local dir
+    dir=$(python -m toolkit show --recipe "$RECIPE" --world-size "$NRANKS" "${OVERRIDES[@]}" |
+        python -c 'import sys, yaml; print(yaml.safe_load(sys.stdin)["output_dir"])')
+    echo "$dir/$MARKER_NAME"
+}
+
+# A marker left by an earlier attempt is reported and removed before training: were it kept, a run that fails
+# before its first step would look preempted and be requeued forever.
+clear_marker() {
+    if [[ -e $MARKER ]]; then
+        log "the previous attempt was preempted: $(cat "$MARKER")"
+        rm -f "$MARKER"
+    fi
+}
+
+# After training: the trainer's preemption exit requeues the job (same job id; it resumes from the checkpoint,
+# as recipes resume by default, checkpoint.resume: auto). Exit code 75 does not survive torchrun (any failed
+# worker makes it exit 1), so the marker is what counts; the code is checked too, for other launchers.
+finish() {
+    local rc=$1
+    if [[ $rc == "$REQUEUE_EXIT" || -e $MARKER ]]; then
+        log "training stopped after a preemption signal: $(cat "$MARKER" 2>/dev/null || echo "exit code $rc")"
+        log "requeueing job $SLURM_JOB_ID; it resumes from its latest checkpoint"
+        scontrol requeue "$SLURM_JOB_ID"
+        exit 0
+    fi
+    log "training exited with code $rc"
+    exit "$rc"
+}
+
+# Overrides given at submission, after the rendered ones (later wins): sbatch THIS_FILE --set training.steps=100
+add_overrides() {
+    while (($#)); do
+        case $1 in
+            --set) [[ $# -ge 2 ]] || { echo "error: --set needs KEY=VALUE" >&2; exit 2; }
+                   OVERRIDES+=(--set "$2"); shift 2 ;;
+            --set=*) OVERRIDES+=(--set "${1#--set=}"); shift ;;
+            *) echo "error: unknown argument '$1'; this script takes only --set KEY=VALUE (repeatable)" >&2
+               exit 2 ;;
+        esac
+    done
+}
+
+main() {
+    set -euo pipefail
+    add_overrides "$@"
+    cd "$SLURM_SUBMIT_DIR"
+    if [[ ! -f recipes/train.py ]]; then
+        echo "error: submit from the repository root: $PWD has no recipes/train.py" >&2
+        exit 2
+    fi
+    if [[ -f .venv/bin/activate ]]; then
+        # shellcheck disable=SC1091
+        source .venv/bin/activate
+    fi
+    network_env
+    MASTER_ADDR=$(master_addr)
+    MASTER_PORT=$(master_port)
+    NRANKS=$((SLURM_JOB_NUM_NODES * RANKS_PER_NODE))
+    export MASTER_ADDR MASTER_PORT
+    print_topology
+    MARKER=$(marker_path)
+    preflight || exit 1
+    clear_marker
+    local rc=0
+    train || rc=$?
+    finish "$rc"
+}
+
+# Run only when executed (sbatch runs the file); `source`-ing it just defines the functions above.
+if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
+    if [[ -z ${SLURM_JOB_ID:-} ]]; then
+        echo "error: this is a Slurm batch script; submit it with: sbatch $0" >&2
+        exit 2
+    fi
+    main "$@"
+fi
+'''
