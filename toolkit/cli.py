@@ -156,6 +156,15 @@ def cmd_slurm_render(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from toolkit import doctor
+
+    recipe = load_recipe(args.recipe, args.overrides) if args.recipe else None
+    findings = doctor.run(recipe, nodes=args.nodes)
+    print(json.dumps(doctor.as_json(findings), indent=2) if args.json else doctor.render(findings))
+    return 1 if any(f.status == doctor.FAIL for f in findings) else 0
+
+
 def shipped_deepspeed_recipes() -> list[str]:
     return [n for n in list_recipes() if load_recipe(n).parallel.backend == "deepspeed"]
 
@@ -221,6 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_args(p)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="render for GPUs (default) or CPU")
     p.set_defaults(func=cmd_render_megatron)
+    p = sub.add_parser("doctor", help="check this machine and launch environment: versions, GPUs, NCCL, "
+                       "DeepSpeed ops, compilers, libaio, network settings, disk for checkpoints")
+    p.add_argument("--recipe", help="also check free disk at this recipe's checkpoint directory")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe key (repeatable)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes of the job to check the network settings for "
+                   "(default: SLURM_JOB_NUM_NODES, else 1)")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.set_defaults(func=cmd_doctor)
     slurm = sub.add_parser("slurm", help="Slurm batch scripts for a recipe")
     p = slurm.add_subparsers(dest="what", required=True).add_parser(
         "render", help="print (or --out) the sbatch script that trains a recipe on nodes x GPUs, checked first",

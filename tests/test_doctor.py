@@ -1,0 +1,75 @@
+"""`toolkit doctor`: every finding has a status and, when not ok, a fix; the network, port and disk checks
+catch the failures users hit (an interface that does not exist, loopback on a multi-node job, a port in use, a
+disk too small for the recipe's checkpoints), and the exit status says whether anything failed."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from collections import namedtuple
+
+from conftest import REPO
+from toolkit import doctor
+from toolkit.recipe import load_recipe
+
+
+def _by_check(findings, name):
+    return [f for f in findings if f.check == name]
+
+
+def test_every_finding_has_a_status_and_a_fix_when_not_ok():
+    findings = doctor.run(load_recipe("tiny_zero3"))
+    assert findings and all(f.status in (doctor.OK, doctor.INFO, doctor.WARN, doctor.FAIL) for f in findings)
+    assert all(f.fix for f in findings if f.status in (doctor.WARN, doctor.FAIL))
+    assert _by_check(findings, "torch")[0].status == doctor.OK  # the pinned version is what the suite runs on
+    assert _by_check(findings, "checkpoint disk")[0].status == doctor.OK  # a tiny recipe's checkpoints fit
+
+
+def test_nccl_interface_that_does_not_exist_fails_with_a_fix():
+    (f,) = [x for x in doctor.check_network({"NCCL_SOCKET_IFNAME": "nosuchif0"}) if x.check == "NCCL_SOCKET_IFNAME"]
+    assert f.status == doctor.FAIL and "matches none of this host's interfaces" in f.detail and "ip -br addr" in f.fix
+
+
+def test_loopback_or_unset_interface_on_a_multi_node_job():
+    (lo,) = _by_check(doctor.check_network({"NCCL_SOCKET_IFNAME": "lo"}, nodes=2), "NCCL_SOCKET_IFNAME")
+    assert lo.status == doctor.FAIL and "loopback on a 2-node job" in lo.detail
+    (unset,) = _by_check(doctor.check_network({}, nodes=4), "NCCL_SOCKET_IFNAME")
+    assert unset.status == doctor.WARN and "TOOLKIT_NCCL_IFNAME" in unset.fix
+    assert _by_check(doctor.check_network({}, nodes=1), "NCCL_SOCKET_IFNAME") == []  # one node: nothing to say
+    (ok,) = _by_check(doctor.check_network({"NCCL_SOCKET_IFNAME": "lo"}, nodes=1), "NCCL_SOCKET_IFNAME")
+    assert ok.status == doctor.OK
+
+
+def test_master_port_in_use_is_reported():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        (f,) = _by_check(doctor.check_launch_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                                   "RANK": "0"}), "MASTER_PORT")
+    assert f.status == doctor.FAIL and f"{port} is already in use" in f.detail
+
+
+def test_disk_too_small_for_the_recipes_checkpoints(monkeypatch):
+    recipe = load_recipe("llama7b_zero3")
+    one = doctor.checkpoint_bytes(recipe)
+    assert one == 6_738_415_616 * 14  # bf16 weights + fp32 master + two fp32 moments, per parameter
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda _: usage(0, 0, one // 2))
+    (f,) = doctor.check_disk(recipe)
+    assert f.status == doctor.FAIL and "one checkpoint is 87.9 GiB" in f.detail
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda _: usage(0, 0, one * 2))
+    (f,) = doctor.check_disk(recipe)
+    assert f.status == doctor.WARN and "checkpoint.keep" in f.fix  # keep=2 needs 3 checkpoints while saving
+
+
+def test_command_line_json_and_exit_status():
+    ok = subprocess.run([sys.executable, "-m", "toolkit", "doctor", "--recipe", "tiny_zero0", "--json"], cwd=REPO,
+                        capture_output=True, text=True, check=False)
+    findings = json.loads(ok.stdout)
+    assert ok.returncode == (1 if any(f["status"] == "fail" for f in findings) else 0)
+    assert {"check", "status", "detail", "fix"} <= set(findings[0])
+    bad = subprocess.run([sys.executable, "-m", "toolkit", "doctor", "--nodes", "2"], cwd=REPO, capture_output=True,
+                         text=True, check=False, env={**__import__("os").environ, "NCCL_SOCKET_IFNAME": "lo"})
+    assert bad.returncode == 1 and "[FAIL] NCCL_SOCKET_IFNAME" in bad.stdout and "fix:" in bad.stdout

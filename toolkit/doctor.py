@@ -1,0 +1,262 @@
+"""`toolkit doctor`: what this machine and launch environment can do, each finding with a status and a fix.
+
+Checks: package versions against the toolkit's pins; torch's CUDA build, GPUs and NCCL; DeepSpeed's JIT ops the
+recipes use (CPU Adam for offload, async I/O for NVMe, fused Adam on GPUs) and what they need (a C++ compiler,
+ninja, libaio); Megatron-Core and Transformer Engine; the launch environment (MASTER_ADDR/PORT, RANK/WORLD_SIZE,
+Slurm's variables, a port already in use); NCCL's network settings (an interface that exists, not loopback on
+multi-node jobs); and, given a recipe, free disk at its checkpoint directory against what it will write.
+Exit status 1 when any finding fails, else 0.
+"""
+from __future__ import annotations
+
+import ctypes.util
+import importlib.metadata as md
+import os
+import shutil
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
+
+
+@dataclass
+class Finding:
+    check: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def check_packages() -> list[Finding]:
+    """Installed versions against the pins in the toolkit's own metadata."""
+    try:
+        pins = [r.split(";")[0].strip() for r in md.requires("llm-recipe-toolkit") or []
+                if "==" in r and "extra ==" not in r]  # the run-time pins, not the dev extras
+    except md.PackageNotFoundError:
+        return [Finding("packages", WARN, "the toolkit is not installed as a package",
+                        "pip install -e . from the repository root")]
+    out = []
+    for pin in pins:
+        name, want = pin.split("==")
+        have = _version(name.split("[")[0])
+        if have is None:
+            out.append(Finding(name, FAIL, f"not installed (pinned {want})", f"pip install '{pin}'"))
+        elif have.split("+")[0] != want:
+            out.append(Finding(name, WARN, f"{have} installed, {want} is the tested pin",
+                               f"pip install '{pin}' (or keep yours at your own risk)"))
+        else:
+            out.append(Finding(name, OK, have))
+    return out
+
+
+def check_torch() -> list[Finding]:
+    import torch
+
+    out = [Finding("torch build", INFO, f"{torch.__version__}, CUDA {torch.version.cuda or 'none (CPU build)'}")]
+    if not torch.cuda.is_available():
+        out.append(Finding("GPUs", INFO, "none visible: CPU runs use gloo (fine for the tiny recipes)",
+                           "on a GPU node: install a CUDA build of torch and check nvidia-smi and "
+                           "CUDA_VISIBLE_DEVICES" if torch.version.cuda is None else
+                           "check nvidia-smi, the driver and CUDA_VISIBLE_DEVICES"))
+        return out
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    out.append(Finding("GPUs", OK, f"{len(names)}: {', '.join(sorted(set(names)))}"))
+    try:
+        nccl = ".".join(str(x) for x in torch.cuda.nccl.version())
+        out.append(Finding("NCCL", OK, nccl))
+    except Exception as e:  # noqa: BLE001 - any failure means NCCL is unusable
+        out.append(Finding("NCCL", FAIL, f"not usable: {e}", "install a torch build with NCCL"))
+    return out
+
+
+def check_build_tools() -> list[Finding]:
+    out = []
+    cxx = shutil.which("c++") or shutil.which("g++")
+    out.append(Finding("C++ compiler", OK if cxx else FAIL, cxx or "none on PATH",
+                       "" if cxx else "apt-get install build-essential (DeepSpeed JIT-compiles cpu_adam/async_io)"))
+    ninja = shutil.which("ninja")
+    out.append(Finding("ninja binary", OK if ninja else FAIL, ninja or "none on PATH",
+                       "" if ninja else "pip install ninja (DeepSpeed's JIT builds need it)"))
+    aio = ctypes.util.find_library("aio")
+    header = Path("/usr/include/libaio.h").is_file()
+    out.append(Finding("libaio", OK if aio and header else WARN,
+                       f"library {aio or 'missing'}, header {'present' if header else 'missing'}",
+                       "" if aio and header else "apt-get install libaio-dev (needed for ZeRO-Infinity, "
+                       "offload to NVMe)"))
+    return out
+
+
+def check_deepspeed_ops() -> list[Finding]:
+    """The JIT ops the recipes use, as DeepSpeed itself judges them here."""
+    try:
+        import io
+        from contextlib import redirect_stderr, redirect_stdout
+
+        with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+            from deepspeed.env_report import ALL_OPS
+    except Exception as e:  # noqa: BLE001
+        return [Finding("deepspeed ops", FAIL, f"cannot import DeepSpeed: {e}", "pip install deepspeed==0.19.8")]
+    import torch
+
+    wanted = {"cpu_adam": "ZeRO-Offload (offload_optimizer: cpu)", "async_io": "ZeRO-Infinity (offload to nvme)"}
+    if torch.cuda.is_available():
+        wanted["fused_adam"] = "fused Adam on GPUs"
+    out = []
+    for op, used_for in wanted.items():
+        builder = ALL_OPS.get(op)
+        ok = builder is not None and builder.is_compatible(verbose=False)
+        fix = {"async_io": "apt-get install libaio-dev, then rerun", "cpu_adam": "install a C++ compiler and ninja",
+               "fused_adam": "install the CUDA toolkit matching torch's CUDA build"}[op]
+        out.append(Finding(f"deepspeed op {op}", OK if ok else WARN,
+                           f"{'compatible' if ok else 'not compatible'} ({used_for})", "" if ok else fix))
+    return out
+
+
+def check_megatron() -> list[Finding]:
+    import torch
+
+    out = [Finding("megatron-core", OK if _version("megatron-core") else FAIL,
+                   _version("megatron-core") or "not installed", "" if _version("megatron-core") else
+                   "pip install megatron-core==0.16.1")]
+    te = _version("transformer-engine") or _version("transformer_engine")
+    if te:
+        out.append(Finding("transformer-engine", OK, te))
+    elif torch.cuda.is_available():
+        out.append(Finding("transformer-engine", WARN, "not installed: Megatron runs the local layer spec (no "
+                           "context parallelism, slower)", "pip install transformer-engine[pytorch] matching "
+                           "your CUDA"))
+    else:
+        out.append(Finding("transformer-engine", INFO, "not installed (needs CUDA; the local spec runs on CPU)"))
+    return out
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def check_launch_env(env: dict | None = None) -> list[Finding]:
+    env = dict(os.environ if env is None else env)
+    out = []
+    keys = ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"]
+    seen = {k: env[k] for k in keys if k in env}
+    out.append(Finding("launch environment", INFO, ", ".join(f"{k}={v}" for k, v in seen.items()) or
+                       "none set (launchers set them: torchrun, deepspeed, the slurm/ scripts)"))
+    slurm = {k: env[k] for k in ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_NODELIST", "SLURM_NODEID")
+             if k in env}
+    if slurm:
+        out.append(Finding("Slurm", INFO, ", ".join(f"{k}={v}" for k, v in slurm.items())))
+    port = env.get("MASTER_PORT")
+    if port and port.isdigit() and env.get("RANK", "0") == "0" and \
+            env.get("MASTER_ADDR", "localhost") in ("localhost", "127.0.0.1", socket.gethostname()):
+        if _port_in_use("", int(port)):
+            out.append(Finding("MASTER_PORT", FAIL, f"{port} is already in use on this host",
+                               "pick another port (the slurm/ scripts derive one from the job id)"))
+    return out
+
+
+def check_network(env: dict | None = None, nodes: int | None = None) -> list[Finding]:
+    """NCCL's interface settings against the interfaces this host has."""
+    env = dict(os.environ if env is None else env)
+    nodes = nodes or int(env.get("SLURM_JOB_NUM_NODES", "1") or 1)
+    have = sorted(p.name for p in Path("/sys/class/net").iterdir()) if Path("/sys/class/net").is_dir() else []
+    out = []
+    ifname = env.get("NCCL_SOCKET_IFNAME")
+    if ifname:
+        exclude, exact = ifname.startswith("^"), ifname.lstrip("^").startswith("=")
+        names = [n.strip() for n in ifname.lstrip("^=").split(",") if n.strip()]
+        if not exclude:
+            matches = [n for n in names if any(h == n or (not exact and h.startswith(n)) for h in have)]
+            if not matches:
+                out.append(Finding("NCCL_SOCKET_IFNAME", FAIL, f"{ifname!r} matches none of this host's interfaces "
+                                   f"({', '.join(have)})", "set it to the interface the nodes reach each other on "
+                                   "(ip -br addr), e.g. ib0 or eth0"))
+            elif nodes > 1 and all(m.startswith("lo") for m in matches):
+                out.append(Finding("NCCL_SOCKET_IFNAME", FAIL, f"{ifname!r} is loopback on a {nodes}-node job: "
+                                   "other nodes cannot connect", "set it to the inter-node interface (ip -br addr)"))
+            else:
+                out.append(Finding("NCCL_SOCKET_IFNAME", OK, f"{ifname} ({', '.join(matches)})"))
+        else:
+            out.append(Finding("NCCL_SOCKET_IFNAME", INFO, f"{ifname} (exclusion list)"))
+    elif nodes > 1:
+        out.append(Finding("NCCL_SOCKET_IFNAME", WARN, f"unset on a {nodes}-node job: NCCL guesses, and a wrong "
+                           "guess hangs at the first collective", "export TOOLKIT_NCCL_IFNAME=<interface> before "
+                           "sbatch (the slurm/ scripts pass it on) or NCCL_SOCKET_IFNAME"))
+    ib = env.get("NCCL_IB_DISABLE")
+    ib_present = Path("/sys/class/infiniband").is_dir() and any(Path("/sys/class/infiniband").iterdir())
+    if ib == "1" and ib_present:
+        out.append(Finding("NCCL_IB_DISABLE", WARN, "InfiniBand devices exist but NCCL_IB_DISABLE=1",
+                           "unset it unless IB is known broken: sockets are much slower across nodes"))
+    else:
+        out.append(Finding("InfiniBand", INFO, f"{'devices present' if ib_present else 'no devices'}; "
+                           f"NCCL_IB_DISABLE={ib or 'unset'}"))
+    return out
+
+
+def checkpoint_bytes(recipe) -> int:
+    """Bytes one checkpoint of the recipe takes: weights in the training dtype, plus the fp32 master weights
+    (16-bit training) and Adam's two fp32 moments, whatever the sharding (it only spreads them over files)."""
+    from toolkit.train.metrics import count_params
+
+    params = count_params(recipe.model)["total"]
+    per_param = 4 + 8 if recipe.training.precision == "fp32" else 2 + 12
+    return params * per_param
+
+
+def check_disk(recipe) -> list[Finding]:
+    from toolkit.recipe.loader import REPO_ROOT
+
+    folder = Path(recipe.checkpoint_dir)
+    folder = folder if folder.is_absolute() else REPO_ROOT / folder
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    one = checkpoint_bytes(recipe)
+    keep = recipe.checkpoint.keep
+    need = one * (keep + 1)  # the newest is written before the oldest is pruned
+    gib = 2**30
+    detail = (f"{folder}: {free / gib:,.1f} GiB free; one checkpoint is {one / gib:,.1f} GiB, keep={keep} needs "
+              f"{need / gib:,.1f} GiB (keep + 1 while saving)")
+    if free < one:
+        return [Finding("checkpoint disk", FAIL, detail, "point checkpoint.dir at a larger file system")]
+    if free < need:
+        return [Finding("checkpoint disk", WARN, detail, f"lower checkpoint.keep or free {(need - free) / gib:,.1f} GiB")]
+    return [Finding("checkpoint disk", OK, detail)]
+
+
+def run(recipe=None, nodes: int | None = None) -> list[Finding]:
+    findings = [*check_packages(), *check_torch(), *check_build_tools(), *check_deepspeed_ops(), *check_megatron(),
+                *check_launch_env(), *check_network(nodes=nodes)]
+    if recipe is not None:
+        findings += check_disk(recipe)
+    return findings
+
+
+def render(findings: list[Finding]) -> str:
+    mark = {OK: "ok  ", INFO: "info", WARN: "WARN", FAIL: "FAIL"}
+    lines = []
+    for f in findings:
+        lines.append(f"[{mark[f.status]}] {f.check}: {f.detail}")
+        if f.fix:
+            lines.append(f"       fix: {f.fix}")
+    fails, warns = sum(f.status == FAIL for f in findings), sum(f.status == WARN for f in findings)
+    lines.append(f"{len(findings)} checks: {fails} failed, {warns} warnings")
+    return "\n".join(lines)
+
+
+def as_json(findings: list[Finding]) -> list[dict]:
+    return [asdict(f) for f in findings]
