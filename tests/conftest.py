@@ -43,6 +43,28 @@ def launch(recipe: str, overrides: list[str], nproc: int, out_dir: Path, launche
     return proc
 
 
+def signal_process_tree(root: int, sig: int) -> None:
+    """Signal `root` and every descendant, as Slurm signals every process of a job step (torchrun starts its
+    workers in sessions of their own, so a process-group signal would miss them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    todo, tree = [root], []
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    for pid in tree:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def slurm_available() -> str | None:
     """None when this machine can run a throw-away Slurm cluster, else why not."""
     import shutil

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, launch, read_metrics
+from conftest import REPO, free_port, launch, read_metrics, signal_process_tree
 
 RUN = ["training.steps=14", "training.schedule.warmup_steps=2", "logging.interval=1", "checkpoint.interval=100",
        "logging.sample_prompt="]
@@ -50,25 +50,7 @@ def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float 
 
 
 def _signal_tree(root: int) -> None:
-    """SIGUSR1 to a process and all its descendants, as Slurm signals every process of a job step (torchrun
-    starts its workers in sessions of their own, so a process-group signal would miss them)."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    todo, tree = [root], []
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += parents.get(pid, [])
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            pass
+    signal_process_tree(root, signal.SIGUSR1)
 
 
 def _signal_during_save(out: Path, proc: subprocess.Popen) -> bool:

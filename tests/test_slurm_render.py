@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port
+from conftest import REPO, free_port, signal_process_tree
 
 from toolkit.slurm import (
     PREEMPTED_MARKER,
@@ -229,32 +229,6 @@ def test_a_bare_run_outside_slurm_refuses(fake_slurm):
 
 # ---- processes: torchrun and the preflight --------------------------------------------------------------------
 
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [root]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
-def _signal_step(root: int, sig: int) -> None:
-    """Signal `root` and every descendant, as Slurm signals every process of a job step (torchrun starts its
-    workers in sessions of their own, so a process-group signal would miss them)."""
-    for pid in [root, *_descendants(root)]:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
 _USR1_WORKER = """
 import os, signal, sys, time
 got = []
@@ -285,7 +259,7 @@ def test_torchrun_started_by_the_script_survives_usr1_and_its_workers_get_it(tmp
     while not all(Path(f"{ready}.{r}").exists() for r in (0, 1)) and time.monotonic() < end:
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.1)
-    _signal_step(proc.pid, 10)  # SIGUSR1
+    signal_process_tree(proc.pid, 10)  # SIGUSR1
     out, _ = proc.communicate(timeout=60)
     assert "rank 0 got SIGUSR1" in out and "rank 1 got SIGUSR1" in out, out
     assert proc.returncode == 1, out  # torchrun survived the signal, and reports exit 75 as a plain failure

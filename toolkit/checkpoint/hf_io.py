@@ -5,32 +5,34 @@ from pathlib import Path
 
 import torch
 
+from toolkit.checkpoint import safetensors_stream as st
 from toolkit.errors import ToolkitError
 
 
 class LazyHFState:
     """A read-only mapping over a Hugging Face checkpoint's safetensors files that reads a tensor only when asked
-    (memory-mapped), so a rank can take the few tensors it needs from a checkpoint larger than its memory."""
+    (positioned reads through safetensors_stream, each file checked against its header on open), so a rank can
+    take the few tensors it needs from a checkpoint larger than its memory."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
-        self._handles: list = []
-        self._where: dict[str, object] = {}
+        self._readers: list[st.Reader] = []
+        self._where: dict[str, st.Reader] = {}
 
     def __enter__(self) -> "LazyHFState":
-        from safetensors import safe_open
-
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise ToolkitError(f"{self.folder} holds no *.safetensors files; save the model with safe_serialization")
         for f in files:
-            handle = safe_open(str(f), framework="pt")
-            self._handles.append(handle)
-            self._where.update({k: handle for k in handle.keys()})
+            reader = st.Reader(f)
+            self._readers.append(reader)
+            self._where.update({k: reader for k in reader.keys()})
         return self
 
     def __exit__(self, *exc) -> None:
-        self._handles.clear()
+        for reader in self._readers:
+            reader.close()
+        self._readers.clear()
         self._where.clear()
 
     def __contains__(self, name: str) -> bool:
@@ -40,4 +42,4 @@ class LazyHFState:
         if name not in self._where:
             raise ToolkitError(f"{self.folder} has no tensor {name!r}: the checkpoint is incomplete or of another "
                                "architecture than the recipe's model section")
-        return self._where[name].get_tensor(name)
+        return self._where[name].get(name)
