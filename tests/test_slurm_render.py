@@ -237,6 +237,12 @@ open(sys.argv[1] + "." + os.environ["RANK"], "w").close()
 while not got:
     time.sleep(0.05)
 os.write(1, f"rank {os.environ['RANK']} got SIGUSR1\\n".encode())  # one write: lines of two ranks never interleave
+# Like the trainer, which agrees on the stop with an all-reduce, no rank leaves before both have the signal:
+# torchrun would otherwise SIGTERM the slower rank as soon as the first one exits.
+open(sys.argv[1] + ".got." + os.environ["RANK"], "w").close()
+end = time.monotonic() + 30
+while not all(os.path.exists(sys.argv[1] + ".got." + r) for r in "01") and time.monotonic() < end:
+    time.sleep(0.05)
 sys.exit(int(sys.argv[2]))
 """
 
