@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import yaml
@@ -156,6 +157,12 @@ def cmd_slurm_render(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from toolkit.plan.command import run
+
+    return run(args)
+
+
 def cmd_doctor(args) -> int:
     from toolkit import doctor
 
@@ -230,6 +237,25 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_args(p)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="render for GPUs (default) or CPU")
     p.set_defaults(func=cmd_render_megatron)
+    p = sub.add_parser("plan", help="per-GPU memory, FLOPs, communication and step time of a recipe's layout, and "
+                       "every layout that fits N GPUs, ranked")
+    p.add_argument("--recipe", required=True, help="shipped recipe name or YAML path")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one recipe key (repeatable)")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs to plan for")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--gpu-memory", type=float, default=80.0, metavar="GiB", help="memory of one GPU (default 80)")
+    p.add_argument("--cpu-memory", type=float, default=None, metavar="GiB", help="host RAM per node (default 1024)")
+    p.add_argument("--nvme", type=float, default=None, metavar="GiB", help="local NVMe per node (default 3500)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="dense 16-bit peak of one GPU (default 989, H100)")
+    p.add_argument("--backend", choices=["any", "deepspeed", "megatron"], default="any",
+                   help="layouts of one backend only (default: both)")
+    p.add_argument("--top", type=int, default=8, help="ranked layouts to show (default 8)")
+    p.add_argument("--json", action="store_true", help="the same numbers as JSON")
+    p.add_argument("--write", metavar="PATH", help="save the fastest layout that fits as a recipe (base: this one)")
+    p.add_argument("--overwrite", action="store_true", help="let --write replace an existing file")
+    p.set_defaults(func=cmd_plan)
+
     p = sub.add_parser("doctor", help="check this machine and launch environment: versions, GPUs, NCCL, "
                        "DeepSpeed ops, compilers, libaio, network settings, disk for checkpoints")
     p.add_argument("--recipe", help="also check free disk at this recipe's checkpoint directory")
@@ -272,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:  # `toolkit plan ... | head`: the reader left; not an error of ours
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at interpreter exit
+        return 0
 
 
 if __name__ == "__main__":

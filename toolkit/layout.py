@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.errors import Problem
+from toolkit.errors import Problem, ToolkitError
 
 
 @dataclass(frozen=True)
@@ -98,3 +98,12 @@ def derive_batch(global_batch: int | None, micro: int | None, accum: int | None,
         a = g // (m * dp)
         notes.append(f"training.grad_accum_steps = global {g} / (micro {m} x dp {dp}) = {a} (derived)")
     return Batch(g, m, a, dp), notes, []
+
+
+def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's padded vocabulary: the smallest multiple of divisible_by * tp that is >= vocab."""
+    if vocab < 1 or tp < 1 or divisible_by < 1:
+        raise ToolkitError(f"padded_vocab_size needs positive sizes, got vocab = {vocab}, tp = {tp}, "
+                           f"divisible_by = {divisible_by}")
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple

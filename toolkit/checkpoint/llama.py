@@ -7,18 +7,10 @@ from typing import Any
 
 from toolkit.checkpoint.rules import QKV, GatedMLP, Replicated, RowParallel, Rule, VocabParallel
 from toolkit.errors import Problem, ToolkitError
+from toolkit.layout import padded_vocab_size  # noqa: F401 - re-exported: the rules and Megatron share it
 
 HF_LAYER = "model.layers.{i}"  # {i}: global layer number
 MEGATRON_LAYER = "decoder.layers.{j}"  # {j}: index of the layer within its pipeline chunk
-
-
-def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron's padded vocabulary: the smallest multiple of divisible_by * tp that is >= vocab."""
-    if vocab < 1 or tp < 1 or divisible_by < 1:
-        raise ToolkitError(f"padded_vocab_size needs positive sizes, got vocab = {vocab}, tp = {tp}, "
-                           f"divisible_by = {divisible_by}")
-    multiple = divisible_by * tp
-    return -(-vocab // multiple) * multiple
 
 
 @dataclass(frozen=True)

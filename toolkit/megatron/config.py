@@ -7,15 +7,17 @@ query attention through query groups, no biases, untied embeddings unless the re
 """
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
-from toolkit.checkpoint.llama import padded_vocab_size
 from toolkit.errors import Problem
-from toolkit.layout import Layout
+from toolkit.layout import Layout, padded_vocab_size
 from toolkit.recipe.schema import Recipe
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+def _dtype(precision: str):
+    # torch is imported here, not at the top: `toolkit plan` reads these dicts and must start in well under 2 s.
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
 # Megatron's rope_scaling implements Llama 3.1's scheme with these fixed constants.
 LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -35,15 +37,22 @@ def _recompute(mode: str) -> dict:
     return {}
 
 
+def to_architecture_kwargs(r: Recipe) -> dict:
+    """The TransformerConfig fields that fix the shapes (torch-free: the planner reads them)."""
+    m = r.model
+    return {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.intermediate_size,
+            "num_attention_heads": m.num_attention_heads, "num_query_groups": m.num_kv_heads or m.num_attention_heads,
+            "kv_channels": m.hidden_size // m.num_attention_heads}
+
+
 def to_transformer_config_kwargs(r: Recipe, layout: Layout, on_gpu: bool) -> dict:
     """TransformerConfig fields for the recipe's Llama. Fusions that need GPU kernels are on only on GPUs."""
     m, precision = r.model, r.training.precision
-    dtype = DTYPES[precision]
+    import torch.nn.functional as F
+
+    dtype = _dtype(precision)
     return {
-        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.intermediate_size,
-        "num_attention_heads": m.num_attention_heads,
-        "num_query_groups": m.num_kv_heads or m.num_attention_heads,
-        "kv_channels": m.hidden_size // m.num_attention_heads,
+        **to_architecture_kwargs(r),
         "normalization": "RMSNorm", "layernorm_epsilon": m.rms_norm_eps,
         "gated_linear_unit": True, "activation_func": F.silu, "add_bias_linear": False, "add_qkv_bias": False,
         "hidden_dropout": 0.0, "attention_dropout": 0.0, "init_method_std": m.initializer_range,
@@ -83,7 +92,7 @@ def to_optimizer_config_kwargs(r: Recipe, layout: Layout) -> dict:
             "weight_decay": t.optimizer.weight_decay, "adam_beta1": t.optimizer.betas[0],
             "adam_beta2": t.optimizer.betas[1], "adam_eps": t.optimizer.eps, "decoupled_weight_decay": True,
             "clip_grad": t.grad_clip, "bf16": t.precision == "bf16", "fp16": t.precision == "fp16",
-            "params_dtype": DTYPES[t.precision], "initial_loss_scale": 2.0 ** t.fp16_initial_scale_power,
+            "params_dtype": _dtype(t.precision), "initial_loss_scale": 2.0 ** t.fp16_initial_scale_power,
             "use_distributed_optimizer": layout.zero_stage == 1}
 
 
@@ -108,6 +117,7 @@ def check_megatron(r: Recipe, te_available: bool) -> list[Problem]:
 
 def to_json_dict(r: Recipe, layout: Layout, on_gpu: bool = True) -> dict:
     """Every Megatron-Core argument the recipe produces, as JSON-able data (`toolkit render megatron-config`)."""
+    import torch
 
     def plain(d: dict) -> dict:
         return {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else

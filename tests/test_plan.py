@@ -1,0 +1,159 @@
+"""`toolkit plan`: the classic cases choose what the published Megatron-Core and DeepSpeed recipes use, with the
+reasoning printed; the table and --json carry the same numbers; --write saves a recipe that validates; bad input
+is refused without writing; the pipeline arithmetic is Megatron's own schedule's."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import REPO
+from toolkit.plan.choice import Choice
+from toolkit.plan.estimate import bubble, in_flight
+from toolkit.plan.hardware import Cluster
+from toolkit.plan.search import reasons, search
+from toolkit.recipe import load_recipe
+
+LONG = ["data.seq_len=131072", "model.max_position_embeddings=131072"]
+
+
+def plan(recipe: str, sets: list[str], **cluster):
+    r = load_recipe(recipe, sets)
+    s = search(r, Cluster(**cluster), r.training.global_batch_size)
+    assert s.best is not None
+    return s.best.choice, reasons(r, s.best, s)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "toolkit", "plan", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+# ---- the classic cases ------------------------------------------------------------------------------------------
+
+def test_7b_on_8x80gb_is_plain_data_parallel_with_sharded_optimizer_states():
+    """NeMo / Megatron-Bridge pretrain Llama 2 7B at TP1 PP1 with the distributed optimizer; DeepSpeed's Llama
+    examples use ZeRO-1/2 on one node. Plain DDP (ZeRO-0) does not fit 80 GB: 16 bytes per parameter."""
+    c, why = plan("llama7b_zero3", [], gpus=8, gpu_memory_gib=80)
+    assert (c.backend, c.tp, c.pp, c.cp, c.dp, c.zero, c.offload_optimizer) == ("deepspeed", 1, 1, 1, 8, 1, "none")
+    text = "\n".join(why)
+    assert "the model is the problem" in text and "ZeRO-0: does not fit" in text
+    assert "Megatron distributed optimizer: +0% step time" in text  # the other backend's equivalent is a tie
+
+
+def test_70b_on_64x80gb_is_tp_inside_a_node_and_pp_across_nodes():
+    """Megatron-Bridge's Llama 3 70B recipe: TP4 x PP4 (x VP5) with the distributed optimizer and sequence
+    parallelism; Megatron-LM's 70B runs use TP8 x PP4 or TP4 x PP4. TP stays inside a node."""
+    c, why = plan("llama70b_tp8_pp4", [], gpus=64, gpus_per_node=8, gpu_memory_gib=80)
+    assert (c.backend, c.tp, c.pp, c.cp, c.sp, c.zero) == ("megatron", 4, 4, 1, True, 1)
+    text = "\n".join(why)
+    assert "ZeRO-0: does not fit" in text and "are ties" in text
+
+
+def test_7b_on_one_24gb_gpu_offloads_the_optimizer_to_cpu():
+    """DeepSpeed's ZeRO-Offload recipe for one GPU: ZeRO-2 with the optimizer (fp32 masters, moments, gradients)
+    in CPU RAM, the 16-bit weights on the GPU, activation checkpointing."""
+    c, why = plan("llama7b_zero3", [], gpus=1, gpus_per_node=1, gpu_memory_gib=24, cpu_memory_gib=128)
+    assert (c.backend, c.zero, c.offload_optimizer, c.offload_params, c.recompute) == \
+        ("deepspeed", 2, "cpu", "none", "full")
+    text = "\n".join(why)
+    assert "none: does not fit" in text  # no layout without offload fits 24 GB
+
+
+def test_8b_at_128k_context_on_16_gpus_uses_context_parallel():
+    """Megatron-Bridge's llama3_8b_128k recipe: CP8 x TP4 x PP2 with sequence parallelism (64 GPUs); at 16 GPUs
+    the same shape is CP8 x TP2: the sequence, not the model, is what does not fit."""
+    c, why = plan("llama3_8b_tp2_cp2", LONG, gpus=16, gpu_memory_gib=80)
+    assert (c.backend, c.cp, c.tp, c.sp) == ("megatron", 8, 2, True)
+    assert "the sequence is the problem" in "\n".join(why)
+
+
+def test_nothing_fits_says_what_is_missing():
+    proc = cli("--recipe", "llama70b_tp8_pp4", "--gpus", "8", "--gpu-memory", "24", "--cpu-memory", "64",
+               "--nvme", "100")
+    assert proc.returncode == 1
+    assert "Nothing fits" in proc.stdout and "GPUs of" in proc.stdout and "more GPUs: 64 would fit" in proc.stdout
+    assert "CPU RAM: needs" in proc.stdout
+
+
+# ---- the command ------------------------------------------------------------------------------------------------
+
+def test_table_and_json_carry_the_same_numbers_quickly():
+    start = time.monotonic()
+    text = cli("--recipe", "llama70b_tp8_pp4", "--gpus", "64", "--gpus-per-node", "8", "--gpu-memory", "80")
+    elapsed = time.monotonic() - start
+    assert text.returncode == 0, text.stderr
+    # The issue asks for under 2 s; the bound here is loose because CI machines are shared. What keeps it fast is
+    # that planning never imports torch, DeepSpeed or Megatron (checked below); README gives the measured time.
+    assert elapsed < 10, elapsed
+    data = json.loads(cli("--recipe", "llama70b_tp8_pp4", "--gpus", "64", "--json").stdout)
+    first = data["ranked"][0]
+    row = next(line for line in text.stdout.splitlines() if line.strip().startswith("1  "))
+    assert first["layout"] in row and f"{first['step_s']:.3g}" in row
+    own = data["recipe_layout"]
+    assert own["layout"].startswith("Megatron tp8+sp pp4 vpp5 dp2 distopt")
+    assert f"{own['memory_bytes']['gpu_total'] / 2**30:,.2f} GiB" in text.stdout
+    probe = subprocess.run([sys.executable, "-c", "import sys; from toolkit.cli import main; "
+                            "main(['plan', '--recipe', 'llama7b_zero3', '--gpus', '8', '--json']); "
+                            "sys.stderr.write(str(sorted(m for m in ('torch', 'deepspeed', 'megatron') "
+                            "if m in sys.modules)))"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert probe.stderr.strip() == "[]", probe.stderr
+
+
+def test_recipe_breakdown_shows_every_memory_kind_and_the_step():
+    out = cli("--recipe", "llama7b_zero3", "--gpus", "8").stdout
+    for word in ("weights", "gradients", "fp32 master weights", "Adam moments", "activations", "total on GPU",
+                 "ZeRO-3 parameter all-gathers", "est. step time", "MFU"):
+        assert word in out, word
+    mega = cli("--recipe", "llama70b_tp8_pp4", "--gpus", "64").stdout
+    assert "pipeline bubble: 0.1% = (pp-1)/(vpp x m + pp-1) with pp=4, vpp=5, m=512" in mega
+    assert "TP all-gather/reduce-scatter (sequence parallel)" in mega and "nvlink" in mega and "network" in mega
+
+
+def test_write_saves_a_recipe_that_validates_and_replans_to_itself(tmp_path):
+    path = tmp_path / "planned.yaml"
+    proc = cli("--recipe", "llama7b_zero3", "--gpus", "1", "--gpus-per-node", "1", "--gpu-memory", "24",
+               "--cpu-memory", "128", "--set", "training.steps=30000", "--write", str(path))
+    assert proc.returncode == 0, proc.stderr
+    r = load_recipe(str(path))
+    assert (r.parallel.zero_stage, r.parallel.offload_optimizer, r.training.steps) == (2, "cpu", 30000)
+    c, _ = plan(str(path), [], gpus=1, gpus_per_node=1, gpu_memory_gib=24, cpu_memory_gib=128)
+    assert (c.zero, c.offload_optimizer, c.recompute) == (r.parallel.zero_stage, "cpu", "full")
+    again = cli("--recipe", "llama7b_zero3", "--gpus", "8", "--write", str(path))
+    assert again.returncode == 2 and "exists; pass --overwrite" in again.stderr
+    assert load_recipe(str(path)).parallel.offload_optimizer == "cpu"  # untouched
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpus", "0"], "--gpus"),
+    (["--gpus", "12", "--gpus-per-node", "8"], "do not fill whole nodes"),
+    (["--gpus", "8", "--gpu-memory", "2"], "--gpu-memory"),
+])
+def test_bad_cluster_arguments_are_refused_without_writing(tmp_path, args, message):
+    path = tmp_path / "never.yaml"
+    proc = cli("--recipe", "llama7b_zero3", *args, "--write", str(path))
+    assert proc.returncode == 2 and message in proc.stderr and not path.exists()
+
+
+# ---- the schedule arithmetic against Megatron's own ------------------------------------------------------------
+
+@pytest.mark.parametrize("pp,vpp,m", [(4, 1, 8), (4, 1, 2), (4, 5, 16), (2, 2, 4), (8, 2, 8), (4, 5, 4)])
+def test_in_flight_micro_batches_are_megatrons_warmup_plus_one(pp, vpp, m):
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+
+    for rank in range(pp):
+        group = SimpleNamespace(size=lambda: pp, rank=lambda rank=rank: rank)
+        comm = SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+        total, all_warm, warm, _ = get_pp_rank_microbatches(m, vpp, pp, p2p_communicator=comm)
+        expect = total if all_warm else min(warm + 1, total)
+        assert in_flight(Choice("megatron", 1, pp=pp, vpp=vpp, accum=m), rank)[0] == expect, rank
+
+
+def test_bubble_fraction():
+    assert bubble(Choice("megatron", 1, pp=4, accum=8)) == pytest.approx(3 / 11)
+    assert bubble(Choice("megatron", 1, pp=4, vpp=5, accum=8)) == pytest.approx(3 / 43)
+    assert bubble(Choice("deepspeed", 8, accum=8)) == 0

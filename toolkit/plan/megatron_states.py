@@ -1,0 +1,241 @@
+"""Exact parameters and model-state bytes per rank of a Megatron-Core layout, from the recipe alone.
+
+Pure arithmetic that follows Megatron-Core 0.16's allocation rules (GPTModel with the local layer spec,
+`DistributedDataParallel`'s param-and-grad buffers, `Float16OptimizerWithFloat16Params`, the distributed optimizer,
+torch's AdamW), so `toolkit plan` can size a 70B layout instantly. tests/test_plan_megatron_states.py pins every
+rule against tensors Megatron really allocates in tiny multi-process runs, and against a meta-device build of
+llama70b_tp8_pp4.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from toolkit.errors import ToolkitError
+from toolkit.layout import Layout
+from toolkit.megatron import config as mcfg
+from toolkit.plan.types import StateBytes
+from toolkit.recipe.schema import Recipe
+
+PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+ALIGN_PARAM = 64     # distributed optimizer: each parameter starts 64 elements (128 bytes of 16-bit) aligned
+ALIGN_BUCKET = 128   # ... and each bucket ends on a multiple of lcm(dp x cp, 128) elements, so it splits evenly
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One DDP param-and-grad buffer (one per model chunk: every parameter has the same dtype): its padded size,
+    where each parameter sits in it, and its buckets, all in elements."""
+
+    numel: int
+    params: tuple[tuple[int, int], ...]
+    buckets: tuple[tuple[int, int], ...]
+
+
+def _dims(r: Recipe, tp: int) -> dict:
+    """The shapes Megatron builds, read from the same adapter the runtime uses (so vocab padding, kv_channels
+    and query groups cannot drift from what runs)."""
+    one = Layout("megatron", tp, 1, tp=tp)
+    t, g = mcfg.to_architecture_kwargs(r), mcfg.to_gpt_model_kwargs(r, one)
+    heads, groups = t["num_attention_heads"], t["num_query_groups"]
+    sizes = {"num_attention_heads": heads, "num_query_groups": groups, "ffn_hidden_size": t["ffn_hidden_size"]}
+    problems = [f"{name} {n} is not divisible by tp {tp}" for name, n in sizes.items() if n % tp]
+    if problems:
+        raise ToolkitError(f"Megatron cannot split this model at tp={tp}: {'; '.join(problems)}; choose a tp that "
+                           "divides all of them")
+    return {"h": t["hidden_size"], "ffn": t["ffn_hidden_size"], "d": t["kv_channels"], "heads": heads,
+            "groups": groups, "vocab": g["vocab_size"], "tied": g["share_embeddings_and_output_weights"]}
+
+
+def layers_of_chunk(num_layers: int, pp: int, vpp: int, pp_rank: int, vp: int) -> range:
+    """Global (0-based) layer indices of virtual chunk `vp` on stage `pp_rank`: interleaved, chunk-major."""
+    per = num_layers // (pp * vpp)
+    start = (vp * pp + pp_rank) * per
+    return range(start, start + per)
+
+
+def chunk_params(r: Recipe, tp: int, pp: int, vpp: int, pp_rank: int, vp: int) -> list[tuple[str, int, bool]]:
+    """(name, elements on one TP rank, shared_embedding) of one chunk's parameters, in registration order (the
+    order DDP lays them out, reversed). TP ranks all hold the same counts: Megatron splits whole heads and query
+    groups, the FFN evenly, and pads the vocabulary to a multiple of tp."""
+    m = _dims(r, tp)
+    if r.model.num_layers % (pp * vpp):
+        raise ToolkitError(f"model.num_layers {r.model.num_layers} is not divisible by pp x vpp = {pp} x {vpp}")
+    h, d = m["h"], m["d"]
+    first, last = pp_rank == 0 and vp == 0, pp_rank == pp - 1 and vp == vpp - 1
+    shared = m["tied"] and pp > 1  # the tied copy on the last stage and its source each get their own bucket
+    out = [("embedding.word_embeddings.weight", m["vocab"] // tp * h, shared)] if first else []
+    for i in layers_of_chunk(r.model.num_layers, pp, vpp, pp_rank, vp):
+        out += [(f"decoder.layers.{i}.input_layernorm.weight", h, False),
+                (f"decoder.layers.{i}.self_attention.linear_proj.weight", h * m["heads"] * d // tp, False),
+                (f"decoder.layers.{i}.self_attention.linear_qkv.weight",
+                 (m["heads"] + 2 * m["groups"]) * d // tp * h, False),
+                (f"decoder.layers.{i}.pre_mlp_layernorm.weight", h, False),
+                (f"decoder.layers.{i}.mlp.linear_fc1.weight", 2 * m["ffn"] // tp * h, False),
+                (f"decoder.layers.{i}.mlp.linear_fc2.weight", h * m["ffn"] // tp, False)]
+    if last:
+        out.append(("decoder.final_layernorm.weight", h, False))
+        if not (m["tied"] and first):  # tied on a single stage: the output layer reads the embedding's weight
+            out.append(("output_layer.weight", m["vocab"] // tp * h, shared))
+    return out
+
+
+def megatron_params(r: Recipe, tp: int, pp: int, vpp: int, tp_rank: int, pp_rank: int) -> int:
+    """Parameters held by rank (tp_rank, pp_rank), over all its virtual chunks."""
+    if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
+        raise ToolkitError(f"rank (tp_rank {tp_rank}, pp_rank {pp_rank}) is outside tp {tp} x pp {pp}")
+    return sum(n for vp in range(vpp) for _, n, _ in chunk_params(r, tp, pp, vpp, pp_rank, vp))
+
+
+def _pad(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def build_buffer(params: list[tuple[str, int, bool]], shard_world: int, distributed: bool,
+                 bucket_size: int | None) -> Buffer:
+    """Lay parameters out as `_ParamAndGradBuffer` does: in reverse registration order (roughly backward order),
+    a new bucket once one reaches bucket_size elements or around a shared embedding (distributed optimizer only);
+    with the distributed optimizer each parameter starts 64-aligned and each bucket ends on lcm(shard_world, 128)."""
+    end_multiple = math.lcm(shard_world, ALIGN_BUCKET)
+    start = bucket_start = 0
+    placed, buckets, open_bucket = [], [], False
+
+    def close(end: int) -> int:
+        nonlocal bucket_start, open_bucket
+        end = _pad(end, end_multiple) if distributed else end
+        buckets.append((bucket_start, end))
+        bucket_start, open_bucket = end, False
+        return end
+
+    for _, numel, shared in reversed(params):
+        start = _pad(start, ALIGN_PARAM) if distributed else start
+        own_bucket = shared and distributed
+        if own_bucket and open_bucket:
+            start = close(start)
+        placed.append((start, start + numel))
+        open_bucket = True
+        if (bucket_size is not None and start + numel - bucket_start >= bucket_size) or own_bucket:
+            start = close(start + numel)
+        else:
+            start += numel
+    if open_bucket:
+        close(start)
+    return Buffer(buckets[-1][1] if buckets else 0, tuple(placed), tuple(buckets))
+
+
+def shard_elements(buf: Buffer, shard_world: int) -> list[int]:
+    """Parameter elements (padding excluded) the distributed optimizer gives each data-parallel rank: rank i owns
+    the i-th 1/shard_world of every bucket, whatever parameters that cuts through."""
+    owned = [0] * shard_world
+    for b0, b1 in buf.buckets:
+        size = (b1 - b0) // shard_world
+        for p0, p1 in buf.params:
+            lo, hi = max(p0, b0), min(p1, b1)
+            for rank in range((lo - b0) // size, (hi - 1 - b0) // size + 1) if hi > lo else ():
+                owned[rank] += min(hi, b0 + (rank + 1) * size) - max(lo, b0 + rank * size)
+    return owned
+
+
+def owned_by(buf: Buffer, shard_world: int, rank: int) -> int:
+    """shard_elements(buf, shard_world)[rank] for one rank, in one pass over the (start-ordered) parameters."""
+    total = 0
+    for b0, b1 in buf.buckets:
+        size = (b1 - b0) // shard_world
+        lo_s, hi_s = b0 + rank * size, b0 + (rank + 1) * size
+        for p0, p1 in buf.params:
+            if p0 >= hi_s:
+                break
+            total += max(0, min(p1, hi_s) - max(p0, lo_s))
+    return total
+
+
+def _bucket_size(r: Recipe, layout: Layout) -> int | None:
+    ddp = mcfg.to_ddp_config_kwargs(r, layout)
+    if not ddp["overlap_grad_reduce"]:
+        return None
+    return ddp["bucket_size"] or max(40_000_000, 1_000_000 * layout.dp)
+
+
+def rank_buffers(r: Recipe, layout: Layout, pp_rank: int) -> list[Buffer]:
+    """The DDP buffers of one rank, one per virtual chunk. Only the first chunk of the first stage is bucketed:
+    Megatron's DDP turns bucketing off for pp_rank > 0, and the toolkit (like Megatron-LM) for chunks after the
+    first."""
+    distributed = layout.zero_stage == 1
+    size = _bucket_size(r, layout)
+    return [build_buffer(chunk_params(r, layout.tp, layout.pp, layout.vpp, pp_rank, vp), layout.dp * layout.cp,
+                         distributed, size if pp_rank == 0 and vp == 0 else None) for vp in range(layout.vpp)]
+
+
+def _owned(bufs: list[Buffer], shard_world: int) -> list[int]:
+    per_chunk = [shard_elements(b, shard_world) for b in bufs]
+    return [sum(c[i] for c in per_chunk) for i in range(shard_world)]
+
+
+def _notes(r: Recipe, layout: Layout, distributed: bool, sizes: list[int]) -> tuple[str, ...]:
+    p = r.training.precision
+    shared = r.model.tie_word_embeddings and layout.pp > 1
+    aligned = all(n % math.lcm(layout.dp * layout.cp, ALIGN_BUCKET) == 0 for n in sizes)
+    notes = [
+        (f"params: layers {r.model.num_layers} / (pp {layout.pp} x vpp {layout.vpp}) per chunk, chunk v of stage s "
+         "holds layers (v x pp + s) x that onwards; column-parallel qkv/fc1 and row-parallel proj/fc2 split by tp, "
+         "GQA splits whole query groups; norms replicated; rotary has no parameters"),
+        ("params: embedding (vocab padded to make_vocab_size_divisible_by x tp) on the first chunk of stage 0, "
+         "final norm and output layer on the last chunk of the last stage"
+         + ("; tied: a second copy of the embedding on the last stage" if r.model.tie_word_embeddings else "")),
+        f"weights: {PARAM_BYTES[p]} bytes/param ({p})"
+        + ("; params remapped into the DDP param buffer, padding included" if distributed else ""),
+        "grads: one fp32 DDP grad buffer per chunk (grad_reduce_in_fp32), padding included",
+    ]
+    if distributed:
+        shard_world = layout.dp * layout.cp
+        lcm = math.lcm(shard_world, ALIGN_BUCKET)
+        notes += [(f"buffers: params 64-aligned, buckets padded to lcm(dp x cp = {shard_world}, 128) = {lcm}; only "
+                   f"chunk 0 of stage 0 is bucketed (bucket_size {_bucket_size(r, layout)})"
+                   + ("; the tied embedding and its copy get buckets of their own" if shared else "")),
+                  ("optimizer: distributed; each dp rank owns 1/(dp x cp) of every bucket; master and moments cover "
+                   "the parameter elements in its slices (padding excluded)"),
+                  ("layer spec: buffer order is the local spec's; the Transformer Engine spec fuses the norms into "
+                   "linear_qkv/linear_fc1 (same counts, other order), which changes nothing when every parameter "
+                   f"size is a multiple of {lcm}" + (" (true here)" if aligned else
+                                                    f" (not here: bucket padding may differ by < {lcm} per bucket)"))]
+    if p == "fp32":
+        notes.append("master: none (fp32 params are the optimizer's params; distributed shards are views)")
+    else:
+        notes.append("master: fp32 copy of every owned param element (4 bytes)")
+    notes.append("moments: AdamW exp_avg + exp_avg_sq in fp32 (8 bytes per owned element); Adam's step counter "
+                 "(torch's AdamW: 4 bytes per parameter tensor) is not counted")
+    return tuple(notes)
+
+
+def megatron_state_bytes(r: Recipe, layout: Layout, pp_rank: int = 0, dp_rank: int = 0,
+                         tp_rank: int = 0) -> StateBytes:
+    """Bytes of weights, grads, fp32 masters and Adam moments on one rank. dp_rank is the rank in the
+    data-parallel (x context-parallel) group the distributed optimizer shards over."""
+    shard_world = layout.dp * layout.cp
+    if not 0 <= dp_rank < shard_world:
+        raise ToolkitError(f"dp_rank {dp_rank} is outside dp x cp = {shard_world}")
+    params = megatron_params(r, layout.tp, layout.pp, layout.vpp, tp_rank, pp_rank)
+    distributed, p = layout.zero_stage == 1, r.training.precision
+    bufs = rank_buffers(r, layout, pp_rank)
+    sizes = [n for vp in range(layout.vpp)
+             for _, n, _ in chunk_params(r, layout.tp, layout.pp, layout.vpp, pp_rank, vp)]
+    buffered = sum(b.numel for b in bufs)
+    owned = sum(owned_by(b, shard_world, dp_rank) for b in bufs) if distributed else params
+    grad_bytes = 4 if mcfg.to_ddp_config_kwargs(r, layout)["grad_reduce_in_fp32"] else PARAM_BYTES[p]
+    return StateBytes(weights=PARAM_BYTES[p] * (buffered if distributed else params), grads=grad_bytes * buffered,
+                      master=0 if p == "fp32" else 4 * owned, moments=8 * owned,
+                      notes=_notes(r, layout, distributed, sizes))
+
+
+def largest_megatron_state_bytes(r: Recipe, layout: Layout) -> tuple[dict, StateBytes]:
+    """The rank with the most model-state bytes, as ({"tp_rank", "pp_rank", "dp_rank"}, its StateBytes). TP ranks
+    are identical, so only pipeline stages and distributed-optimizer shards are compared."""
+    ranks = []
+    for pp_rank in range(layout.pp):
+        dp_rank = 0
+        if layout.zero_stage == 1:
+            owned = _owned(rank_buffers(r, layout, pp_rank), layout.dp * layout.cp)
+            dp_rank = max(range(len(owned)), key=owned.__getitem__)
+        ranks.append(({"tp_rank": 0, "pp_rank": pp_rank, "dp_rank": dp_rank},
+                      megatron_state_bytes(r, layout, pp_rank, dp_rank)))
+    return max(ranks, key=lambda rank: rank[1].total)
