@@ -73,3 +73,18 @@ def test_command_line_json_and_exit_status():
     bad = subprocess.run([sys.executable, "-m", "toolkit", "doctor", "--nodes", "2"], cwd=REPO, capture_output=True,
                          text=True, check=False, env={**__import__("os").environ, "NCCL_SOCKET_IFNAME": "lo"})
     assert bad.returncode == 1 and "[FAIL] NCCL_SOCKET_IFNAME" in bad.stdout and "fix:" in bad.stdout
+
+
+def test_readiness_names_what_each_backend_is_missing():
+    """On this CPU machine both backends rehearse on CPU and neither can train on GPUs, for a named reason; a
+    failed required check makes its backend not ready, with that check's fix."""
+    ready = {f.check: f for f in doctor.readiness(doctor.run())}
+    assert ready["ready: deepspeed backend, CPU rehearsal (gloo)"].detail == "yes"
+    assert ready["ready: megatron backend, CPU rehearsal (local spec)"].detail == "yes"
+    gpu = ready["ready: megatron backend, GPU training"]
+    assert gpu.status == doctor.WARN and gpu.detail.startswith("no, missing: GPUs") and gpu.fix
+    broken = [doctor.Finding("torch", doctor.OK, ""), doctor.Finding("megatron-core", doctor.FAIL, "not installed",
+                                                                     "pip install megatron-core==0.16.1")]
+    (cpu,) = [f for f in doctor.readiness(broken) if f.check == "ready: megatron backend, CPU rehearsal (local spec)"]
+    assert (cpu.status, cpu.detail, cpu.fix) == (doctor.FAIL, "no, missing: megatron-core",
+                                                 "pip install megatron-core==0.16.1")

@@ -238,12 +238,45 @@ def check_disk(recipe) -> list[Finding]:
     return [Finding("checkpoint disk", OK, detail)]
 
 
+# What each backend needs, by the checks above that must be ok: (backend and use, required checks, optional
+# checks whose absence only costs features).
+NEEDS = [
+    ("deepspeed backend, CPU rehearsal (gloo)", ["torch", "deepspeed", "transformers"], []),
+    ("deepspeed backend, GPU training", ["torch", "deepspeed", "transformers", "GPUs", "NCCL"],
+     ["deepspeed op fused_adam"]),
+    ("deepspeed ZeRO-Offload (cpu)", ["deepspeed op cpu_adam", "C++ compiler", "ninja binary"], []),
+    ("deepspeed ZeRO-Infinity (nvme)", ["deepspeed op async_io", "libaio", "C++ compiler", "ninja binary"], []),
+    ("megatron backend, CPU rehearsal (local spec)", ["torch", "megatron-core"], []),
+    ("megatron backend, GPU training", ["torch", "megatron-core", "GPUs", "NCCL"], ["transformer-engine"]),
+]
+
+
+def readiness(findings: list[Finding]) -> list[Finding]:
+    """One line per backend and use: ready, or which checks stand in the way (their fixes are above)."""
+    status = {f.check: f.status for f in findings}
+    fixes = {f.check: f.fix for f in findings if f.fix}
+    out = []
+    for use, required, optional in NEEDS:
+        missing = [c for c in required if status.get(c) != OK]
+        lacking = [c for c in optional if status.get(c) not in (OK, None)]
+        if missing:
+            fix = "; ".join(dict.fromkeys(fixes[c] for c in missing if c in fixes)) or "see the checks above"
+            out.append(Finding(f"ready: {use}", WARN if "GPU" in use else FAIL,
+                               "no, missing: " + ", ".join(missing), fix))
+        elif lacking:
+            out.append(Finding(f"ready: {use}", OK, "yes, without " + ", ".join(lacking) + " (slower, fewer "
+                               "features)", "; ".join(fixes[c] for c in lacking if c in fixes)))
+        else:
+            out.append(Finding(f"ready: {use}", OK, "yes"))
+    return out
+
+
 def run(recipe=None, nodes: int | None = None) -> list[Finding]:
     findings = [*check_packages(), *check_torch(), *check_build_tools(), *check_deepspeed_ops(), *check_megatron(),
                 *check_launch_env(), *check_network(nodes=nodes)]
     if recipe is not None:
         findings += check_disk(recipe)
-    return findings
+    return findings + readiness(findings)
 
 
 def render(findings: list[Finding]) -> str:
