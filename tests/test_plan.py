@@ -157,3 +157,18 @@ def test_bubble_fraction():
     assert bubble(Choice("megatron", 1, pp=4, accum=8)) == pytest.approx(3 / 11)
     assert bubble(Choice("megatron", 1, pp=4, vpp=5, accum=8)) == pytest.approx(3 / 43)
     assert bubble(Choice("deepspeed", 8, accum=8)) == 0
+
+
+def test_local_layer_spec_is_planned_with_its_unfused_attention():
+    """Megatron's local spec materialises the s x s attention scores and has no context parallelism: a recipe
+    that asks for it is planned that way, not as Transformer Engine."""
+    from toolkit.plan.choice import from_recipe
+    from toolkit.plan.estimate import estimate
+
+    te, local = (load_recipe("llama7b_tp2_pp2", [f"parallel.megatron.transformer_impl={impl}"])
+                 for impl in ("auto", "local"))
+    cluster = Cluster(gpus=8)
+    a, b = (estimate(r, from_recipe(r, 8), cluster).memory.activations for r in (te, local))
+    assert b > 2 * a
+    s = search(local, cluster, local.training.global_batch_size, backends=("megatron",))
+    assert s.estimates and all(e.choice.cp == 1 for e in s.estimates)

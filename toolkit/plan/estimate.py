@@ -108,11 +108,17 @@ def _impl(c: Choice) -> str:
     return "hf" if c.backend == "deepspeed" else "megatron"
 
 
+def _attention(r: Recipe, c: Choice) -> str:
+    """GPU plans use fused attention (flash / Transformer Engine: no s x s scores), except for Megatron's local
+    layer spec when the recipe asks for it, which materialises them."""
+    return "unfused" if c.backend == "megatron" and r.parallel.megatron.transformer_impl == "local" else "flash"
+
+
 def activation_bytes(r: Recipe, c: Choice, pp_rank: int) -> tuple[int, list[str]]:
     """Activation bytes a rank holds at its peak: saved tensors of its in-flight layers, the recompute transient,
     and the embedding / logits tensors of the first / last stage."""
     m, seq, prec = r.model, r.data.seq_len, r.training.precision
-    kw = dict(tp=c.tp, sp=c.sp, cp=c.cp, precision=prec, impl=_impl(c), attention="flash")
+    kw = dict(tp=c.tp, sp=c.sp, cp=c.cp, precision=prec, impl=_impl(c), attention=_attention(r, c))
     per_layer = act.layer_activation_bytes(m, seq, c.micro, recompute=c.recompute, **kw)
     chunks, per_chunk_div = in_flight(c, pp_rank)
     layers_per_chunk = m.num_layers // (c.pp * per_chunk_div) if c.pp > 1 else m.num_layers

@@ -33,6 +33,8 @@ def _valid(r: Recipe, c: Choice) -> bool:
     rc = apply(r, c)
     if check_model_parallel(rc) or check_backend(rc) or check_offload(rc):
         return False
+    if c.cp > 1 and r.parallel.megatron.transformer_impl == "local":
+        return False  # context parallelism lives in Transformer Engine's attention
     return not (c.backend == "megatron" and c.vpp > 1 and c.accum % c.pp)
 
 
