@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
+from toolkit.checkpoint import manifest, output, safe_load
 from toolkit.checkpoint import safetensors_stream as st
 from toolkit.checkpoint.convert_llama import iter_entries
 from toolkit.checkpoint.rules import views
-from toolkit.checkpoint.sources import WEIGHT, Source, meta_shards, open_source
+from toolkit.checkpoint.sources import WEIGHT, Source, follow_pointer, meta_shards, open_source
 from toolkit.errors import ToolkitError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -211,12 +212,12 @@ class MegatronTarget:
             meta["recipe"] = recipe
         if resumable:
             src_dir = self.source.tag_dir
-            state = torch.load(src_dir / "toolkit_rank00000.pt", weights_only=True)
+            state = safe_load.load(src_dir / "toolkit_rank00000.pt")
             for rank in range(layout["world_size"]):
                 # The data position is per data-parallel rank and dp is unchanged; RNG streams cannot map onto a
                 # new set of ranks, so every rank starts from rank 0's (Llama has no dropout; sampling is seeded).
                 torch.save(state, self.tag_dir / f"toolkit_rank{rank:05d}.pt")
-        meta["files"] = {p.name: p.stat().st_size for p in sorted(self.tag_dir.iterdir()) if p.is_file()}
+        meta["files"] = manifest.complete(self.tag_dir, {})
         (self.tag_dir / META).write_text(json.dumps(meta, indent=2, default=str))
         (self.root / POINTER).write_text(self.tag_dir.name)
 
@@ -243,34 +244,36 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     if to == "hf" and (tp, pp, vpp) != (1, 1, 1):
         raise ToolkitError("--tp/--pp/--vpp describe a Megatron target; a Hugging Face folder is not sharded")
     source = open_source(src, vocab_size, fp32, weights_only)
-    tmp = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
     try:
-        tmp.mkdir(parents=True)
-        cast = DTYPES[dtype] if dtype else None
-        target = (HFTarget(tmp, source, cast) if to == "hf"
-                  else MegatronTarget(tmp, source, tp, pp, vpp, cast, weights_only))
-        log(f"converting {source.describe()} at {src} -> {to}"
-            + (f" tp={tp} pp={pp} vpp={vpp}" if to == "megatron" else "")
-            + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write)")
-        t0 = time.monotonic()
-        bar = Progress(target.total, progress)
-        with views(), _WriteBehind(bar) as behind:  # pieces are written out at once: no compact copies needed
-            for entry in iter_entries(target.dims, pp, vpp):
-                for field in target.fields:
-                    hf = [_cast(x, cast, field) for x in source.read(entry.hf_names, field)]
-                    behind.submit(target.writes(entry, field, hf))
-                    del hf
-        target.close()
-        log(f"wrote {target.total / 2**30:.2f} GiB in {time.monotonic() - t0:.1f} s")
-        if verify:
-            _verify(source, tmp if to == "hf" else target.tag_dir, target.fields, cast, log, logits=to == "hf")
+        with output.scratch_folder(dst, "partial") as tmp:
+            cast = DTYPES[dtype] if dtype else None
+            target = (HFTarget(tmp, source, cast) if to == "hf"
+                      else MegatronTarget(tmp, source, tp, pp, vpp, cast, weights_only))
+            manifest.require_space(dst.parent, target.total, manifest.free_bytes(tmp), str(dst),
+                                   "the tensors to write")
+            log(f"converting {source.describe()} at {src} -> {to}"
+                + (f" tp={tp} pp={pp} vpp={vpp}" if to == "megatron" else "")
+                + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write)")
+            _write(source, target, cast, pp, vpp, progress, log)
+            if verify:
+                _verify(source, tmp if to == "hf" else target.tag_dir, target.fields, cast, log, logits=to == "hf")
+            _replace(tmp, dst)
+    finally:
         source.close()
-        _replace(tmp, dst)
-    except BaseException:
-        source.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
+
+
+def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log) -> None:
+    t0 = time.monotonic()
+    bar = Progress(target.total, progress)
+    with views(), _WriteBehind(bar) as behind:  # pieces are written out at once: no compact copies needed
+        for entry in iter_entries(target.dims, pp, vpp):
+            for field in target.fields:
+                hf = [_cast(x, cast, field) for x in source.read(entry.hf_names, field)]
+                behind.submit(target.writes(entry, field, hf))
+                del hf
+    target.close()
+    log(f"wrote {target.total / 2**30:.2f} GiB in {time.monotonic() - t0:.1f} s")
 
 
 def _verify(source: Source, written: Path, fields: tuple[str, ...], cast, log, logits: bool) -> None:
@@ -330,14 +333,14 @@ def _verify_logits(source: Source, folder: Path, cast, log) -> None:
 
 
 def _to_deepspeed(src: Path, dst: Path, dp: int | None, overwrite: bool) -> Path:
-    from toolkit.train.checkpoint import META, POINTER, find_resume
+    from toolkit.train.checkpoint import META
 
     if dp is None:
         raise ToolkitError("--to deepspeed changes a DeepSpeed checkpoint's data-parallel size: pass --dp N")
-    tag = src
-    if not (src / META).is_file() and (src / POINTER).is_file():
-        tag = find_resume(src, "auto")
-    if tag is None or not (tag / META).is_file() or json.loads((tag / META).read_text()).get("backend") != "deepspeed":
+    tag = follow_pointer(src)
+    if tag.name.startswith("step_") and not (tag / META).is_file():
+        raise ToolkitError(f"{tag} is not a complete checkpoint: {META} is missing: the save never completed")
+    if not (tag / META).is_file() or manifest.read_meta(tag).get("backend") != "deepspeed":
         raise ToolkitError(f"{src} is not a toolkit DeepSpeed checkpoint; DeepSpeed runs load Hugging Face weights "
                            "directly (model.hf_path + model.pretrained: true), so convert other formats --to hf")
     from toolkit.checkpoint.deepspeed_io import reshard_deepspeed

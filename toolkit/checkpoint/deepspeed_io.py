@@ -25,9 +25,9 @@ so every name carries mp_rank_00), on `dp` data-parallel ranks:
   sub-group the concatenation of rank r's slice of each parameter; a parameter of n elements is cut into dp
   slices of ceil(n / dp) (the last zero-padded). No 16-bit weights are stored anywhere.
 
-Files are opened with ``torch.load(weights_only=True, mmap=True)``: tensors stay on disk until sliced, and the
-only objects other than tensors and plain containers that are accepted are the four DeepSpeed records listed
-in ``_deepspeed_globals``.
+Files are opened with ``torch.load(weights_only=True, mmap=True)`` (toolkit/checkpoint/safe_load.py): tensors stay
+on disk until sliced, and the only objects other than tensors and plain containers that are accepted are the four
+DeepSpeed records of its allow-list.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ from typing import Self
 
 import torch
 
+from toolkit.checkpoint import manifest, output, safe_load
 from toolkit.errors import ToolkitError
 from toolkit.train.checkpoint import META, POINTER, verify_manifest
 
@@ -62,27 +63,12 @@ def optim_states(rank: int, bf16: bool) -> str:
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 
-def _deepspeed_globals() -> list:
-    """The non-tensor objects DeepSpeed pickles into its checkpoint files (its records, no code)."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
-
-
 def load_rank_file(path: Path) -> dict:
     """One checkpoint file, memory-mapped: tensors are read from disk only when sliced."""
     if not path.is_file():
         raise ToolkitError(f"{path.name} is missing from {path.parent}: the checkpoint is incomplete (a rank did not "
                            "save, or the file was removed); resume from another checkpoint")
-    try:
-        with torch.serialization.safe_globals(_deepspeed_globals()):
-            return torch.load(path, weights_only=True, mmap=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ... here
-        raise ToolkitError(f"cannot read {path.name} in {path.parent}: {str(e).strip().splitlines()[0]}. The file is "
-                           "truncated or damaged, or holds objects other than tensors and DeepSpeed's checkpoint "
-                           "records (refused rather than unpickled)") from None
+    return safe_load.load(path, mmap=True, deepspeed=True)
 
 
 def read_meta(tag_dir: Path) -> tuple[dict, object]:
@@ -94,7 +80,7 @@ def read_meta(tag_dir: Path) -> tuple[dict, object]:
     problems = verify_manifest(tag_dir)
     if problems:
         raise ToolkitError(f"checkpoint {tag_dir} is damaged or incomplete: {'; '.join(problems)}")
-    meta = json.loads((tag_dir / META).read_text())
+    meta = manifest.read_meta(tag_dir)
     if meta.get("backend") != "deepspeed":
         raise ToolkitError(f"{tag_dir} was written by the {meta.get('backend')!r} backend, not DeepSpeed")
     layout = meta.get("layout") or {}
@@ -510,30 +496,18 @@ def reshard_deepspeed(src_tag_dir: str | Path, dst_root: str | Path, dp: int, ov
     data_states = _data_states(src, old_dp, old_plan.batch.grad_accum, new_plan.batch.grad_accum)
 
     tag = src.name
-    dst_root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst_root.parent / f".{dst_root.name}.reshard-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
+    with output.scratch_folder(dst_root, "reshard") as tmp:
+        manifest.require_space(dst_root.parent, manifest.total_bytes(meta.get("files") or {}),
+                               manifest.free_bytes(tmp), str(dst_root), f"the size of {src.name}")
         tag_dir = tmp / tag
-        tag_dir.mkdir(parents=True)
-        states = load_rank_file(src / MODEL_STATES)
-        states["dp_world_size"] = dp
-        if isinstance(states.get("ds_config"), dict):
-            states["ds_config"] = _ds_config(states["ds_config"], new_plan.batch)
-        torch.save(states, tag_dir / MODEL_STATES)
-        del states
-        if stage in (1, 2):
-            _reshard_zero12(src, tag_dir, old_dp, dp, bf16, new_plan.batch, _Scratch(tmp / ".scratch"))
-            shutil.rmtree(tmp / ".scratch")
-        for r in range(dp):
-            state = torch.load(src / f"toolkit_rank{r % old_dp:05d}.pt", weights_only=True)
-            state["data"] = data_states[r % old_dp]
-            torch.save(state, tag_dir / f"toolkit_rank{r:05d}.pt")
-        files = {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir()) if p.is_file()}
+        tag_dir.mkdir()
+        _write_resharded(src, tag_dir, stage, old_dp, dp, bf16, new_plan.batch, data_states,
+                         _Scratch(tmp / ".scratch"))
         layout = {**meta["layout"], "world_size": dp, "dp": dp}
-        new_meta = {**meta, "layout": layout, "recipe": new_recipe.model_dump(mode="json"),
-                    "resharded_from": {"path": str(src.resolve()), "layout": meta["layout"]}, "files": files}
+        new_meta = {**meta, "schema_version": manifest.SCHEMA_VERSION, "layout": layout,
+                    "recipe": new_recipe.model_dump(mode="json"),
+                    "resharded_from": {"path": str(src.resolve()), "layout": meta["layout"]},
+                    "files": manifest.complete(tag_dir, {})}
         (tag_dir / META).write_text(json.dumps(new_meta, indent=2))
         (tmp / "latest").write_text(tag)
         (tmp / POINTER).write_text(tag)
@@ -544,10 +518,25 @@ def reshard_deepspeed(src_tag_dir: str | Path, dst_root: str | Path, dp: int, ov
             shutil.rmtree(old)
         else:
             os.replace(tmp, dst_root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst_root / tag
+
+
+def _write_resharded(src: Path, tag_dir: Path, stage: int, old_dp: int, dp: int, bf16: bool, batch,
+                     data_states: list[dict], scratch: _Scratch) -> None:
+    """DeepSpeed's files and the toolkit's per-rank files of the checkpoint at `dp` ranks, into tag_dir."""
+    states = load_rank_file(src / MODEL_STATES)
+    states["dp_world_size"] = dp
+    if isinstance(states.get("ds_config"), dict):
+        states["ds_config"] = _ds_config(states["ds_config"], batch)
+    torch.save(states, tag_dir / MODEL_STATES)
+    del states
+    if stage in (1, 2):
+        _reshard_zero12(src, tag_dir, old_dp, dp, bf16, batch, scratch)
+    shutil.rmtree(scratch.folder)
+    for r in range(dp):
+        state = safe_load.load(src / f"toolkit_rank{r % old_dp:05d}.pt")
+        state["data"] = data_states[r % old_dp]
+        torch.save(state, tag_dir / f"toolkit_rank{r:05d}.pt")
 
 
 def _check_known_files(src: Path, meta: dict, stage: int, old_dp: int, bf16: bool) -> None:
@@ -572,7 +561,7 @@ def _data_states(src: Path, old_dp: int, old_accum: int, new_accum: int) -> list
     batch they scale with grad_accum (steps done in the epoch x accumulation)."""
     out = []
     for r in range(old_dp):
-        data = dict(torch.load(src / f"toolkit_rank{r:05d}.pt", weights_only=True)["data"])
+        data = dict(safe_load.load(src / f"toolkit_rank{r:05d}.pt")["data"])
         consumed = int(data["consumed_micro_batches"])
         if consumed % old_accum:
             raise ToolkitError(f"toolkit_rank{r:05d}.pt: {consumed} micro-batches consumed is not a whole number of "

@@ -31,7 +31,7 @@ def inspect(path: str | Path) -> dict:
 
 
 def inspect_hf(folder: Path) -> dict:
-    from safetensors import safe_open
+    from toolkit.checkpoint import safetensors_stream as st
 
     config = json.loads((folder / "config.json").read_text())
     params, dtypes, problems = 0, {}, []
@@ -41,14 +41,16 @@ def inspect_hf(folder: Path) -> dict:
         problems += [f"{name} is listed in the index but missing" for name in sorted(wanted)
                      if not (folder / name).is_file()]
     for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                sl = f.get_slice(key)
-                n = 1
-                for d in sl.get_shape():
-                    n *= d
+        try:
+            reader = st.Reader(file)  # checks the header against the file's size
+        except ToolkitError as e:
+            problems.append(str(e))
+            continue
+        with reader:
+            for key in reader.keys():
+                n, name = _numel(reader.shape(key)), st.dtype_name(reader.dtype(key))
                 params += n
-                dtypes[sl.get_dtype()] = dtypes.get(sl.get_dtype(), 0) + n
+                dtypes[name] = dtypes.get(name, 0) + n
     return {"path": str(folder), "format": "hf", "complete": not problems, "problems": problems, "step": None,
             "layout": None, "architecture": _hf_architecture(config), "parameters": params, "dtypes": dtypes,
             "bytes": _bytes(folder)}
@@ -61,15 +63,20 @@ def _hf_architecture(config: dict) -> dict:
 
 
 def inspect_toolkit(tag_dir: Path) -> dict:
+    from toolkit.checkpoint import manifest
     from toolkit.recipe.schema import Recipe
-    from toolkit.train.checkpoint import META, verify_manifest
+    from toolkit.train.checkpoint import verify_manifest
     from toolkit.train.metrics import count_params
 
     problems = verify_manifest(tag_dir)
-    meta = json.loads((tag_dir / META).read_text()) if (tag_dir / META).is_file() else {}
+    try:
+        meta = manifest.read_meta(tag_dir)
+    except ToolkitError:
+        meta = {}  # the problem is already listed
     report = {"path": str(tag_dir), "format": meta.get("backend", "unknown"), "complete": not problems,
               "problems": problems, "step": meta.get("step"), "layout": meta.get("layout"), "architecture": None,
-              "parameters": None, "dtypes": None, "bytes": _bytes(tag_dir)}
+              "parameters": None, "dtypes": None, "bytes": _bytes(tag_dir),
+              "checked": manifest.describe_check(meta.get("files") or {}) if meta.get("files") else None}
     if meta.get("hf_config"):  # written by `toolkit convert`, which records the model's config itself
         from toolkit.checkpoint import LlamaDims, iter_entries
 
@@ -105,15 +112,18 @@ def inspect_megatron_lm(path: Path) -> dict:
     from toolkit.checkpoint import megatron_lm
 
     it_dir = megatron_lm.iteration_dir(path)
-    first = next(it_dir.glob("mp_rank_*/model_optim_rng.pt"), None)
-    if first is None:
+    from toolkit.checkpoint.safe_load import check_file
+
+    files = sorted(it_dir.glob("mp_rank_*/model_optim_rng.pt"))
+    if not files:
         raise ToolkitError(f"{it_dir} holds no mp_rank_*/model_optim_rng.pt files")
-    state = megatron_lm.safe_load(first, mmap=True)
+    state = megatron_lm.safe_load(files[0], mmap=True)
     args = state["args"]
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     problems = [f"{megatron_lm.rank_file(it_dir, t, p, pp).relative_to(it_dir)} is missing"
                 for p in range(pp) for t in range(tp) if not megatron_lm.rank_file(it_dir, t, p, pp).is_file()]
+    problems += [why for f in files[1:] if (why := check_file(f))]  # unreadable or unsafe (pickles only, mmapped)
     config = megatron_lm.hf_config(args, args.padded_vocab_size)
     from toolkit.checkpoint import LlamaDims, iter_entries
 
@@ -133,14 +143,15 @@ def _numel(shape) -> int:
 
 
 def inspect_root(root: Path) -> dict:
-    """The latest complete checkpoint of a directory, plus the state of every step_* folder in it."""
-    from toolkit.train.checkpoint import find_resume, verify_manifest
+    """The newest intact checkpoint of a directory, plus the state of every step_* folder in it."""
+    from toolkit.train.checkpoint import verify_manifest
 
     steps = {p.name: verify_manifest(p) for p in sorted(root.glob("step_*")) if p.is_dir()}
-    latest = find_resume(root, "auto")
-    if latest is None:
-        raise ToolkitError(f"{root} holds no complete checkpoint; incomplete: {', '.join(steps) or 'none'}")
-    report = inspect_toolkit(latest)
+    intact = [name for name, problems in steps.items() if not problems]
+    if not intact:
+        raise ToolkitError(f"{root} holds no complete checkpoint; incomplete: "
+                           + ("; ".join(f"{n}: {p[0]}" for n, p in steps.items()) or "none"))
+    report = inspect_toolkit(root / intact[-1])
     report["checkpoints"] = {name: "complete" if not p else "incomplete: " + "; ".join(p) for name, p in steps.items()}
     return report
 
@@ -165,6 +176,8 @@ def render(report: dict) -> str:
     arch = report["architecture"] or {}
     lines.append("  architecture: " + ", ".join(f"{k}={v}" for k, v in arch.items() if v is not None))
     lines.append(f"  bytes on disk: {report['bytes']:,}")
+    if report.get("checked"):
+        lines.append(f"  manifest: {report['checked']}" + (" match" if report["complete"] else ""))
     for name, state in (report.get("checkpoints") or {}).items():
         lines.append(f"  {name}: {state}")
     return "\n".join(lines)

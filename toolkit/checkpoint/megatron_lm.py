@@ -9,30 +9,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 from toolkit.checkpoint.llama import local_spec_name
+from toolkit.checkpoint.safe_load import load as load_weights_only
 from toolkit.errors import ToolkitError
 
 
-def _allowed_globals() -> list:
-    """What Megatron-LM pickles besides tensors: its arguments, and numpy arrays in the RNG state."""
-    import numpy as np
-
-    reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
-    dtypes = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32)]
-    return [argparse.Namespace, reconstruct, np.ndarray, np.dtype, *dtypes]
-
-
 def safe_load(path: Path, mmap: bool = False) -> dict:
-    """A Megatron-LM file's contents; mmap=True maps the tensors' storage instead of reading it all."""
-    try:
-        with torch.serialization.safe_globals(_allowed_globals()):
-            return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
-    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError or EOFError here
-        raise ToolkitError(f"cannot read {path} safely: {str(e).splitlines()[0]}. Only tensors, Megatron-LM's "
-                           "arguments and numpy RNG state are loaded; anything else is refused rather than "
-                           "unpickled") from None
+    """A Megatron-LM file's contents; mmap=True maps the tensors' storage instead of reading it all. Only tensors,
+    Megatron-LM's arguments and numpy RNG state are loaded; anything else is refused rather than unpickled."""
+    return load_weights_only(path, mmap=mmap, deepspeed=False)
 
 
 def iteration_dir(path: Path) -> Path:
@@ -57,7 +42,7 @@ def rank_file(it_dir: Path, tp: int, pp: int, pp_size: int) -> Path:
 def read(path: Path, mmap: bool = False) -> tuple[argparse.Namespace, dict, int]:
     """(args, {(pp_rank, tp_rank): [chunk state dicts with local-spec names]}, iteration)."""
     it_dir = iteration_dir(path)
-    first = next(it_dir.glob("mp_rank_*/model_optim_rng.pt"), None)
+    first = min(it_dir.glob("mp_rank_*/model_optim_rng.pt"), default=None)
     if first is None:
         raise ToolkitError(f"{it_dir} holds no mp_rank_*/model_optim_rng.pt files")
     args = safe_load(first, mmap)["args"]

@@ -76,7 +76,7 @@ class Reader:
 
     def _fail(self, what: str):
         self._f.close()
-        raise ToolkitError(f"{self.path} {what}; re-copy or re-save this file (nothing was written)")
+        raise ToolkitError(f"{self.path} {what}; re-copy or re-save this file")
 
     def keys(self) -> list[str]:
         return list(self._info)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.checkpoint import manifest
 from toolkit.checkpoint import safetensors_stream as st
 from toolkit.checkpoint.convert_llama import iter_entries, raise_problems
 from toolkit.checkpoint.llama import LlamaDims, check_dims
@@ -275,22 +276,34 @@ class DeepSpeedHFSource(Source):
         getattr(self._ds, "close", lambda: None)()
 
 
+def follow_pointer(src: Path) -> Path:
+    """A checkpoint directory's newest complete checkpoint (its latest_complete pointer), else `src` itself. No
+    silent fallback to an older one: a damaged checkpoint is reported, not skipped."""
+    from toolkit.train.checkpoint import META, POINTER
+
+    if (src / META).is_file() or not (src / POINTER).is_file():
+        return src
+    pointed = src / (src / POINTER).read_text().strip()
+    if not pointed.is_dir():
+        raise ToolkitError(f"{src / POINTER} points at {pointed.name}, which does not exist; pass the step_* folder "
+                           "to convert")
+    return pointed
+
+
 def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, weights_only: bool = False) -> Source:
     """The right source for a path, from its own files."""
-    from toolkit.train.checkpoint import META, POINTER, verify_manifest
+    from toolkit.train.checkpoint import META, verify_manifest
 
     if not src.exists():
         raise ToolkitError(f"{src} does not exist")
     if (src / "config.json").is_file():
         return HFSource(src)
-    if not (src / META).is_file() and (src / POINTER).is_file():
-        # The newest complete checkpoint, and no silent fallback: a damaged one is reported, not skipped
-        src = src / (src / POINTER).read_text().strip()
+    src = follow_pointer(src)
     if (src / META).is_file() or src.name.startswith("step_"):
         problems = verify_manifest(src)
         if problems:
             raise ToolkitError(f"{src} is not a complete checkpoint: {'; '.join(problems)}")
-        meta = json.loads((src / META).read_text())
+        meta = manifest.read_meta(src)
         backend = meta.get("backend")
         if backend == "megatron":
             return ToolkitMegatronSource(src, meta, weights_only)

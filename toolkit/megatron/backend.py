@@ -53,3 +53,22 @@ class MegatronBackend:
         from toolkit.megatron.checkpoint import load_rank_state
 
         load_rank_state(self, tag_dir)
+
+    @property
+    def hf_config(self) -> dict:
+        """The Hugging Face config of the recipe's model (a resumed checkpoint must hold the same architecture)."""
+        from toolkit.model import to_hf_config
+
+        return to_hf_config(self.recipe.model).to_dict()
+
+    def rank_files(self, tag_dir: Path) -> list[str]:
+        """The checkpoint files this rank wrote (it hashes them for the manifest)."""
+        from toolkit.megatron.checkpoint import written_files
+
+        return written_files(self, tag_dir)
+
+    def checkpoint_bytes(self) -> int:
+        """This rank's share of a checkpoint's size (to check the disk before the first save)."""
+        from toolkit.megatron.checkpoint import checkpoint_bytes
+
+        return checkpoint_bytes(self)

@@ -10,9 +10,9 @@
 
 Keying the optimizer state by parameter name (not by Megatron's position in its param groups) is what lets
 `toolkit convert` move it to another TP x PP layout with the same split/merge rules as the weights. Every file
-written by data-parallel rank 0 is safetensors or torch.load(weights_only=True)-safe. The layout (tp, pp, vpp,
-dp, ...) is recorded in the step folder's toolkit_meta.json by toolkit/train/checkpoint.py, which also decides
-when a checkpoint is complete.
+written by data-parallel rank 0 is safetensors or read as weights only (toolkit/checkpoint/safe_load.py). The
+layout (tp, pp, vpp, dp, ...) is recorded in the step folder's toolkit_meta.json by toolkit/train/checkpoint.py,
+which also decides when a checkpoint is complete, and which hashes the files this rank wrote (written_files).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.checkpoint import safe_load
 from toolkit.checkpoint import safetensors_stream as st
 from toolkit.errors import ToolkitError
 
@@ -172,6 +173,37 @@ def save_rank_state(backend, tag_dir: Path) -> None:
             st.save(tensors, optim_file(tag_dir, tp, pp), meta)
 
 
+def written_files(backend, tag_dir: Path) -> list[str]:
+    """The files save_rank_state wrote on this rank (data-parallel rank 0 of each (tp, pp) writes them all)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_data_parallel_rank() != 0 or ps.get_context_parallel_rank() != 0:
+        return []
+    t = backend.rank_tag
+    names = [f"model_{t}.safetensors", f"optim_{t}.safetensors", f"optim_{t}.pt", f"distopt_{t}.pt"]
+    return [n for n in names if (tag_dir / n).is_file()]
+
+
+def checkpoint_bytes(backend) -> int:
+    """Bytes this rank adds to a checkpoint: on the writing rank its weights, its optimizer's fp32 main weights
+    (when they are not the weights themselves) and their Adam state; with the distributed optimizer, every rank's
+    shard of those (gathered into one file by save_parameter_state)."""
+    from megatron.core import parallel_state as ps
+
+    writer = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    model = [p for c in backend.chunks for p in c.module.parameters()]
+    total = sum(p.numel() * p.element_size() for p in model) if writer else 0
+    if not (writer or _distributed(backend)):
+        return total
+    seen = {id(p) for p in model}
+    for o in _inner_optimizers(backend.optimizer):
+        base = o.optimizer
+        tensors = [p for g in base.param_groups for p in g["params"] if id(p) not in seen]
+        tensors += [v for s in base.state.values() for v in s.values() if torch.is_tensor(v)]
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
 def load_weights(chunks: list, tag_dir: Path) -> None:
     """Fill this rank's model chunks (GPTModels) from a toolkit Megatron checkpoint of the same layout."""
     from megatron.core import parallel_state as ps
@@ -204,7 +236,7 @@ def load_rank_state(backend, tag_dir: Path) -> None:
             raise ToolkitError(f"{native} is missing: this checkpoint holds no distributed-optimizer state (a "
                                "converted checkpoint carries the plain optimizer's state only); resume it with "
                                "parallel.megatron.distributed_optimizer: false")
-        backend.optimizer.load_state_dict(torch.load(native, weights_only=True, map_location=backend.device))
+        backend.optimizer.load_state_dict(safe_load.load(native, map_location=backend.device))
         _load_distributed_state(backend.optimizer, tag_dir / f"distopt_{backend.rank_tag}.pt")
         return
     optim = optim_file(tag_dir, tp, pp)

@@ -16,6 +16,7 @@ from toolkit.errors import ToolkitError
 from toolkit.layout import Layout
 from toolkit.megatron import config as mcfg
 from toolkit.recipe.schema import Recipe
+from toolkit.train import faults
 
 
 def te_available() -> bool:
@@ -178,6 +179,7 @@ def _loss(mask, output_tensor):
 def forward_step(device, data_iterator, model):
     b = _batch_tensors(next(data_iterator), device)
     out = model(b["tokens"], b["position_ids"], attention_mask=None, labels=b["labels"])
+    faults.point("forward")
     return out, partial(_loss, b["loss_mask"])
 
 
@@ -197,6 +199,8 @@ def train_step(wrapped: list, optimizer, batches: list[dict], r: Recipe, lr: flo
         forward_step_func=partial(forward_step, device), data_iterator=_one_or_list([iter(batches) for _ in wrapped]),
         model=_one_or_list(wrapped), num_microbatches=len(batches),
         seq_length=r.data.seq_len, micro_batch_size=batches[0]["input_ids"].shape[0], forward_only=False)
+    faults.point("backward")
     _, grad_norm, _ = optimizer.step()
+    faults.point("optimizer")
     loss = torch.stack([x["loss"] for x in losses]).mean() if losses else None
     return loss, grad_norm

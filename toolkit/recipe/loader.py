@@ -36,14 +36,29 @@ def list_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path: Path, source: str) -> dict:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         why = getattr(e, "problem", None) or str(e)
         raise RecipeError(source, [Problem("<yaml>", f"{path} is not valid YAML{where}: {why}",
+                                           "keep one of the two entries" if "given twice" in str(why) else
                                            "fix the YAML syntax (indentation, a missing ':' or quote)")]) from None
     if data is None:
         return {}
@@ -76,8 +91,18 @@ def _load_chain(path: Path, source: str, seen: tuple[Path, ...] = ()) -> dict:
                                            "write `base: tiny_base` or `base: ../other.yaml`")])
     local = path.parent / base
     base_path = local if local.is_file() else (local.with_suffix(".yaml") if local.with_suffix(".yaml").is_file()
-                                                else find_recipe(base))
+                                                else _find_base(base, path, source))
     return _deep_merge(_load_chain(base_path, source, (*seen, path)), data)
+
+
+def _find_base(base: str, path: Path, source: str) -> Path:
+    try:
+        return find_recipe(base)
+    except RecipeError:
+        raise RecipeError(source, [Problem("base", f"{path.name} names base {base!r}, which is neither a file next "
+                                           "to it nor a shipped recipe",
+                                           f"fix the name, or pass a path; shipped: {', '.join(list_recipes())}")]
+                          ) from None
 
 
 def parse_overrides(items: list[str], source: str) -> dict:

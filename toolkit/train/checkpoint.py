@@ -1,14 +1,17 @@
-"""Resumable checkpoints for the DeepSpeed backend.
+"""Resumable checkpoints of a training run, for both backends: save, choose one to resume from, load, prune.
 
 Layout of <checkpoint dir>:
-  step_00000050/            DeepSpeed's own files (engine.save_checkpoint), plus
-    toolkit_rank00000.pt    this rank's RNG states and data position (read with weights_only=True)
-    toolkit_meta.json       written last, by rank 0, after every rank finished: step, layout, recipe, and the
-                          manifest (every file of the checkpoint with its size)
+  step_00000050/            the backend's own files (DeepSpeed's engine.save_checkpoint, or the Megatron backend's
+                            per-rank files, toolkit/megatron/checkpoint.py), plus
+    toolkit_rank00000.pt    this rank's RNG states and data position (read as weights only)
+    toolkit_meta.json       written last, by rank 0, after every rank hashed and flushed its files: step, layout,
+                            recipe, and the manifest (every file with its size and SHA-256,
+                            toolkit/checkpoint/manifest.py)
   latest                    DeepSpeed's pointer (so DeepSpeed's zero_to_fp32 tooling works)
   latest_complete           the toolkit's pointer, replaced atomically only once a checkpoint is complete
 
-A checkpoint without toolkit_meta.json is incomplete and is never resumed from.
+A checkpoint without toolkit_meta.json is incomplete and is never resumed from; one whose files no longer match
+their manifest is skipped (and the log says which file). A save first checks the disk can hold it.
 """
 from __future__ import annotations
 
@@ -22,15 +25,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from toolkit.checkpoint import manifest, safe_load
+from toolkit.checkpoint.manifest import META, SCHEMA_VERSION
 from toolkit.errors import ToolkitError
+from toolkit.train import faults
 
-SCHEMA_VERSION = 1
-META = "toolkit_meta.json"
 POINTER = "latest_complete"
 
 
 def tag_for(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"toolkit_rank{rank:05d}.pt"
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -40,6 +48,16 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (a crash right after it must not undo it)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def rng_state() -> dict:
@@ -60,7 +78,7 @@ def is_complete(tag_dir: Path) -> bool:
 
 
 def is_intact(tag_dir: Path) -> bool:
-    """Complete, and every file still has the size the manifest recorded."""
+    """Complete, and every file still has the size and checksum the manifest recorded."""
     return is_complete(tag_dir) and not verify_manifest(tag_dir)
 
 
@@ -68,23 +86,93 @@ def complete_tags(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))
 
 
+# ------------------------------------------------------------------ saving
 def save(backend, root: Path, step: int, data_state: dict, meta: dict) -> Path:
-    """Save on every rank; mark complete (meta, then pointers) only after all ranks have written their files."""
+    """Save on every rank; mark complete (meta, then pointers) only after all ranks have written, hashed and flushed
+    their files. Refused on every rank, before anything is written, when the disk cannot hold the checkpoint."""
     tag = tag_for(step)
-    tag_dir = root / tag
+    tag_dir, rank = root / tag, dist.get_rank()
+    _prepare(backend, root, tag_dir)
     backend.save_state(root, tag)
-    torch.save({"rng": rng_state(), "data": data_state, "step": step},
-               tag_dir / f"toolkit_rank{dist.get_rank():05d}.pt")
-    dist.barrier()  # every rank's files are written before rank 0 declares the checkpoint complete
-    if dist.get_rank() == 0:
-        # the manifest: every file of the checkpoint with its size, so a reader can tell a complete one
-        files = {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir()) if p.is_file() and p.name != META}
+    faults.point("save-files", step, rank, own_files(backend, tag_dir, rank))
+    torch.save({"rng": rng_state(), "data": data_state, "step": step}, tag_dir / rank_file(rank))
+    mine = manifest.entries(own_files(backend, tag_dir, rank), fsync=True)  # every rank hashes its own files
+    faults.point("save-flushed", step, rank, own_files(backend, tag_dir, rank))
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)  # also the barrier: every rank's files are on disk
+    if rank == 0:
+        known = {name: entry for part in gathered for name, entry in part.items()}
+        files = manifest.complete(tag_dir, known)  # anything no rank claimed is hashed here
         meta = {"schema_version": SCHEMA_VERSION, "step": step, "tag": tag, **meta, "files": files}
         _write_atomic(tag_dir / META, json.dumps(meta, indent=2))
+        faults.point("save-meta", step, rank)  # complete, but the pointers still name the previous one
         _write_atomic(root / "latest", tag)
         _write_atomic(root / POINTER, tag)
     dist.barrier()
     return tag_dir
+
+
+def _prepare(backend, root: Path, tag_dir: Path) -> None:
+    """Collective, before anything is written: refuse on every rank when the disk (the fullest one, if ranks see
+    different disks) cannot hold one more checkpoint, and clear a folder of the same step left by an earlier run
+    (a crash mid-save) so none of its files leak into the new manifest. The size is the newest complete
+    checkpoint's manifest total, else the model and optimizer state the ranks hold (summed over ranks)."""
+    done = [p for p in complete_tags(root) if p != tag_dir] if root.is_dir() else []
+    previous = _manifest_bytes(done[-1]) if done else 0
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    summed = torch.tensor([0 if previous else state_bytes(backend)], dtype=torch.int64, device=device)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    # one MAX reduce: the largest previous size, the smallest free space, whether any rank sees the old folder
+    worst = torch.tensor([previous, -manifest.free_bytes(root), int(tag_dir.exists())], dtype=torch.int64,
+                         device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    previous, free, stale = int(worst[0]), -int(worst[1]), bool(worst[2])
+    basis = (f"the size of {done[-1].name}" if previous and done else
+             f"the model and optimizer state on the {dist.get_world_size()} ranks")
+    manifest.require_space(root, previous or int(summed.item()), free, f"checkpoint {tag_dir.name}", basis)
+    if stale:
+        if dist.get_rank() == 0:
+            (tag_dir / META).unlink(missing_ok=True)  # first: never complete while it is being taken apart
+            shutil.rmtree(tag_dir)
+        dist.barrier()
+
+
+def _manifest_bytes(tag_dir: Path) -> int:
+    try:
+        return manifest.total_bytes(manifest.read_meta(tag_dir).get("files") or {})
+    except ToolkitError:
+        return 0
+
+
+def own_files(backend, tag_dir: Path, rank: int) -> list[Path]:
+    """The files this rank wrote into tag_dir (its save calls have returned, so they are whole)."""
+    names = [rank_file(rank)]
+    if hasattr(backend, "rank_files"):
+        names += backend.rank_files(tag_dir)
+    else:  # DeepSpeed names per-rank files zero_pp_rank_{r}_mp_rank_00_*; rank 0 writes mp_rank_00_model_states.pt
+        names += [p.name for p in tag_dir.glob(f"*zero_pp_rank_{rank}_mp_rank_*")]
+        if rank == 0 and (tag_dir / "mp_rank_00_model_states.pt").is_file():
+            names.append("mp_rank_00_model_states.pt")
+    return [tag_dir / n for n in dict.fromkeys(names)]
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+
+def state_bytes(backend) -> int:
+    """Bytes of this rank's share of a checkpoint, from the tensors it holds: the backend's own estimate, else
+    DeepSpeed's (rank 0 writes the module weights; every rank its optimizer partition: the fp32 tensors the torch
+    optimizer steps and their state)."""
+    if hasattr(backend, "checkpoint_bytes"):
+        return backend.checkpoint_bytes()
+    engine = backend.engine
+    module = list(engine.module.parameters())
+    opt = getattr(engine.optimizer, "optimizer", engine.optimizer)  # ZeRO wraps the torch optimizer
+    seen = {id(p) for p in module}
+    stepped = [p for g in opt.param_groups for p in g["params"] if id(p) not in seen]
+    state = [v for s in opt.state.values() for v in s.values()]
+    return (_tensor_bytes(module) if dist.get_rank() == 0 else 0) + _tensor_bytes(stepped) + _tensor_bytes(state)
 
 
 def prune(root: Path, keep: int) -> list[Path]:
@@ -100,28 +188,62 @@ def prune(root: Path, keep: int) -> list[Path]:
     return stale
 
 
-def find_resume(root: Path, resume: str) -> Path | None:
-    """The checkpoint folder to resume from: None to start fresh."""
+# ------------------------------------------------------------------ choosing and loading
+def find_resume(root: Path, resume: str, log=None) -> Path | None:
+    """The checkpoint folder to resume from (None: start fresh): with "auto", the newest whose manifest verifies.
+    `log` gets one line naming the choice and one per newer checkpoint skipped, with the file that failed. Under a
+    process group every rank must call this (the checksum work is shared; the ranks agree on the answer)."""
+    say = log or (lambda _: None)
     if resume == "never":
         return None
     if resume != "auto":
-        p = Path(resume)
-        if is_complete(p):
-            problems = verify_manifest(p)
-            if problems:
-                raise ToolkitError(f"checkpoint.resume: {p} does not match its manifest: {'; '.join(problems)}")
-            return p
-        if (p / POINTER).is_file():
-            return find_resume(p, "auto")
-        raise ToolkitError(f"checkpoint.resume: {resume} is neither a complete checkpoint (a step_* folder with "
-                           f"{META}) nor a checkpoint directory with a {POINTER} pointer")
-    pointer = root / POINTER
-    if pointer.is_file():
-        tag_dir = root / pointer.read_text().strip()
-        if is_intact(tag_dir):
+        return _explicit(Path(resume), log)
+    folders = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True) if root.is_dir() else []
+    for tag_dir in folders:
+        problems = _verify(tag_dir)
+        if not problems:
+            files = manifest.read_meta(tag_dir).get("files") or {}
+            say(f"[toolkit] resuming from {tag_dir}: the newest checkpoint whose manifest verifies "
+                f"({manifest.describe_check(files)})")
             return tag_dir
-    intact = [p for p in complete_tags(root) if is_intact(p)]  # oldest to newest; damaged ones are skipped
-    return intact[-1] if intact else None
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        say(f"[toolkit] skipping checkpoint {tag_dir}: {problems[0]}{more}")
+    return None
+
+
+def _explicit(p: Path, log) -> Path:
+    if is_complete(p):
+        problems = _verify(p)
+        if problems:
+            raise ToolkitError(f"checkpoint.resume: {p} does not match its manifest: {'; '.join(problems)}")
+        return p
+    if (p / POINTER).is_file() or list(p.glob("step_*")):
+        found = find_resume(p, "auto", log)
+        if found is None:
+            raise ToolkitError(f"checkpoint.resume: {p} holds no checkpoint whose manifest verifies (`toolkit "
+                               f"inspect {p}` lists what is wrong with each)")
+        return found
+    raise ToolkitError(f"checkpoint.resume: {p} is neither a complete checkpoint (a step_* folder with {META}) nor "
+                       f"a checkpoint directory with a {POINTER} pointer")
+
+
+def _verify(tag_dir: Path) -> list[str]:
+    """verify_manifest, with the checksums shared out over the ranks of a process group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return verify_manifest(tag_dir)
+    try:
+        files = manifest.read_meta(tag_dir).get("files") or {}
+    except ToolkitError:
+        files = {}
+    mine = manifest.share(files, dist.get_rank(), dist.get_world_size())
+    found: list = [None] * dist.get_world_size()
+    dist.all_gather_object(found, manifest.verify(tag_dir, checksums=mine))
+    return list(dict.fromkeys(p for part in found for p in part))  # in manifest order, once each
+
+
+def verify_manifest(tag_dir: Path) -> list[str]:
+    """What is wrong with a checkpoint folder against its manifest (missing, resized or changed files); []."""
+    return manifest.verify(tag_dir)
 
 
 def _describe(layout: dict) -> str:
@@ -129,8 +251,9 @@ def _describe(layout: dict) -> str:
 
 
 def load(backend, tag_dir: Path, layout_meta: dict) -> dict:
-    """Restore the backend's model and optimizer state, then this rank's RNG. Returns the saved toolkit state."""
-    meta = json.loads((tag_dir / META).read_text())
+    """Restore the backend's model and optimizer state, then this rank's RNG. Returns the saved toolkit state.
+    Every pickle is read as weights only (toolkit/checkpoint/safe_load.py), also inside DeepSpeed and Megatron."""
+    meta = manifest.read_meta(tag_dir)
     saved = meta.get("layout", {})
     if saved != layout_meta:
         if "tp" in layout_meta:
@@ -142,23 +265,67 @@ def load(backend, tag_dir: Path, layout_meta: dict) -> dict:
                            f"{_describe(layout_meta)}; relaunch with the saved layout, move the checkpoint to this "
                            f"layout with `{move}` and resume from NEW_DIR (checkpoint.resume), or set "
                            "checkpoint.resume: never to start fresh")
-    backend.load_state(tag_dir)
-    state = torch.load(tag_dir / f"toolkit_rank{dist.get_rank():05d}.pt", weights_only=True)
+    check_model(tag_dir, meta, _running_model(backend))
+    _check_pickles(tag_dir)
+    with safe_load.weights_only_everywhere(tag_dir):  # also DeepSpeed's and Megatron's own torch.load calls
+        backend.load_state(tag_dir)
+    state = safe_load.load(tag_dir / rank_file(dist.get_rank()))
     set_rng_state(state["rng"])
     return state
 
 
-def verify_manifest(tag_dir: Path) -> list[str]:
-    """What is wrong with a checkpoint folder against its manifest (missing or resized files); [] if complete."""
-    meta_path = tag_dir / META
-    if not meta_path.is_file():
-        return [f"{META} is missing: the save never completed"]
-    files = json.loads(meta_path.read_text()).get("files") or {}  # none: written before manifests existed
-    problems = []
-    for name, size in files.items():
-        path = tag_dir / name
-        if not path.is_file():
-            problems.append(f"{name} is missing")
-        elif path.stat().st_size != size:
-            problems.append(f"{name} has {path.stat().st_size} bytes, the manifest says {size}")
-    return problems
+ARCHITECTURE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+
+
+def _architecture(hf_config: dict) -> dict:
+    arch = {k: hf_config.get(k) for k in ARCHITECTURE}
+    arch["num_key_value_heads"] = arch["num_key_value_heads"] or arch["num_attention_heads"]
+    return arch
+
+
+def _running_model(backend) -> dict | None:
+    """The Hugging Face config of the model this run built (None when the backend cannot tell)."""
+    if hasattr(backend, "hf_config"):
+        return backend.hf_config
+    module = getattr(getattr(backend, "engine", None), "module", None)
+    return module.config.to_dict() if hasattr(module, "config") else None
+
+
+def check_model(tag_dir: Path, meta: dict, running: dict | None) -> None:
+    """Refuse a checkpoint of another architecture before any tensor is loaded (the backends would fail on the
+    first mismatched shape, deep inside their loaders)."""
+    if running is None:
+        return
+    if meta.get("hf_config"):
+        saved = meta["hf_config"]
+    elif meta.get("recipe"):
+        from toolkit.model import to_hf_config
+        from toolkit.recipe.schema import Recipe
+
+        saved = to_hf_config(Recipe.model_validate(meta["recipe"]).model).to_dict()
+    else:
+        return
+    was, now = _architecture(saved), _architecture(running)
+    diff = [f"{k} {was[k]} (this run: {now[k]})" for k in ARCHITECTURE if was[k] != now[k]]
+    if diff:
+        raise ToolkitError(f"checkpoint {tag_dir} holds another model: {', '.join(diff)}; resume it with the model "
+                           f"it was trained with (its recipe is in {META}), or start fresh with checkpoint.resume: "
+                           "never or another checkpoint.dir")
+
+
+def _check_pickles(tag_dir: Path) -> None:
+    """Collective: every rank checks a share of the folder's .pt files as weights only (memory-mapped: the pickles
+    are read, not the tensors), so that all ranks refuse a planted file together, naming it."""
+    names = sorted(p.name for p in tag_dir.glob("*.pt"))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = [why for name in names[rank::world] if (why := safe_load.check_file(tag_dir / name))]
+    found = [mine]
+    if world > 1:
+        found = [None] * world
+        dist.all_gather_object(found, mine)
+    problems = [p for part in found for p in part]
+    if problems:
+        n = len(problems) - 1
+        more = f" (and {n} more file{'s' if n > 1 else ''})" if n else ""
+        raise ToolkitError(f"checkpoint {tag_dir}: {problems[0]}{more}")

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from toolkit.errors import ToolkitError
 from toolkit.recipe import Plan
+from toolkit.train import faults
 from toolkit.train.dist import DistInfo
 
 
@@ -44,11 +45,16 @@ class DeepSpeedBackend:
         engine, device, losses, grad_norm = self.engine, self.engine.device, [], None
         for micro in batches:
             out = engine(input_ids=micro["input_ids"].to(device), labels=micro["labels"].to(device))
+            faults.point("forward")
             engine.backward(out.loss)
-            if want_grad_norm and engine.is_gradient_accumulation_boundary() and engine.zero_optimization_stage() == 0:
+            boundary = engine.is_gradient_accumulation_boundary()
+            if boundary:
+                faults.point("backward")
+            if want_grad_norm and boundary and engine.zero_optimization_stage() == 0:
                 grad_norm = _grad_norm(engine.module)  # ZeRO-0 keeps none; the gradients are all-reduced by now
             engine.step()
             losses.append(out.loss.detach())
+        faults.point("optimizer")
         if want_grad_norm and grad_norm is None:
             grad_norm = engine.get_global_grad_norm()
         return torch.stack(losses).float().mean(), grad_norm

@@ -1,0 +1,115 @@
+"""Loading pickled checkpoint files without running code hidden in them.
+
+Every .pt file the toolkit reads goes through torch.load(weights_only=True): torch's restricted unpickler, which
+builds tensors and plain containers and refuses any other class or function. The only other objects allowed are
+the records DeepSpeed and Megatron-LM store (ALLOWED below). DeepSpeed's engine and Megatron's distributed
+optimizer call torch.load themselves (DeepSpeed with weights_only=False); `weights_only_everywhere` forces those
+calls through the same unpickler while a checkpoint is loaded (TORCH_FORCE_WEIGHTS_ONLY_LOAD).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import re
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from toolkit.errors import ToolkitError
+
+REFUSED = "refused rather than unpickled"
+
+
+def _numpy_records() -> list:
+    """numpy's RNG state (Megatron-LM stores np.random.get_state() as arrays)."""
+    import numpy as np
+
+    reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
+    dtypes = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32)]
+    return [reconstruct, np.ndarray, np.dtype, *dtypes]
+
+
+def _deepspeed_records() -> list:
+    """The non-tensor objects DeepSpeed 0.19 pickles into its checkpoint files (records, no code)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def allowed(deepspeed: bool | None = None) -> list:
+    """The allow-list: Megatron-LM's arguments (argparse.Namespace), numpy RNG state, and with `deepspeed` (default:
+    when DeepSpeed is already imported) DeepSpeed's records."""
+    if deepspeed is None:  # a file naming DeepSpeed's records makes load() import DeepSpeed and retry
+        deepspeed = "deepspeed" in sys.modules
+    return [argparse.Namespace, *_numpy_records(), *(_deepspeed_records() if deepspeed else [])]
+
+
+def refusal(path: Path, error: BaseException) -> ToolkitError:
+    """The error for a file torch.load could not (or would not) read."""
+    text = str(error)
+    unsafe = re.search(r"GLOBAL ([\w.]+)", text)
+    if isinstance(error, pickle.UnpicklingError) and unsafe:
+        return ToolkitError(f"{path} holds a pickled {unsafe.group(1)}, which is neither a tensor nor a known "
+                            f"checkpoint record: {REFUSED} (loading it could run code). Use checkpoints from "
+                            "sources you trust, or re-save this one from its original training run")
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+    first = first.split(". ")[0].rstrip(".")  # torch's first sentence; the rest is advice that does not apply
+    return ToolkitError(f"cannot read {path}: the file is truncated or damaged ({first}); re-copy it, or resume "
+                        "from another checkpoint")
+
+
+def load(path: Path, mmap: bool = False, deepspeed: bool | None = None, map_location="cpu"):
+    """torch.load(path) as weights only, with the allow-list; a ToolkitError naming the file when refused."""
+    path = Path(path)
+    if not path.is_file():
+        raise ToolkitError(f"{path} is missing: the checkpoint is incomplete (a rank did not save, or the file was "
+                           "removed)")
+    try:
+        with torch.serialization.safe_globals(allowed(deepspeed)):
+            return torch.load(path, weights_only=True, map_location=map_location, mmap=mmap)
+    except RuntimeError as e:
+        if mmap and "_use_new_zipfile_serialization" in str(e):  # a legacy-format file cannot be mapped: read it
+            return load(path, mmap=False, deepspeed=deepspeed, map_location=map_location)
+        raise refusal(path, e) from None
+    except pickle.UnpicklingError as e:
+        if deepspeed is None and "GLOBAL deepspeed." in str(e):  # DeepSpeed's records: allowed, once imported
+            return load(path, mmap=mmap, deepspeed=True, map_location=map_location)
+        raise refusal(path, e) from None
+    except Exception as e:  # noqa: BLE001 - torch raises EOFError, ValueError, ... here
+        raise refusal(path, e) from None
+
+
+def check_file(path: Path) -> str | None:
+    """None when `path` unpickles as weights only, else why not. Memory-mapped: only the pickle is read."""
+    try:
+        load(path, mmap=True)
+    except ToolkitError as e:
+        return str(e)
+    return None
+
+
+@contextmanager
+def weights_only_everywhere(folder: Path, names: list[str] | None = None):
+    """Every torch.load inside the block is weights only, with the allow-list, whatever its caller passes. A refusal
+    becomes a ToolkitError that names the file (found by checking `names` in `folder`, or every *.pt there)."""
+    old = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(allowed()):
+            yield
+    except pickle.UnpicklingError as e:
+        for name in names if names is not None else sorted(p.name for p in Path(folder).glob("*.pt")):
+            why = check_file(Path(folder) / name)
+            if why:
+                raise ToolkitError(why) from None
+        raise refusal(Path(folder), e) from None
+    finally:
+        if old is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = old
