@@ -155,8 +155,8 @@ def trial(t: Trial, recipe: str, out: Path, reference: list[float]) -> Trial:
     return t
 
 
-def draw(rng: random.Random, backend: str) -> Trial:
-    kind = rng.choice(KINDS)
+def draw(rng: random.Random, backend: str, kind: str | None = None) -> Trial:
+    kind = kind or rng.choice(KINDS)
     step = rng.choice(range(INTERVAL, STEPS, INTERVAL)) if kind in SAVE_PHASES else rng.randint(2, STEPS - 1)
     rank = 0 if kind == "save-meta" else rng.randint(0, 1)
     return Trial(backend, kind, step, rank)
@@ -197,7 +197,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="write the report here as JSON")
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    trials = [draw(rng, b) for b in args.backends for _ in range(args.trials)]
+    # every kind in turn (shuffled), so that even a short campaign covers each phase; steps and ranks at random
+    kinds = [KINDS[i % len(KINDS)] for i in range(args.trials)]
+    trials = [draw(rng, b, k) for b in args.backends for k in rng.sample(kinds, len(kinds))]
     start = time.monotonic()
     result = campaign(trials, args.work)
     result["seconds"] = round(time.monotonic() - start)
