@@ -23,29 +23,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> DistInfo:
-    """Join (or create) the default process group: nccl on GPUs, gloo on CPU, as DeepSpeed's accelerator picks."""
+def init_distributed(with_deepspeed: bool = True) -> DistInfo:
+    """Join (or create) the default process group: nccl on GPUs, gloo on CPU. With DeepSpeed (its backend), through
+    deepspeed.init_distributed, whose accelerator picks device and backend. Without (the Megatron backend), through
+    torch alone: importing DeepSpeed (400 modules) and loading its CPU shared-memory op only to open a process group
+    cost the Megatron path about 0.2 s of start-up per rank (bench/overhead.py)."""
     if "RANK" not in os.environ:  # a plain `python recipes/train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    import deepspeed
     import torch
-    from deepspeed.accelerator import get_accelerator
+    import torch.distributed as dist
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1)))
-    device = "cuda" if get_accelerator().device_name() == "cuda" else "cpu"
+    if with_deepspeed:
+        from deepspeed.accelerator import get_accelerator
+
+        device = "cuda" if get_accelerator().device_name() == "cuda" else "cpu"
+    else:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         torch.cuda.set_device(local_rank)
     elif "OMP_NUM_THREADS" not in os.environ:
         # ranks on one CPU share its cores; oversubscription makes every rank slower
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    # DeepSpeed 0.19 calls torch's deprecated reduce_scatter_tensor every ZeRO step; the warning is not the user's
-    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated")
-    deepspeed.init_distributed(verbose=False)
-    import torch.distributed as dist
+    if with_deepspeed:
+        import deepspeed
 
+        # DeepSpeed 0.19 calls torch's deprecated reduce_scatter_tensor and all_gather_into_tensor every ZeRO step;
+        # the warnings are not the user's
+        warnings.filterwarnings("ignore", message=r".*(reduce_scatter_tensor|all_gather_into_tensor).* is deprecated")
+        deepspeed.init_distributed(verbose=False)
+    elif not dist.is_initialized():
+        # what deepspeed.init_distributed does on GPUs: bind the device (torch then splits NCCL communicators
+        # for new groups instead of creating them from scratch), except in a world of one, which has no peer
+        bind = device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                                device_id=torch.device("cuda", local_rank) if bind else None)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, local_world, device)
 
 

@@ -10,14 +10,14 @@ import torch.distributed as dist
 from toolkit.errors import Problem, RecipeError
 from toolkit.recipe import Plan, Recipe, check_paths, resolve
 from toolkit.train import checkpoint as ckpt
-from toolkit.train import preempt
+from toolkit.train import faults, preempt
 from toolkit.train.dist import DistInfo, init_distributed, rank_zero_first, shutdown
 from toolkit.train.metrics import RunLog, detect_peak_tflops, flops_per_token
 
 
 def prepare(recipe: Recipe) -> tuple[Plan, DistInfo]:
     """Join the process group, then check the recipe against the real world size, the backend and the files."""
-    info = init_distributed()
+    info = init_distributed(with_deepspeed=recipe.parallel.backend == "deepspeed")
     plan = resolve(recipe, info.world_size)
     problems = check_paths(recipe)
     if plan.layout.backend == "megatron":
@@ -81,7 +81,7 @@ def train(recipe: Recipe) -> list[dict]:
     log.info(f"[toolkit] data: {len(dataset):,} sequences of {r.data.seq_len} tokens, "
              f"{stream.steps_per_epoch} steps per epoch")
     root, start = Path(r.checkpoint_dir), 0
-    tag_dir = ckpt.find_resume(root, r.checkpoint.resume)
+    tag_dir = ckpt.find_resume(root, r.checkpoint.resume, log=log.info)  # names the choice and any skipped
     if tag_dir is not None:
         state = ckpt.load(backend, tag_dir, backend.layout_meta)
         stream.load_state_dict(state["data"])
@@ -126,12 +126,13 @@ def _loop(backend, stream, plan: Plan, info: DistInfo, log: RunLog, start: int, 
     for step in range(start, last):
         lr, done = backend.current_lr(step), step + 1
         log_now = done % r.logging.interval == 0 or done == last
+        faults.begin_step(done)  # fault injection (tests only): which step the backend is in
         loss, grad_norm = backend.step(stream.next_step(), lr, log_now)
         if loss is not None:  # Megatron: only the last pipeline stage computes a loss
             pending.append(loss)
         if log_now:
-            rec = _record(pending, done, done - last_logged, time.perf_counter() - t0, lr, grad_norm,
-                          tokens_per_step, flops_step, peak, info.world_size)
+            rec = _record(pending, done, done - last_logged, t0, lr, grad_norm, tokens_per_step, flops_step, peak,
+                          info.world_size)
             log.step(rec)
             records.append(rec)
             pending, t0, last_logged = [], time.perf_counter(), done
@@ -150,18 +151,23 @@ def _loop(backend, stream, plan: Plan, info: DistInfo, log: RunLog, start: int, 
     return records
 
 
-def _record(pending, step, steps, elapsed, lr, grad_norm, tokens_per_step, flops_step, peak, world) -> dict:
+def _record(pending, step, steps, t0, lr, grad_norm, tokens_per_step, flops_step, peak, world) -> dict:
     """The logged numbers. The one host sync of the loop: the losses of the interval, averaged over every rank
-    that computed one (all data-parallel ranks; with pipelines, the last stage's ranks)."""
+    that computed one (all data-parallel ranks; with pipelines, the last stage's ranks). The interval's time is
+    read after that sync, so work still queued on the GPU counts (reading it before would overstate tokens/s)."""
     local = torch.zeros(2, device=_comm_device())  # (sum of losses, how many)
     if pending:
         local[0], local[1] = torch.stack(pending).float().sum().to(local.device), len(pending)
     dist.all_reduce(local, op=dist.ReduceOp.SUM)
+    loss = (local[0] / local[1]).item()
+    elapsed = time.perf_counter() - t0
     tflops = flops_step * steps / elapsed / 1e12 / world
-    return {"step": step, "loss": (local[0] / local[1]).item(), "lr": lr,
-            "grad_norm": None if grad_norm is None else float(grad_norm),
-            "tokens_per_s": tokens_per_step * steps / elapsed, "tflops_per_rank": tflops,
-            "mfu": tflops / peak if peak else None}
+    rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
+           "tokens_per_s": tokens_per_step * steps / elapsed, "tflops_per_rank": tflops,
+           "mfu": tflops / peak if peak else None}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rec["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30  # this rank's peak so far (toolkit plan)
+    return rec
 
 
 def _comm_device() -> torch.device:
