@@ -46,7 +46,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -56,6 +55,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from toolkit.proc import free_port, process_tree  # noqa: E402
 GiB = 2**30
 
 SHAPES = {  # recipe model keys
@@ -176,28 +176,6 @@ def case_layout(case: str, gpus: int, batch_per_gpu: int, micro: int | None, te:
     return keys, f"{label}, micro {micro} x {batch_per_gpu // micro} x {gpus} GPU"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    todo, out = [root], []
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
-
-
 def launch(case: str, recipe: Path, sets: list[str], gpus: int, case_dir: Path, timeout: int, on_gpu: bool) -> dict:
     """One case in fresh processes under the launcher users use. Returns rc, wall seconds and the log's tail."""
     bin_dir = Path(sys.executable).parent
@@ -220,7 +198,7 @@ def launch(case: str, recipe: Path, sets: list[str], gpus: int, case_dir: Path, 
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            for pid in reversed(_descendants(proc.pid)):  # the launchers start their workers in new sessions
+            for pid in reversed(process_tree(proc.pid)):  # the launchers start their workers in new sessions
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 sys.path.insert(0, str(REPO))
+from toolkit.proc import free_port  # noqa: E402
 
 RAW_SCRIPTS = {"deepspeed": BENCH / "overhead_raw_deepspeed.py", "megatron": BENCH / "overhead_raw_megatron.py"}
 DEFAULT_RECIPES = {"deepspeed": "tiny_zero3", "megatron": "tiny_tp2"}
@@ -106,17 +106,11 @@ def _megatron_args(r, layout) -> dict:
             "OptimizerConfig": plain(mcfg.to_optimizer_config_kwargs(r, layout))}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(kind: str, backend: str, spec_path: Path, recipe: str, steps: int, nproc: int, work: Path) -> dict:
     """One torchrun launch of the toolkit or the raw script; returns rank 0's timings and the last logged loss."""
     out, times = work / f"{kind}_out", work / f"{kind}_times.json"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_port", str(_free_port())]
+                "--master_port", str(free_port())]
     if kind == "toolkit":
         sets = [a for o in toolkit_overrides(steps, out) for a in ("--set", o)]
         cmd = [*torchrun, str(BENCH / "overhead_toolkit.py"), "--times", str(times), "--", "--recipe", recipe, *sets]

@@ -3,21 +3,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from toolkit.proc import free_port  # noqa: F401 - the tests import it from here
+from toolkit.proc import signal_tree as signal_process_tree  # noqa: F401
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(preset="tiny")  # 2 layers, hidden 64, GQA 4 heads / 2 kv heads, vocab 512
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(recipe: str, overrides: list[str], nproc: int, out_dir: Path, launcher: str = "torchrun",
@@ -41,28 +37,6 @@ def launch(recipe: str, overrides: list[str], nproc: int, out_dir: Path, launche
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-6000:]}")
     return proc
-
-
-def signal_process_tree(root: int, sig: int) -> None:
-    """Signal `root` and every descendant, as Slurm signals every process of a job step (torchrun starts its
-    workers in sessions of their own, so a process-group signal would miss them)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    todo, tree = [root], []
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    for pid in tree:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def slurm_available() -> str | None:

@@ -16,15 +16,11 @@ import sys
 import time
 from datetime import timedelta
 
+from toolkit.proc import free_port
+
 
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _hint(rank: int, world: int, backend: str, timeout: float, why: str) -> str:
@@ -55,7 +51,7 @@ def run(device: str, timeout: float) -> int:
     if "RANK" not in os.environ:  # a plain `python -m toolkit.preflight`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     # c10d logs each failed connection with a C++ stack; the message below says the same in one paragraph
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     import torch

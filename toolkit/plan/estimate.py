@@ -90,18 +90,17 @@ def _states(r: Recipe, c: Choice, pp_rank: int) -> StateBytes:
     return megatron_state_bytes(r, layout, pp_rank=pp_rank)  # dp ranks differ by under one bucket's padding
 
 
-def in_flight(c: Choice, pp_rank: int) -> tuple[int, int]:
-    """(chunk micro-batches whose activations a pipeline rank holds at its peak, layers per chunk divisor).
+def in_flight(c: Choice, pp_rank: int) -> int:
+    """Chunk micro-batches (each L / (pp vpp) layers) whose activations a pipeline rank holds at its peak.
 
     1F1B: rank i runs pp - i forwards before its first backward. Interleaved (vpp chunks): the warm-up is
     2(pp - i - 1) + (vpp - 1) pp chunk forwards, plus the one in flight (Megatron's schedule), never more than
     the step has. Full memory is first-stage: pp micro-batches of its layers, or L (1 + (pp-1)/(pp vpp)) layers."""
-    total = c.accum * c.vpp
     if c.pp == 1:
-        return 1, 1
+        return 1
     if c.vpp == 1:
-        return min(c.pp - pp_rank, c.accum), 1
-    return min(2 * (c.pp - pp_rank - 1) + (c.vpp - 1) * c.pp + 1, total), c.vpp
+        return min(c.pp - pp_rank, c.accum)
+    return min(2 * (c.pp - pp_rank - 1) + (c.vpp - 1) * c.pp + 1, c.accum * c.vpp)
 
 
 def _impl(c: Choice) -> str:
@@ -120,8 +119,8 @@ def activation_bytes(r: Recipe, c: Choice, pp_rank: int) -> tuple[int, list[str]
     m, seq, prec = r.model, r.data.seq_len, r.training.precision
     kw = dict(tp=c.tp, sp=c.sp, cp=c.cp, precision=prec, impl=_impl(c), attention=_attention(r, c))
     per_layer = act.layer_activation_bytes(m, seq, c.micro, recompute=c.recompute, **kw)
-    chunks, per_chunk_div = in_flight(c, pp_rank)
-    layers_per_chunk = m.num_layers // (c.pp * per_chunk_div) if c.pp > 1 else m.num_layers
+    chunks = in_flight(c, pp_rank)
+    layers_per_chunk = m.num_layers // (c.pp * c.vpp)
     held = chunks * layers_per_chunk * per_layer
     notes = [f"{per_layer / 2**20:,.1f} MiB per layer per micro-batch x {chunks * layers_per_chunk} layer-micro-batches"
              f" in flight ({chunks} x {layers_per_chunk} layers)"]

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from toolkit.proc import free_port
 
 
 @dataclass(frozen=True)
@@ -17,12 +18,6 @@ class DistInfo:
     device: str  # "cuda" or "cpu"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(with_deepspeed: bool = True) -> DistInfo:
     """Join (or create) the default process group: nccl on GPUs, gloo on CPU. With DeepSpeed (its backend), through
     deepspeed.init_distributed, whose accelerator picks device and backend. Without (the Megatron backend), through
@@ -31,7 +26,7 @@ def init_distributed(with_deepspeed: bool = True) -> DistInfo:
     if "RANK" not in os.environ:  # a plain `python recipes/train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     import torch
     import torch.distributed as dist
 
