@@ -36,5 +36,45 @@ def test_bench_overhead_smallest(tmp_path):
         assert math.isfinite(s["first_step_s"]["diff"]["median"])
         # same seed, data and model: both sides trained the same thing
         assert s["last_loss"]["toolkit"] == pytest.approx(s["last_loss"]["raw"], rel=1e-4), backend
+        assert s["step_s"]["ratio_ci"] is None and "from one pair" in s["verdict"]  # one pair: no interval
     assert proc.stdout.count("  ratio ") == 6 and proc.stdout.count("first step s") == 2
+    assert proc.stdout.count("cache warm-up") == 2 and proc.stdout.count(" verdict ") == 2
     assert [p.name for p in tmp_path.iterdir()] == ["overhead.json"]  # the work folder is cleaned up
+
+
+def _overhead_module():
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import overhead
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    return overhead
+
+
+def test_ratio_interval_is_a_t_interval_on_log_ratios():
+    ov = _overhead_module()
+    assert ov.ratio_interval([1.1]) is None
+    ci = ov.ratio_interval([1.02, 1.02, 1.02])
+    assert [ci[k] for k in ("geomean", "low", "high")] == pytest.approx([1.02] * 3)  # no spread, no width
+    # a ratio and its inverse cancel; two pairs use t(1) = 12.706
+    ci = ov.ratio_interval([1.1, 1 / 1.1])
+    sem = math.log(1.1) * math.sqrt(2) / math.sqrt(2)  # stdev of (+l, -l) is l * sqrt(2); over sqrt(2) pairs
+    assert ci["geomean"] == pytest.approx(1.0)
+    assert ci["high"] == pytest.approx(math.exp(12.706 * sem)) and ci["low"] == pytest.approx(math.exp(-12.706 * sem))
+
+
+def _summary(ratios, first_diff):
+    ov = _overhead_module()
+    return ov, {"step_s": {"ratio": {"median": ratios[0]}, "ratio_ci": ov.ratio_interval(ratios)},
+                "first_step_s": {"diff": {"median": first_diff}}}
+
+
+@pytest.mark.parametrize("ratios, first, expect", [
+    ([1.00, 1.01, 0.99, 1.00], 0.2, ("target met", "first-step target met")),
+    ([0.95, 1.10, 0.97, 1.06], 0.2, ("consistent with the target, not confirmed", "first-step target met")),
+    ([1.08, 1.10, 1.09, 1.07], 2.0, ("target missed", "first-step target missed")),
+])
+def test_verdict_names_what_the_interval_shows(ratios, first, expect):
+    ov, s = _summary(ratios, first)
+    text = ov.verdict(s)
+    assert all(e in text for e in expect), text

@@ -4,7 +4,7 @@
     toolkit slurm render --all          # rewrite the shipped scripts in slurm/ (SHIPPED below)
 
 The script runs one torchrun per node under srun, after an all-reduce preflight (toolkit/preflight.py). Slurm
-sends SIGUSR1 `signal_seconds` before the time limit; the trainer checkpoints at the next step boundary, leaves
+sends SIGUSR1 `signal_seconds` before the time limit; the trainer checkpoints one or two steps later, leaves
 <output_dir>/preempted.json and exits with REQUEUE_EXIT (toolkit/train/preempt.py); the script then requeues
 the job, which resumes from that checkpoint (checkpoint.resume: auto). Only the standard library and the recipe
 loader are imported here, so anything may import the constants below cheaply.

@@ -95,6 +95,7 @@ def train(recipe: Recipe) -> list[dict]:
     watch = preempt.PreemptionWatch()
     try:
         records = _loop(backend, stream, plan, info, log, start, root, meta, watch)
+        watch.settle()
     except preempt.Preempted as stop:
         log.info(f"[toolkit] {stop}")
         log.close()
@@ -136,7 +137,7 @@ def _loop(backend, stream, plan: Plan, info: DistInfo, log: RunLog, start: int, 
             log.step(rec)
             records.append(rec)
             pending, t0, last_logged = [], time.perf_counter(), done
-        stop = watch.agreed()  # a preemption signal on any rank: checkpoint here, then leave
+        stop = watch.agreed()  # a preemption signal on any rank (noted a step ago): checkpoint here, then leave
         if done % r.checkpoint.interval == 0 or done == last or stop:
             tag_dir = ckpt.save(backend, root, done, stream.state_dict(), meta)
             if info.rank == 0:
