@@ -14,7 +14,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead_clock import StepClock, exit_now, packed_dataset  # noqa: E402
+from overhead_clock import StepClock, finish, packed_dataset  # noqa: E402
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
@@ -83,10 +83,7 @@ def main():
             losses = []
             if rank == 0:
                 print(f"step {step} loss {logged[-1][1]:.4f}", flush=True)
-    clock.save(args.times, losses=logged)
-    dist.barrier()
-    dist.destroy_process_group()
-    exit_now()
+    finish(clock, args.times, losses=logged)
 
 
 if __name__ == "__main__":

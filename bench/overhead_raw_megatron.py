@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead_clock import StepClock, exit_now, packed_dataset  # noqa: E402
+from overhead_clock import StepClock, finish, packed_dataset  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for the two pieces of glue named above
 
@@ -124,10 +124,7 @@ def main():
             losses = []
             if dist.get_rank() == 0:
                 print(f"step {step} loss {logged[-1][1]:.4f}", flush=True)
-    clock.save(args.times, losses=logged)
-    dist.barrier()
-    dist.destroy_process_group()
-    exit_now()
+    finish(clock, args.times, losses=logged)
 
 
 if __name__ == "__main__":

@@ -66,14 +66,13 @@ class PreemptionWatch:
         latency; bench/overhead.py's DeepSpeed case), and more across many nodes."""
         if self._group is None:
             return self.count > 0
-        stop = False
         if self._pending is not None:
             work, flag = self._pending
             work.wait()
-            stop, self._pending = bool(flag.item()), None
-        if stop:  # every rank got the same answer: none posts another
-            self.name = self.name or "a signal on another rank"
-            return True
+            self._pending = None
+            if flag.item():  # every rank got the same answer: none posts another
+                self.name = self.name or "a signal on another rank"
+                return True
         flag = torch.tensor([1 if self.count else 0], dtype=torch.int32)
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
         return False
