@@ -45,8 +45,8 @@ def write_random_hf(folder: Path, shape: dict, dtype_name: str) -> int:
     process (--generate): the parent must not import torch, or every child's peak RSS would start at its size."""
     import torch
 
-    from toolkit.checkpoint import LlamaDims, iter_entries
-    from toolkit.checkpoint import safetensors_stream as st
+    from toolkit.families import dims_from_hf, iter_entries
+    from toolkit.format import safetensors_stream as st
 
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 4096,
               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
@@ -54,7 +54,7 @@ def write_random_hf(folder: Path, shape: dict, dtype_name: str) -> int:
     dtype = getattr(torch, dtype_name)
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    specs = {n: (s, dtype) for e in iter_entries(LlamaDims.from_hf(config), 1, 1) for n, s in zip(e.hf_names, e.hf_shapes)}
+    specs = {n: (s, dtype) for e in iter_entries(dims_from_hf(config), 1, 1) for n, s in zip(e.hf_names, e.hf_shapes)}
     writer = st.Writer(folder / "model.safetensors", specs, {"format": "pt"})
     gen = torch.Generator().manual_seed(0)
     for name, (s, d) in specs.items():

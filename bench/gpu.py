@@ -67,7 +67,7 @@ SHAPES = {  # recipe model keys
 CASES = ("deepspeed-zero1", "deepspeed-zero3", "megatron-tp1")
 PROBE = """
 import json, torch
-from toolkit.train.metrics import detect_peak_tflops
+from toolkit.metrics import detect_peak_tflops
 out = {"cuda": torch.cuda.is_available(), "count": torch.cuda.device_count() if torch.cuda.is_available() else 0}
 if out["cuda"]:
     from toolkit.megatron.runtime import te_available
@@ -372,7 +372,7 @@ def main(argv=None) -> int:
 
 def _run(args, cases: list[str], device: dict, precision: str, t0: float) -> int:
     from toolkit.recipe import load_recipe
-    from toolkit.train.metrics import count_params, flops_per_token
+    from toolkit.metrics import count_params, flops_per_token
 
     shape = SHAPES["tiny" if args.tiny else "1b"]
     args.workdir.mkdir(parents=True, exist_ok=True)

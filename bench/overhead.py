@@ -98,7 +98,7 @@ def build_spec(backend: str, recipe: str, steps: int, nproc: int) -> dict:
 
 def _megatron_args(r, layout) -> dict:
     """toolkit/megatron/config.py's arguments as JSON (dtypes by name; the activation is SiLU, set by the script)."""
-    from toolkit.megatron import config as mcfg
+    from toolkit.adapters import megatron as mcfg
 
     if layout.vpp > 1 or layout.cp > 1:
         raise SystemExit("the hand-written Megatron script supports TP, PP and DP only (no vpp, no cp)")

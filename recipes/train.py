@@ -24,7 +24,7 @@ def main() -> int:
     from toolkit.train.preempt import Preempted
 
     try:
-        from toolkit.train.run import train
+        from toolkit.run import train
 
         train(load_recipe(args.recipe, args.overrides))
     except ToolkitError as e:

@@ -106,7 +106,7 @@ def meta_chunks(name: str, tp_rank: int, pp_rank: int) -> list[dict]:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from toolkit.megatron import config as mcfg
+    from toolkit.adapters import megatron as mcfg
     from toolkit.megatron.runtime import layer_spec
 
     r = load_recipe(name, [])

@@ -28,7 +28,7 @@ import yaml
 from conftest import REPO
 
 from toolkit import cli
-from toolkit.checkpoint import manifest
+from toolkit.format import manifest
 from toolkit.errors import ToolkitError
 
 HERE = Path(__file__).parent

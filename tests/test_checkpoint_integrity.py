@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 from conftest import REPO
 
-from toolkit.checkpoint import manifest
+from toolkit.format import manifest
 from toolkit.errors import ToolkitError
 from toolkit.train import checkpoint as ckpt
 
@@ -191,12 +191,12 @@ def test_inspect_names_the_file_that_fails(world_of_one, tmp_path):
 
 
 # A real training run whose second checkpoint finds the disk full: the free-space function is replaced in the
-# training process (toolkit.checkpoint.manifest.free_bytes), as a full disk would answer after the first save.
+# training process (toolkit.format.manifest.free_bytes), as a full disk would answer after the first save.
 FULL_AFTER_FIRST_SAVE = """
 import runpy
 import sys
 sys.path.insert(0, {repo!r})
-from toolkit.checkpoint import manifest
+from toolkit.format import manifest
 from toolkit.train import checkpoint as ckpt
 
 real, saves = manifest.free_bytes, []

@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from toolkit.checkpoint import (QKV, ColumnParallel, GatedMLP, LlamaDims, Replicated, RowParallel, VocabParallel,
-                                chunk_layers, global_layer, hf_to_megatron, layer_location, megatron_to_hf,
-                                padded_vocab_size)
+from toolkit.families import (QKV, ColumnParallel, Dims, GatedMLP, Replicated, RowParallel, VocabParallel, dims_from_hf,
+                              hf_to_megatron, megatron_to_hf)
+from toolkit.layout import chunk_layers, global_layer, layer_location, padded_vocab_size
 from toolkit.errors import ToolkitError
 
 
@@ -177,7 +177,7 @@ def tiny_llama(request):
     return config, state
 
 
-def _expected_shapes(dims: LlamaDims, tp: int, pp: int, vpp: int) -> dict[tuple[int, int], dict[str, tuple]]:
+def _expected_shapes(dims: Dims, tp: int, pp: int, vpp: int) -> dict[tuple[int, int], dict[str, tuple]]:
     """Per (pp_rank, chunk), the Megatron (local spec) names and per-TP-rank shapes, written from the layout spec."""
     h, d, per_chunk = dims.hidden, dims.head_dim, dims.layers // (pp * vpp)
     layer = {"input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
@@ -197,7 +197,7 @@ def _expected_shapes(dims: LlamaDims, tp: int, pp: int, vpp: int) -> dict[tuple[
 def test_hf_to_megatron_gives_every_shard_the_megatron_shape(tiny_llama, layout):
     config, state = tiny_llama
     tp, pp, vpp = LAYOUTS[layout]
-    dims = LlamaDims.from_hf(config, tp=tp)
+    dims = dims_from_hf(config, tp=tp)
     shards = hf_to_megatron(state, dims, tp, pp, vpp)
     assert set(shards) == {(p, r) for p in range(pp) for r in range(tp)}
     expected = _expected_shapes(dims, tp, pp, vpp)
@@ -214,7 +214,7 @@ def test_shard_shapes_without_tensors_equal_the_real_split(tiny_llama, layout):
 
     config, state = tiny_llama
     tp, pp, vpp = LAYOUTS[layout]
-    dims = LlamaDims.from_hf(config, tp=tp)
+    dims = dims_from_hf(config, tp=tp)
     expected = _expected_shapes(dims, tp, pp, vpp)
     got = meta_shards(dims, tp, pp, vpp)
     assert set(got) == {(p, r) for p in range(pp) for r in range(tp)}
@@ -224,10 +224,10 @@ def test_shard_shapes_without_tensors_equal_the_real_split(tiny_llama, layout):
 
 
 def test_views_mode_shares_storage_and_gives_equal_shards(tiny_llama):
-    from toolkit.checkpoint.rules import views
+    from toolkit.families.rules import views
 
     config, state = tiny_llama
-    dims = LlamaDims.from_hf(config, tp=2)
+    dims = dims_from_hf(config, tp=2)
     compact = hf_to_megatron(state, dims, 2, 1)
     with views():
         shared = hf_to_megatron(state, dims, 2, 1)
@@ -242,7 +242,7 @@ def test_views_mode_shares_storage_and_gives_equal_shards(tiny_llama):
 def test_hf_to_megatron_to_hf_is_bit_exact(tiny_llama, layout):
     config, state = tiny_llama
     tp, pp, vpp = LAYOUTS[layout]
-    dims = LlamaDims.from_hf(config, tp=tp)
+    dims = dims_from_hf(config, tp=tp)
     back = megatron_to_hf(hf_to_megatron(state, dims, tp, pp, vpp), dims, tp, pp, vpp)
     want = {k: v for k, v in state.items() if not (dims.tied and k == "lm_head.weight")}
     assert set(back) == set(want)
@@ -251,7 +251,7 @@ def test_hf_to_megatron_to_hf_is_bit_exact(tiny_llama, layout):
 
 def test_tied_output_layer_on_the_last_stage_copies_the_embedding_shard(tiny_llama):
     config, state = tiny_llama
-    dims = LlamaDims.from_hf(config, tp=2)
+    dims = dims_from_hf(config, tp=2)
     shards = hf_to_megatron(state, dims, tp=2, pp=2)
     for r in range(2):
         embedding = shards[(0, r)][0]["embedding.word_embeddings.weight"]
@@ -261,7 +261,7 @@ def test_tied_output_layer_on_the_last_stage_copies_the_embedding_shard(tiny_lla
 
 def test_megatron_extra_state_entries_are_ignored(tiny_llama):
     config, state = tiny_llama
-    dims = LlamaDims.from_hf(config, tp=2)
+    dims = dims_from_hf(config, tp=2)
     shards = hf_to_megatron(state, dims, tp=2, pp=1)
     for chunks in shards.values():
         chunks[0]["decoder.layers.0.self_attention.linear_qkv._extra_state"] = None
@@ -273,23 +273,32 @@ def test_megatron_extra_state_entries_are_ignored(tiny_llama):
 
 def test_llama_dims_from_config_object_and_from_dict_agree():
     config = _tiny_config(tied=True)
-    dims = LlamaDims.from_hf(config, tp=4)
-    assert dims == LlamaDims(hidden=64, heads=8, kv_heads=2, head_dim=8, ffn=96, layers=4, vocab=500,
-                             padded_vocab=512, tied=True)
-    assert LlamaDims.from_hf(config.to_dict(), tp=4) == dims
-    plain = {"hidden_size": 64, "num_attention_heads": 8, "intermediate_size": 96, "num_hidden_layers": 4,
-             "vocab_size": 500}
-    assert LlamaDims.from_hf(plain) == LlamaDims(64, 8, 8, 8, 96, 4, 500, 512, False)
+    dims = dims_from_hf(config, tp=4)
+    assert dims == Dims(family="llama", hidden=64, heads=8, kv_heads=2, head_dim=8, ffn=96, layers=4, vocab=500,
+                        padded_vocab=512, tied=True)
+    assert dims_from_hf(config.to_dict(), tp=4) == dims
+    plain = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8, "intermediate_size": 96,
+             "num_hidden_layers": 4, "vocab_size": 500}
+    assert dims_from_hf(plain) == Dims("llama", 64, 8, 8, 8, 96, 4, 500, 512, tied=False)
 
 
 def test_llama_dims_name_every_missing_config_key():
     with pytest.raises(ToolkitError, match="intermediate_size, num_hidden_layers"):
-        LlamaDims.from_hf({"hidden_size": 64, "num_attention_heads": 8, "vocab_size": 500})
+        dims_from_hf({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8, "vocab_size": 500})
+
+
+@pytest.mark.parametrize("model_type, needle", [(None, "has no model_type; add"), ("gpt2", "'gpt2' is not supported")])
+def test_a_config_of_no_known_family_is_refused_with_the_families_listed(model_type, needle):
+    config = {"hidden_size": 64, "num_attention_heads": 8, "intermediate_size": 96, "num_hidden_layers": 4,
+              "vocab_size": 500, **({"model_type": model_type} if model_type else {})}
+    with pytest.raises(ToolkitError, match=needle) as e:
+        dims_from_hf(config)
+    assert "llama" in str(e.value)
 
 
 def test_conversion_errors_list_every_problem(tiny_llama):
     config, state = tiny_llama
-    dims = LlamaDims.from_hf(config, tp=4)
+    dims = dims_from_hf(config, tp=4)
     broken = {k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}
     broken["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
     broken["model.norm.weight"] = torch.zeros(63)
@@ -302,7 +311,7 @@ def test_conversion_errors_list_every_problem(tiny_llama):
 
 def test_conversion_rejects_a_layout_the_model_cannot_take(tiny_llama):
     config, state = tiny_llama
-    dims = LlamaDims.from_hf(config, tp=16)
+    dims = dims_from_hf(config, tp=16)
     with pytest.raises(ToolkitError, match="8 attention heads are not divisible by tp = 16") as error:
         hf_to_megatron(state, dims, tp=16, pp=3)
     assert "4 layers do not split into pp x vpp = 3 x 1" in str(error.value)
@@ -310,7 +319,7 @@ def test_conversion_rejects_a_layout_the_model_cannot_take(tiny_llama):
 
 def test_megatron_to_hf_names_missing_shards(tiny_llama):
     config, state = tiny_llama
-    dims = LlamaDims.from_hf(config, tp=2)
+    dims = dims_from_hf(config, tp=2)
     shards = hf_to_megatron(state, dims, tp=2, pp=2)
     del shards[(1, 1)][0]["decoder.final_layernorm.weight"]
     with pytest.raises(ToolkitError, match="pp_rank 1, tp_rank 1, chunk 0: missing decoder.final_layernorm"):

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO
-from toolkit.checkpoint import LlamaDims, hf_to_megatron
+from toolkit.families import dims_from_hf, hf_to_megatron
 from toolkit.checkpoint.convert import convert_to_hf
 from toolkit.errors import ToolkitError
 
@@ -48,27 +48,31 @@ def _te(name: str) -> str:
     return name
 
 
-def write_megatron_lm(root, hf_model) -> None:
-    dims = LlamaDims.from_hf(hf_model.config, TP)
-    shards = hf_to_megatron(hf_model.state_dict(), dims, TP, PP)
+def write_megatron_lm(root, hf_model, vpp: int = 1) -> None:
+    """With vpp > 1, each rank file holds one state dict per virtual chunk (model0, model1, ...), as Megatron-LM's
+    interleaved schedule saves them."""
+    dims = dims_from_hf(hf_model.config, TP)
+    shards = hf_to_megatron(hf_model.state_dict(), dims, TP, PP, vpp)
     args = argparse.Namespace(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP,
-                              virtual_pipeline_model_parallel_size=None, num_layers=4, hidden_size=64,
+                              virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, num_layers=4, hidden_size=64,
                               ffn_hidden_size=96, num_attention_heads=8, group_query_attention=True,
                               num_query_groups=2, max_position_embeddings=128, norm_epsilon=1e-6, rotary_base=10000,
                               untie_embeddings_and_output_weights=True, padded_vocab_size=dims.padded_vocab,
                               make_vocab_size_divisible_by=128, params_dtype=torch.float32)
-    for (p, t), (state,) in shards.items():
-        model = {}
-        for name, tensor in state.items():
-            if name.endswith(("word_embeddings.weight", "output_layer.weight")):
-                tensor = tensor.clone()
-                valid = max(0, VOCAB - t * tensor.shape[0])
-                tensor[valid:] = torch.randn_like(tensor[valid:])  # trained padding rows are not zero
-            model[_te(name)] = tensor
-            model[_te(name).rsplit(".", 1)[0] + "._extra_state"] = None
+    for (p, t), chunks in shards.items():
+        models = {}
+        for c, state in enumerate(chunks):
+            model = models[f"model{c}" if vpp > 1 else "model"] = {}
+            for name, tensor in state.items():
+                if name.endswith(("word_embeddings.weight", "output_layer.weight")):
+                    tensor = tensor.clone()
+                    valid = max(0, VOCAB - t * tensor.shape[0])
+                    tensor[valid:] = torch.randn_like(tensor[valid:])  # trained padding rows are not zero
+                model[_te(name)] = tensor
+                model[_te(name).rsplit(".", 1)[0] + "._extra_state"] = None
         folder = root / "iter_0000007" / f"mp_rank_{t:02d}_{p:03d}"
         folder.mkdir(parents=True)
-        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 7, "model": model,
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 7, **models,
                     "rng_state": [{"random_rng_state": None, "np_rng_state": np.random.get_state(),
                                    "torch_rng_state": torch.get_rng_state()}]}, folder / "model_optim_rng.pt")
     (root / "latest_checkpointed_iteration.txt").write_text("7")
@@ -92,6 +96,27 @@ def test_megatron_lm_to_hf_is_exact_and_loads(megatron_lm_ckpt, hf_model, tmp_pa
     ids = torch.randint(0, VOCAB, (1, 16))
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, hf_model(ids).logits, atol=1e-6)  # the config maps back too
+
+
+def test_megatron_lm_virtual_chunks_are_read_in_layer_order(hf_model, tmp_path):
+    """vpp = 2: each rank file holds model0 and model1, whose local layer 0 are different global layers."""
+    write_megatron_lm(tmp_path / "mlm", hf_model, vpp=2)
+    out = convert_to_hf(tmp_path / "mlm", tmp_path / "hf", vocab_size=VOCAB, verify=False)
+    got = load_file(out / "model.safetensors")
+    for name, tensor in hf_model.state_dict().items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_megatron_lm_ties_embeddings_unless_told_not_to():
+    """Megatron-LM ties the output layer to the embeddings unless --untie-embeddings-and-output-weights is given, so
+    args without that flag (older checkpoints do not record it) mean a tied model."""
+    from toolkit.checkpoint.megatron_lm import hf_config
+
+    args = argparse.Namespace(num_attention_heads=8, hidden_size=64, ffn_hidden_size=96, num_layers=4,
+                              max_position_embeddings=128)
+    assert hf_config(args, VOCAB)["tie_word_embeddings"] is True
+    args.untie_embeddings_and_output_weights = True
+    assert hf_config(args, VOCAB)["tie_word_embeddings"] is False
 
 
 def test_inspect_megatron_lm(megatron_lm_ckpt):

@@ -126,3 +126,43 @@ def test_user_json_unreadable(tmp_path):
     plan = resolve(load_recipe("tiny_zero3", [f"parallel.deepspeed.config={path}"]))
     with pytest.raises(RecipeError, match="cannot read"):
         build_ds_config(plan)
+
+
+def test_nvme_buffer_counts_are_each_sections_own():
+    z = ds("tiny_zero3_nvme", "parallel.deepspeed.buffer_count=3", "parallel.deepspeed.param_buffer_count=7",
+           "parallel.deepspeed.param_buffer_size=2000000")["zero_optimization"]
+    assert z["offload_optimizer"]["buffer_count"] == 3
+    assert z["offload_param"]["buffer_count"] == 7 and z["offload_param"]["buffer_size"] == 2_000_000
+    assert "buffer_size" not in z["offload_optimizer"]
+
+
+@pytest.mark.parametrize("optimizer", ["none", "cpu", "nvme"])
+def test_aio_is_rendered_whenever_anything_goes_to_nvme(optimizer):
+    cfg = ds("tiny_zero3", "parallel.offload_params=nvme", f"parallel.offload_optimizer={optimizer}",
+             "parallel.nvme_path=/local_nvme/x", "parallel.deepspeed.aio_queue_depth=32")
+    assert cfg["zero_optimization"]["offload_param"]["device"] == "nvme"
+    assert cfg["aio"]["queue_depth"] == 32
+    # and only then: optimizer on NVMe with parameters on CPU also needs it, CPU-only offload does not
+    assert "aio" in ds("tiny_zero3", "parallel.offload_optimizer=nvme", "parallel.offload_params=cpu",
+                       "parallel.nvme_path=/local_nvme/x")
+    assert "aio" not in ds("tiny_zero3", f"parallel.offload_optimizer={'cpu' if optimizer == 'nvme' else optimizer}",
+                           "parallel.offload_params=cpu")
+
+
+@pytest.mark.parametrize("recipe", ["tiny_zero3_offload", "tiny_zero3_nvme"])
+@pytest.mark.parametrize("pin", [True, False])
+def test_pin_memory_rule_holds_for_both_offload_sections(recipe, pin):
+    """pin_memory = parallel.deepspeed.pin_memory on GPUs, always False on CPU, for optimizer and parameters."""
+    for device in ("cuda", "cpu"):
+        z = ds(recipe, f"parallel.deepspeed.pin_memory={str(pin).lower()}", device=device)["zero_optimization"]
+        expected = pin and device == "cuda"
+        assert z["offload_optimizer"]["pin_memory"] is expected, (device, pin)
+        assert z["offload_param"]["pin_memory"] is expected, (device, pin)
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_gather_16bit_weights_on_save_follows_the_recipe(gather):
+    z = ds("tiny_zero3", f"parallel.deepspeed.gather_16bit_weights_on_save={str(gather).lower()}")
+    assert z["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is gather
+    assert "stage3_gather_16bit_weights_on_model_save" not in ds(
+        "tiny_zero2", f"parallel.deepspeed.gather_16bit_weights_on_save={str(gather).lower()}")["zero_optimization"]

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, {repo!r})
 import toolkit.train.checkpoint as ckpt
 from toolkit.recipe import load_recipe
-from toolkit.train.run import train
+from toolkit.run import train
 
 out, recipe, overrides = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 _save = ckpt.save
@@ -100,7 +100,8 @@ def zero2_dp2(tmp_path_factory) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [3, 2, 1, 0])
 def test_source_equals_engine_weights(stage, bf16_run):
-    from toolkit.checkpoint.deepspeed_io import DeepSpeedSource, reshard_deepspeed
+    from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
+    from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed
     from toolkit.errors import ToolkitError
 
     out = bf16_run(stage)
@@ -150,7 +151,8 @@ def test_source_reads_fp32_zero2(zero2_dp2):
 # ------------------------------------------------------------------------------------------------ resharding
 @pytest.mark.slow
 def test_reshard_dp2_to_dp1_resumes_like_uninterrupted_run(zero2_dp2, tmp_path):
-    from toolkit.checkpoint.deepspeed_io import DeepSpeedSource, reshard_deepspeed
+    from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
+    from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed
     from toolkit.errors import ToolkitError
 
     src = zero2_dp2 / "checkpoints" / "step_00000004"
@@ -190,11 +192,8 @@ def test_reshard_dp2_to_dp1_resumes_like_uninterrupted_run(zero2_dp2, tmp_path):
 def test_reshard_round_trip_is_exact_and_pads_for_three_ranks(zero2_dp2, tmp_path):
     """2 -> 3 -> 2 ranks gives back DeepSpeed's own files tensor for tensor; at 3 ranks the flat groups need
     alignment padding (868,352 elements are not a multiple of 2 x 3), which DeepSpeed loads natively."""
-    from toolkit.checkpoint.deepspeed_io import (
-        DeepSpeedSource,
-        load_rank_file,
-        reshard_deepspeed,
-    )
+    from toolkit.checkpoint.deepspeed_io import DeepSpeedSource, load_rank_file
+    from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed
 
     src = zero2_dp2 / "checkpoints" / "step_00000004"
     three = reshard_deepspeed(src, tmp_path / "dp3", dp=3)
@@ -254,7 +253,8 @@ def _damaged_copy(tag_dir: Path, tmp_path: Path, file: str, how: str) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncated", "missing", "truncated, no manifest"])
 def test_damaged_zero2_checkpoint_is_refused(how, zero2_dp2, tmp_path):
-    from toolkit.checkpoint.deepspeed_io import DeepSpeedSource, reshard_deepspeed
+    from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
+    from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed
     from toolkit.errors import ToolkitError
 
     file = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -273,7 +273,8 @@ def test_damaged_zero2_checkpoint_is_refused(how, zero2_dp2, tmp_path):
                                   "zero_pp_rank_1_mp_rank_00_model_states.pt"])
 @pytest.mark.parametrize("how", ["truncated", "missing"])
 def test_damaged_zero3_checkpoint_is_refused(how, file, bf16_run, tmp_path):
-    from toolkit.checkpoint.deepspeed_io import DeepSpeedSource, reshard_deepspeed
+    from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
+    from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed
     from toolkit.errors import ToolkitError
 
     tag_dir = _damaged_copy(bf16_run(3) / "checkpoints" / "step_00000004", tmp_path, file, how)

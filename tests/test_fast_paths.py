@@ -3,7 +3,7 @@ data (the configs and the model the toolkit builds), since no GPU runs here."""
 from __future__ import annotations
 
 from toolkit.adapters.deepspeed import build_ds_config
-from toolkit.megatron import config as mcfg
+from toolkit.adapters import megatron as mcfg
 from toolkit.recipe import load_recipe, resolve
 
 

@@ -15,7 +15,7 @@ import random
 import pytest
 
 import fault_harness as fh
-from toolkit.checkpoint import manifest
+from toolkit.format import manifest
 from toolkit.train.faults import parse
 
 

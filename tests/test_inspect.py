@@ -17,7 +17,7 @@ def test_hugging_face_folder(tiny_hf_checkpoint):
     assert report["format"] == "hf" and report["complete"]
     assert report["architecture"]["num_key_value_heads"] == 2 and report["architecture"]["num_hidden_layers"] == 2
     from toolkit.recipe import load_recipe
-    from toolkit.train.metrics import count_params
+    from toolkit.metrics import count_params
 
     # the header count equals the architecture's parameter arithmetic
     assert report["parameters"] == count_params(load_recipe("tiny_zero0", ["model.preset=tiny"]).model)["total"]

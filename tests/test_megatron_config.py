@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from toolkit.megatron import config as mcfg
+from toolkit.adapters import megatron as mcfg
 from toolkit.recipe import load_recipe, resolve
 
 
@@ -88,7 +88,7 @@ def test_unsupported_rope_scaling_is_refused():
 
 
 def test_transformer_engine_norm_names_map_to_local_spec_names():
-    from toolkit.checkpoint.llama import local_spec_name
+    from toolkit.families.mapping import local_spec_name
 
     assert local_spec_name("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight") == \
         "decoder.layers.3.input_layernorm.weight"

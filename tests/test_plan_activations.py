@@ -23,7 +23,9 @@ from toolkit.errors import ToolkitError
 from toolkit.plan import activations as act
 from toolkit.recipe.schema import ModelConfig
 
-RTOL = 0.05
+# The README's claim: the planner's bytes equal what autograd saves within 4 bytes (measured: equal, except the
+# selective-recompute layer, where autograd keeps 4 bytes more than the formula).
+TOL_BYTES = 4
 SHAPES = {
     "A": {"model": {"hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 8, "num_kv_heads": 2,
                     "vocab_size": 512}, "seq": 128, "micro": 2},
@@ -43,9 +45,9 @@ def _check(case: dict, impl: str, tp: int, layer: int, extra: int | None) -> Non
     want_extra = act.model_extra_activation_bytes(m, case["seq"], case["micro"], **kw)
     print(f"{impl} tp{tp} sp={case['sp']} {case['recompute']} {case['precision']} seq{case['seq']}: layer measured "
           f"{layer} formula {want_layer} ({want_layer / layer - 1:+.2%}); extra measured {extra} formula {want_extra}")
-    assert abs(want_layer - layer) <= RTOL * layer
+    assert abs(want_layer - layer) <= TOL_BYTES, (want_layer, layer)
     if extra is not None:
-        assert abs(want_extra - extra) <= RTOL * extra
+        assert abs(want_extra - extra) <= TOL_BYTES, (want_extra, extra)
 
 
 # ---- Hugging Face (DeepSpeed backend), in process --------------------------------------------------------------

@@ -242,7 +242,7 @@ def test_parameter_list_matches_hugging_face():
     from toolkit.model import to_hf_config
     from toolkit.plan.deepspeed_states import llama_params
     from toolkit.recipe import load_recipe
-    from toolkit.train.metrics import count_params
+    from toolkit.metrics import count_params
 
     for overrides in ([], ODD, ["model.preset=llama2-70b"]):
         m = load_recipe("tiny_zero0", overrides).model
@@ -286,7 +286,7 @@ def test_relation_to_deepspeeds_own_estimators():
     from toolkit.plan.deepspeed_states import deepspeed_buffer_bytes, deepspeed_state_bytes, llama_params
     from toolkit.plan.types import GPU
     from toolkit.recipe import load_recipe
-    from toolkit.train.metrics import count_params
+    from toolkit.metrics import count_params
 
     def recipe(stage, off="none"):
         return load_recipe("tiny_zero0", ["model.preset=llama2-7b", BF16, f"parallel.zero_stage={stage}",

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from conftest import REPO
 
-from toolkit.checkpoint import manifest, safe_load
+from toolkit.format import manifest, safe_load
 from toolkit.errors import ToolkitError
 
 

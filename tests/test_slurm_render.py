@@ -1,20 +1,26 @@
-"""Slurm job scripts: slurm/ matches toolkit.slurm.SHIPPED; bash accepts every script; layouts that do not fit
-nodes x GPUs are refused before anything is written; the script's shell logic (rendezvous address and port,
-requeue on the trainer's marker) run with fake scontrol/getent/srun; the preflight under torchrun, and the whole
+"""Slurm job scripts: slurm/*.sbatch match toolkit.slurm.SHIPPED, and their headers agree with arithmetic done here
+from the recipe files; bash and shellcheck accept every script and the job body slurm/job.sh; layouts that do not
+fit nodes x GPUs are refused before anything is written; the job body's shell logic (rendezvous address and port,
+requeue on the trainer's marker) runs with fake scontrol/getent/srun; the preflight under torchrun, and a whole
 script stopping at the preflight when a node never joins (a fake srun). No Slurm is needed; training and requeue
-through the script run against a real Slurm in test_slurm_cluster.py."""
+through the scripts run against a real Slurm in test_slurm_cluster.py."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import REPO, free_port, signal_process_tree
 
 from toolkit.slurm import (
+    CPUS_PER_GPU,
+    JOB_SH,
     PREEMPTED_MARKER,
     REQUEUE_EXIT,
     SHIPPED,
@@ -49,10 +55,24 @@ def test_no_stray_scripts():
     assert sorted(p.stem for p in SLURM_DIR.glob("*.sbatch")) == sorted(SHIPPED)
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("name", [*(f"{n}.sbatch" for n in SHIPPED), JOB_SH.name])
 def test_bash_accepts_the_script(name):
-    proc = run(["bash", "-n", str(SLURM_DIR / f"{name}.sbatch")])
+    proc = run(["bash", "-n", str(SLURM_DIR / name)])
     assert proc.returncode == 0, proc.stderr
+
+
+def test_shellcheck_passes_on_the_job_body_and_every_script(tmp_path):
+    assert shutil.which("shellcheck"), ("shellcheck not found: install it (apt-get install shellcheck); "
+                                        "the job scripts are checked with it")
+    shipped = [str(SLURM_DIR / f"{name}.sbatch") for name in SHIPPED]
+    proc = run(["shellcheck", str(JOB_SH), *shipped])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # a script rendered with every option, quoted overrides included; -x follows its `source` of the job body
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_job("tiny_zero3", 1, 2, ["output_dir=/tmp/a b", "logging.sample_prompt=it's"], cpu=True,
+                                 partition="cpu", time="1:00:00", account="proj", job_name="x", cpus_per_task=4))
+    proc = run(["shellcheck", "-x", str(script)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_the_script_has_every_piece():
@@ -63,17 +83,19 @@ def test_the_script_has_every_piece():
                  "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --output=logs/%x-%j.out",
                  "#SBATCH --signal=USR1@300", "#SBATCH --requeue", "#SBATCH --open-mode=append",
                  "RECIPE=llama13b_tp4_pp2", "OVERRIDES=(--set training.steps=5000)", "RANKS_PER_NODE=8",
-                 "DEVICE=cuda", f"REQUEUE_EXIT={REQUEUE_EXIT}", f"MARKER_NAME={PREEMPTED_MARKER}"]:
+                 "DEVICE=cuda", "JOB_BODY=${SLURM_SUBMIT_DIR:-$PWD}/slurm/job.sh", 'source "$JOB_BODY"']:
         assert f"\n{line}" in text, line
     assert "megatron on 16 ranks: dp=2 tp=4 pp=2" in text.splitlines()[1]
+    assert text.endswith('\nmain "$@"\n') and len(text.splitlines()) < 35  # a header; the job is slurm/job.sh
+    body = JOB_SH.read_text()
     for piece in ['"${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"', 'scontrol requeue "$SLURM_JOB_ID"',
                   "--kill-on-bad-exit=1", 'trap "" USR1; exec torchrun', '--node_rank "$SLURM_NODEID"',
                   "-m toolkit.preflight", "recipes/train.py", "python -m toolkit validate", "getent hosts",
-                  "NCCL_DEBUG=${NCCL_DEBUG:-WARN}", "TOOLKIT_NCCL_IFNAME", "OMP_NUM_THREADS"]:
-        assert piece in text, piece
+                  "NCCL_DEBUG=${NCCL_DEBUG:-WARN}", "TOOLKIT_NCCL_IFNAME", "OMP_NUM_THREADS", "main() {"]:
+        assert piece in body, piece
     # #SBATCH lines are read only up to the first command: all of them come before it
     header = text.split("\nRECIPE=")[0]
-    assert header.count("#SBATCH") == text.count("#SBATCH")
+    assert header.count("#SBATCH") == text.count("#SBATCH") and "#SBATCH" not in body
 
 
 def test_cpu_script_asks_for_no_gpus_and_optional_lines_stay_out():
@@ -118,10 +140,62 @@ def test_render_prints_or_writes_and_keeps_an_existing_file(tmp_path):
     assert toolkit(*args, "--out", str(out), "--overwrite").returncode == 0 and out.read_text() == printed.stdout
 
 
-def test_constants_agree_with_the_trainer():
+# ---- the shipped headers against arithmetic done here, from the recipe files -------------------------------------
+
+def _recipe_yaml(name: str) -> dict:
+    """recipes/<name>.yaml merged over its `base:` chain, by hand (the recipe loader is what is being checked)."""
+    def merge(low: dict, high: dict) -> dict:
+        return {**low, **{k: merge(low[k], v) if isinstance(v, dict) and isinstance(low.get(k), dict) else v
+                          for k, v in high.items()}}
+    doc = yaml.safe_load((REPO / "recipes" / f"{name}.yaml").read_text())
+    base = doc.pop("base", None)
+    return merge(_recipe_yaml(base), doc) if base else doc
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_header_agrees_with_independent_arithmetic(name):
+    entry, text = SHIPPED[name], (SLURM_DIR / f"{name}.sbatch").read_text()
+    recipe = _recipe_yaml(entry["recipe"])
+    nodes, per_node, cpu = entry["nodes"], entry["gpus_per_node"], entry.get("cpu", False)
+    sbatch = dict(re.findall(r"^#SBATCH --([a-z-]+)(?:=(.*))?$", text, re.M))
+    var = dict(re.findall(r"^([A-Z_]+)=(\S*)", text, re.M))
+    world = nodes * per_node
+    par = recipe["parallel"]
+    assert par.get("world_size", world) == world, f"{name}: {nodes} x {per_node} != recipe world_size"
+    model_parallel = par.get("tp", 1) * par.get("pp", 1) * par.get("cp", 1)
+    dp = world // model_parallel
+    assert dp * model_parallel == world
+    micro, glob = recipe["training"]["micro_batch_size"], recipe["training"]["global_batch_size"]
+    accum = glob // (micro * dp)
+    assert accum * micro * dp == glob
+    what = "CPU ranks" if cpu else "GPUs"
+    assert text.splitlines()[1].startswith(
+        f"# Slurm job for recipe {entry['recipe']}: {nodes} node{'s' * (nodes > 1)} x {per_node} {what}; "
+        f"{par['backend']} on {world} ranks: dp={dp} tp={par.get('tp', 1)} pp={par.get('pp', 1)}")
+    assert text.splitlines()[2] == (f"# global batch {glob} = micro {micro} x accumulation {accum} x dp {dp} "
+                                    f"sequences of {recipe['data']['seq_len']} tokens")
+    # one task (one torchrun) per node; its CPUs: CPUS_PER_GPU per GPU, or one core per CPU rank
+    assert sbatch["job-name"] == recipe["name"] and sbatch["nodes"] == str(nodes)
+    assert sbatch["ntasks-per-node"] == "1"
+    assert sbatch.get("gpus-per-node") == (None if cpu else str(per_node))
+    assert sbatch["cpus-per-task"] == str(per_node * (1 if cpu else CPUS_PER_GPU))
+    assert sbatch["signal"] == "USR1@120" and "requeue" in sbatch and sbatch["open-mode"] == "append"
+    assert sbatch.get("time") == entry.get("time")
+    if "time" in entry:  # the signal comes within the time limit, with room for the run before it
+        h, m, sec = (int(x) for x in entry["time"].split(":"))
+        assert 120 < (h * 60 + m) * 60 + sec
+    assert var["RECIPE"] == entry["recipe"] and var["RANKS_PER_NODE"] == str(per_node)
+    assert var["DEVICE"] == ("cpu" if cpu else "cuda") and var["OVERRIDES"] == "()"
+
+
+def test_constants_agree_with_the_trainer_and_the_job_body(fake_slurm):
     from toolkit.train import preempt
 
     assert (preempt.REQUEUE_EXIT, preempt.MARKER) == (REQUEUE_EXIT, PREEMPTED_MARKER)
+    # sourcing the job body sets its constants and runs nothing: no output, no Slurm command
+    proc = source_and_run('echo "$REQUEUE_EXIT $MARKER_NAME"', fake_slurm)
+    assert proc.returncode == 0 and proc.stdout.split() == [str(REQUEUE_EXIT), PREEMPTED_MARKER], proc.stderr
+    assert Path(fake_slurm["FAKE_LOG"]).read_text() == "" and proc.stderr == ""
 
 
 # ---- the script's shell functions, with fake Slurm commands ---------------------------------------------------
@@ -157,11 +231,12 @@ def fake_slurm(tmp_path) -> dict:
     log = tmp_path / "fake.log"
     log.touch()
     return {"PATH": f"{bin_dir}:{BIN}:{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_NODES": "n1 n2",
-            "FAKE_RESOLVES": "", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "123456"}
+            "FAKE_RESOLVES": "", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "123456", "RANKS_PER_NODE": "2"}
 
 
-def source_and_run(snippet: str, env: dict, script: Path = SLURM_DIR / "tiny_zero3_cpu.sbatch"):
-    """Source a rendered script (which defines its functions and runs nothing) and run `snippet` after it."""
+def source_and_run(snippet: str, env: dict, script: Path = JOB_SH):
+    """Source the job body (which defines its functions and runs nothing) and run `snippet` after it; the inputs
+    a batch script would set come from `env` (RANKS_PER_NODE)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "NCCL_", "GLOO_"))}
     return run(["bash", "-c", f'source "$1"; {snippet}', "bash", str(script)], env={**clean, **env})
 
@@ -213,18 +288,31 @@ def test_finish_requeues_after_a_preemption_checkpoint(fake_slurm, tmp_path, rc,
 
 
 def test_overrides_given_at_submission_follow_the_rendered_ones(fake_slurm):
-    script = SLURM_DIR / "tiny_zero3_cpu.sbatch"
     proc = source_and_run('OVERRIDES=(--set a=1); add_overrides --set b=2 --set=c=3; printf "%s\\n" "${OVERRIDES[@]}"',
-                          fake_slurm, script)
+                          fake_slurm)
     assert proc.stdout.split() == ["--set", "a=1", "--set", "b=2", "--set", "c=3"], proc.stderr
-    bad = source_and_run("add_overrides --nodes 2", fake_slurm, script)
+    bad = source_and_run("add_overrides --nodes 2", fake_slurm)
     assert bad.returncode == 2 and "takes only --set KEY=VALUE" in bad.stderr
 
 
 def test_a_bare_run_outside_slurm_refuses(fake_slurm):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env = {k: v for k, v in fake_slurm.items() if k != "SLURM_JOB_ID"}
-    proc = run(["bash", str(SLURM_DIR / "tiny_zero3_cpu.sbatch")], env={**os.environ, **env})
+    proc = run(["bash", str(SLURM_DIR / "tiny_zero3_cpu.sbatch")], env={**clean, **env})
     assert proc.returncode == 2 and "submit it with: sbatch" in proc.stderr
+    body = run(["bash", str(JOB_SH)], env={**clean, **fake_slurm})  # the job body alone has no inputs
+    assert body.returncode == 2 and "submit one of those: sbatch slurm/NAME.sbatch" in body.stderr
+
+
+def test_a_script_submitted_elsewhere_names_the_missing_job_body(fake_slurm, tmp_path):
+    """sbatch runs a spooled copy of the script: the job body is found from the submission folder or not at all."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_job("tiny_zero3", 1, 2, [], cpu=True))
+    proc = run(["bash", str(script)], cwd=tmp_path, env={**clean, **fake_slurm, "SLURM_SUBMIT_DIR": str(tmp_path)})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"error: no {tmp_path}/slurm/job.sh: submit from the repository root\n"
+    assert Path(fake_slurm["FAKE_LOG"]).read_text() == ""
 
 
 # ---- processes: torchrun and the preflight --------------------------------------------------------------------
@@ -258,7 +346,7 @@ def test_torchrun_started_by_the_script_survives_usr1_and_its_workers_get_it(tmp
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     per_node = (f'source "$1"; bash -c "$PER_NODE" torchrun --nproc_per_node 2 --master_addr 127.0.0.1 '
                 f'--master_port {free_port()} {worker} {ready} {REQUEUE_EXIT}')
-    cmd = ["bash", "-c", per_node, "bash", str(SLURM_DIR / "tiny_zero3_cpu.sbatch")]
+    cmd = ["bash", "-c", per_node, "bash", str(JOB_SH)]
     proc = subprocess.Popen(cmd, env={**clean, **env}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     end = time.monotonic() + 60
@@ -297,7 +385,8 @@ def test_preflight_fails_fast_and_readably_when_the_master_port_is_closed():
 
 def _job(tmp_path: Path, fake_slurm: dict, overrides: list[str], nodes: int = 1, args: tuple[str, ...] = (),
          **env) -> tuple[subprocess.Popen, Path]:
-    """Run a rendered tiny_zero3 CPU script as sbatch would (with `args` after it), with fake Slurm commands."""
+    """Run a rendered tiny_zero3 CPU script as sbatch would (with `args` after it), with fake Slurm commands: from
+    another folder than the repository (sbatch's spool), finding the job body through SLURM_SUBMIT_DIR."""
     out = tmp_path / "run"
     script = tmp_path / "job.sbatch"
     script.write_text(render_job("tiny_zero3", nodes, 2, [f"output_dir={out}", "logging.interval=1",

@@ -12,10 +12,15 @@ import sys
 import yaml
 from pydantic import BaseModel
 
+from toolkit import doctor
+from toolkit.adapters.deepspeed import build_ds_config
+from toolkit.adapters.megatron import check_megatron, to_json_dict
 from toolkit.errors import ToolkitError
+from toolkit.plan import command as plan_command
 from toolkit.recipe import Plan, list_recipes, load_recipe, resolve
 from toolkit.recipe.loader import REPO_ROOT
 from toolkit.recipe.schema import Recipe
+from toolkit.slurm import render_job, write_job, write_shipped
 
 DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
 
@@ -40,8 +45,7 @@ def cmd_validate(args) -> int:
     for note in plan.notes:
         print(f"    {note}")
     if plan.layout.backend == "megatron":
-        from toolkit.megatron.config import check_megatron
-        from toolkit.megatron.runtime import te_available
+        from toolkit.megatron.runtime import te_available  # lazy: pulls in torch; validate stays a light command
 
         for p in check_megatron(plan.recipe, te_available()):
             print(f"    note: launched on this machine, the run would stop at: {p.key}: {p.message}")
@@ -90,8 +94,6 @@ def cmd_show(args) -> int:
 
 
 def cmd_render_ds(args) -> int:
-    from toolkit.adapters.deepspeed import build_ds_config
-
     if args.all:
         DS_CONFIG_DIR.mkdir(exist_ok=True)
         for name in shipped_deepspeed_recipes():
@@ -110,8 +112,6 @@ def cmd_render_ds(args) -> int:
 
 
 def cmd_render_megatron(args) -> int:
-    from toolkit.megatron.config import to_json_dict
-
     plan = _plan(args)
     if plan.layout.backend != "megatron":
         raise ToolkitError(f"recipe {args.recipe} uses backend {plan.layout.backend!r}; there is no Megatron "
@@ -121,7 +121,7 @@ def cmd_render_megatron(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from toolkit.checkpoint.inspect import inspect, render
+    from toolkit.checkpoint.inspect import inspect, render  # lazy: pulls in torch (seconds) for this command only
 
     report = inspect(args.checkpoint)
     print(json.dumps(report, indent=2) if args.json else render(report))
@@ -129,7 +129,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from toolkit.checkpoint.convert import convert
+    from toolkit.checkpoint.convert import convert  # lazy: pulls in torch (seconds) for this command only
 
     out = convert(args.src, args.dst, args.to, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=args.dtype,
                   vocab_size=args.vocab_size, fp32=args.fp32, weights_only=args.weights_only,
@@ -139,8 +139,6 @@ def cmd_convert(args) -> int:
 
 
 def cmd_slurm_render(args) -> int:
-    from toolkit.slurm import render_job, write_job, write_shipped
-
     if args.all:
         for path in write_shipped():
             print(f"wrote {path.relative_to(REPO_ROOT)}")
@@ -158,14 +156,10 @@ def cmd_slurm_render(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from toolkit.plan.command import run
-
-    return run(args)
+    return plan_command.run(args)
 
 
 def cmd_doctor(args) -> int:
-    from toolkit import doctor
-
     recipe = load_recipe(args.recipe, args.overrides) if args.recipe else None
     findings = doctor.run(recipe, nodes=args.nodes)
     print(json.dumps(doctor.as_json(findings), indent=2) if args.json else doctor.render(findings))
@@ -178,8 +172,6 @@ def shipped_deepspeed_recipes() -> list[str]:
 
 def render_ds_json(name: str) -> str:
     """The text of ds_configs/<name>.json: the recipe rendered for its own world size, for GPUs."""
-    from toolkit.adapters.deepspeed import build_ds_config
-
     return json.dumps(build_ds_config(resolve(load_recipe(name)), "cuda"), indent=2) + "\n"
 
 

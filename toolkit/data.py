@@ -31,7 +31,7 @@ def _builder(files: list[str], fmt: str) -> str:
 
 
 def load_raw(cfg: DataConfig):
-    import datasets
+    import datasets  # lazy: heavy; corpus reads only
 
     if cfg.hub_dataset:
         return datasets.load_dataset(cfg.hub_dataset, split="train")

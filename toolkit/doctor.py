@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import ctypes.util
 import importlib.metadata as md
+import io
 import os
 import shutil
 import socket
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from toolkit.metrics import count_params
+from toolkit.recipe.loader import REPO_ROOT
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
 
@@ -58,7 +63,7 @@ def check_packages() -> list[Finding]:
 
 
 def check_torch() -> list[Finding]:
-    import torch
+    import torch  # lazy: doctor reports a broken torch instead of failing to start
 
     out = [Finding("torch build", INFO, f"{torch.__version__}, CUDA {torch.version.cuda or 'none (CPU build)'}")]
     if not torch.cuda.is_available():
@@ -97,14 +102,12 @@ def check_build_tools() -> list[Finding]:
 def check_deepspeed_ops() -> list[Finding]:
     """The JIT ops the recipes use, as DeepSpeed itself judges them here."""
     try:
-        import io
-        from contextlib import redirect_stderr, redirect_stdout
 
         with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
-            from deepspeed.env_report import ALL_OPS
+            from deepspeed.env_report import ALL_OPS  # lazy: DeepSpeed paths only
     except Exception as e:  # noqa: BLE001
         return [Finding("deepspeed ops", FAIL, f"cannot import DeepSpeed: {e}", "pip install deepspeed==0.19.8")]
-    import torch
+    import torch  # lazy: doctor reports a broken torch instead of failing to start
 
     wanted = {"cpu_adam": "ZeRO-Offload (offload_optimizer: cpu)", "async_io": "ZeRO-Infinity (offload to nvme)"}
     if torch.cuda.is_available():
@@ -121,7 +124,7 @@ def check_deepspeed_ops() -> list[Finding]:
 
 
 def check_megatron() -> list[Finding]:
-    import torch
+    import torch  # lazy: doctor reports a broken torch instead of failing to start
 
     out = [Finding("megatron-core", OK if _version("megatron-core") else FAIL,
                    _version("megatron-core") or "not installed", "" if _version("megatron-core") else
@@ -209,7 +212,6 @@ def check_network(env: dict | None = None, nodes: int | None = None) -> list[Fin
 def checkpoint_bytes(recipe) -> int:
     """Bytes one checkpoint of the recipe takes: weights in the training dtype, plus the fp32 master weights
     (16-bit training) and Adam's two fp32 moments, whatever the sharding (it only spreads them over files)."""
-    from toolkit.train.metrics import count_params
 
     params = count_params(recipe.model)["total"]
     per_param = 4 + 8 if recipe.training.precision == "fp32" else 2 + 12
@@ -217,7 +219,6 @@ def checkpoint_bytes(recipe) -> int:
 
 
 def check_disk(recipe) -> list[Finding]:
-    from toolkit.recipe.loader import REPO_ROOT
 
     folder = Path(recipe.checkpoint_dir)
     folder = folder if folder.is_absolute() else REPO_ROOT / folder

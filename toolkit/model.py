@@ -5,6 +5,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
 
 from toolkit.errors import ToolkitError
 from toolkit.recipe.schema import ModelConfig
@@ -12,7 +14,7 @@ from toolkit.recipe.schema import ModelConfig
 
 def to_hf_config(m: ModelConfig, tokenizer=None):
     """The transformers LlamaConfig equivalent to the recipe's model section."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # lazy: heavy; model paths only
 
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.rope_scaling:
@@ -38,14 +40,14 @@ def build_model(m: ModelConfig, seed: int, tokenizer=None, zero3_config: dict | 
     transformers' own init functions in the same module order with and without ZeRO-3 (gathered per module,
     filled on rank 0), so a seed gives the same initial weights at every ZeRO stage and world size.
     """
-    from transformers import LlamaForCausalLM
-    from transformers.initialization import no_init_weights
+    from transformers import LlamaForCausalLM  # lazy: heavy; model paths only
+    from transformers.initialization import no_init_weights  # lazy: heavy; model paths only
 
     cfg = to_hf_config(m, tokenizer)
     contexts = [no_init_weights()]
     if zero3_config is not None:
-        import deepspeed
-        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+        import deepspeed  # lazy: DeepSpeed paths only
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change  # lazy: heavy; model paths only
 
         # keeps RoPE's integer arange buffers integer under zero.Init's dtype casting
         contexts += [prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=zero3_config)]
@@ -58,7 +60,7 @@ def build_model(m: ModelConfig, seed: int, tokenizer=None, zero3_config: dict | 
     else:
         torch.manual_seed(seed)  # same seed on every rank -> same initial weights everywhere
         if zero3_config is not None:
-            from transformers.integrations.deepspeed import initialize_weights_zero3
+            from transformers.integrations.deepspeed import initialize_weights_zero3  # lazy: heavy; model paths only
 
             initialize_weights_zero3(model)
         else:
@@ -70,7 +72,6 @@ def build_model(m: ModelConfig, seed: int, tokenizer=None, zero3_config: dict | 
 def load_hf_weights(model, folder: Path, zero3: bool) -> None:
     """Copy a Hugging Face safetensors checkpoint into `model` one tensor at a time (bounded memory).
     Under ZeRO-3 each parameter is gathered, filled on rank 0, and re-partitioned on exit."""
-    from safetensors import safe_open
 
     params = dict(model.named_parameters())
     seen: set[str] = set()
@@ -97,8 +98,7 @@ def _copy_into(param, tensor, key: str, zero3: bool) -> None:
         with torch.no_grad():
             param.copy_(tensor)
         return
-    import deepspeed
-    import torch.distributed as dist
+    import deepspeed  # lazy: DeepSpeed paths only
 
     with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
         if dist.get_rank() == 0:

@@ -34,7 +34,7 @@ def _hint(rank: int, world: int, backend: str, timeout: float, why: str) -> str:
 
 def _check_device(device: str, local_world: int) -> str | None:
     """Why this node cannot run `device` ranks, or None."""
-    import torch
+    import torch  # lazy: the network checks run before torch's slow import
 
     if device != "cuda":
         return None
@@ -54,8 +54,8 @@ def run(device: str, timeout: float) -> int:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     # c10d logs each failed connection with a C++ stack; the message below says the same in one paragraph
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-    import torch
-    import torch.distributed as dist
+    import torch  # lazy: the network checks run before torch's slow import
+    import torch.distributed as dist  # lazy: the network checks run before torch's slow import
 
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)

@@ -22,16 +22,22 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint import manifest, output, safe_load
-from toolkit.checkpoint import safetensors_stream as st
-from toolkit.checkpoint.convert_llama import iter_entries
-from toolkit.checkpoint.rules import views
+from toolkit.checkpoint import output
+from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed
 from toolkit.checkpoint.sources import WEIGHT, Source, follow_pointer, meta_shards, open_source
 from toolkit.errors import ToolkitError
+from toolkit.families.entries import iter_entries
+from toolkit.families.registry import family_of_config
+from toolkit.families.rules import views
+from toolkit.format import manifest, safe_load
+from toolkit.format import safetensors_stream as st
+from toolkit.format.names import META, POINTER, SCHEMA_VERSION, chunk_key, model_file, optim_file, tag_for
+from toolkit.recipe.loader import REPO_ROOT
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_SHARD_BYTES = 5 * 2**30  # what save_pretrained uses by default
@@ -70,7 +76,6 @@ class _WriteBehind:
     At most `depth` parameters wait to be written, so memory stays a few parameters' worth."""
 
     def __init__(self, bar: Progress, depth: int = 2):
-        from concurrent.futures import ThreadPoolExecutor
 
         self.pool, self.pending, self.bar, self.depth = ThreadPoolExecutor(1), [], bar, depth
 
@@ -118,8 +123,8 @@ class HFTarget:
                 {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2))
         config = dict(source.config)
         config["torch_dtype"] = str(out_dtype).replace("torch.", "")
-        config.setdefault("architectures", ["LlamaForCausalLM"])
-        config.setdefault("model_type", "llama")
+        family = family_of_config(config)
+        config.setdefault("architectures", [family.hf_architecture])
         (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
         _copy_tokenizer(source, folder)
 
@@ -138,7 +143,6 @@ def _copy_tokenizer(source: Source, folder: Path) -> None:
     """Carry the tokenizer along: from a Hugging Face source folder, or the recipe's local tokenizer folder."""
     where = getattr(source, "folder", None)
     if where is None and source.meta and source.meta.get("recipe"):
-        from toolkit.recipe.loader import REPO_ROOT
 
         tok = Path(source.meta["recipe"].get("data", {}).get("tokenizer") or "")
         where = tok if tok.is_absolute() else REPO_ROOT / tok
@@ -154,8 +158,6 @@ class MegatronTarget:
 
     def __init__(self, root: Path, source: Source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None,
                  weights_only: bool):
-        from toolkit.megatron.checkpoint import model_file, optim_file
-        from toolkit.train.checkpoint import tag_for
 
         self.root, self.source, self.layout = root, source, (tp, pp, vpp)
         self.dims = source.dims(tp)
@@ -179,7 +181,6 @@ class MegatronTarget:
 
     def writes(self, entry, field: str, hf_tensors: list[torch.Tensor]) -> list[tuple[st.Writer, str, torch.Tensor]]:
         """(file, key, shard) for each TP rank's shard of this parameter."""
-        from toolkit.megatron.checkpoint import chunk_key
 
         key = chunk_key(entry.chunk, entry.megatron_name, None if field == WEIGHT else field)
         kind = WEIGHT if field == WEIGHT else "optim"
@@ -193,7 +194,6 @@ class MegatronTarget:
 
     def _finish(self) -> None:
         """Per-rank toolkit state (when the source has it), then the meta with its manifest, then the pointer."""
-        from toolkit.train.checkpoint import META, POINTER, SCHEMA_VERSION
 
         tp, pp, vpp = self.layout
         src_meta = self.source.meta or {}
@@ -215,7 +215,7 @@ class MegatronTarget:
             state = safe_load.load(src_dir / "toolkit_rank00000.pt")
             for rank in range(layout["world_size"]):
                 # The data position is per data-parallel rank and dp is unchanged; RNG streams cannot map onto a
-                # new set of ranks, so every rank starts from rank 0's (Llama has no dropout; sampling is seeded).
+                # new set of ranks, so every rank starts from rank 0's (the families have no dropout; sampling is seeded).
                 torch.save(state, self.tag_dir / f"toolkit_rank{rank:05d}.pt")
         meta["files"] = manifest.complete(self.tag_dir, {})
         (self.tag_dir / META).write_text(json.dumps(meta, indent=2, default=str))
@@ -303,7 +303,7 @@ def _verify(source: Source, written: Path, fields: tuple[str, ...], cast, log, l
 
 
 def _verify_logits(source: Source, folder: Path, cast, log) -> None:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM  # lazy: heavy; model paths only
 
     dims = source.dims()
     params = dims.vocab * dims.hidden * (1 if dims.tied else 2) + dims.layers * (
@@ -313,7 +313,8 @@ def _verify_logits(source: Source, folder: Path, cast, log) -> None:
             f"({LOGITS_CHECK_MAX_PARAMS / 1e9:.0f}B); the bit-exact read-back above still holds")
         return
     loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=cast or source.dtype())
-    config = LlamaConfig(**{k: v for k, v in source.config.items() if k not in ("torch_dtype", "dtype")})
+    fields = {k: v for k, v in source.config.items() if k not in ("torch_dtype", "dtype", "model_type")}
+    config = AutoConfig.for_model(source.config["model_type"], **fields)
     # built the way from_pretrained builds (buffers such as RoPE's inv_freq stay fp32), then given the weights
     reference = AutoModelForCausalLM.from_config(config, dtype=cast or source.dtype())
     state = {}
@@ -333,7 +334,6 @@ def _verify_logits(source: Source, folder: Path, cast, log) -> None:
 
 
 def _to_deepspeed(src: Path, dst: Path, dp: int | None, overwrite: bool) -> Path:
-    from toolkit.train.checkpoint import META
 
     if dp is None:
         raise ToolkitError("--to deepspeed changes a DeepSpeed checkpoint's data-parallel size: pass --dp N")
@@ -343,7 +343,6 @@ def _to_deepspeed(src: Path, dst: Path, dp: int | None, overwrite: bool) -> Path
     if not (tag / META).is_file() or manifest.read_meta(tag).get("backend") != "deepspeed":
         raise ToolkitError(f"{src} is not a toolkit DeepSpeed checkpoint; DeepSpeed runs load Hugging Face weights "
                            "directly (model.hf_path + model.pretrained: true), so convert other formats --to hf")
-    from toolkit.checkpoint.deepspeed_io import reshard_deepspeed
 
     return reshard_deepspeed(tag, dst, dp, overwrite=overwrite)
 

@@ -31,19 +31,18 @@ DeepSpeed records of its allow-list.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 from collections import OrderedDict
 from pathlib import Path
 from typing import Self
 
 import torch
 
-from toolkit.checkpoint import manifest, output, safe_load
 from toolkit.errors import ToolkitError
-from toolkit.train.checkpoint import META, POINTER, verify_manifest
+from toolkit.format import manifest, safe_load
+from toolkit.format.names import META
+from toolkit.model import param_groups, to_hf_config
+from toolkit.recipe.schema import Recipe
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -73,11 +72,10 @@ def load_rank_file(path: Path) -> dict:
 
 def read_meta(tag_dir: Path) -> tuple[dict, object]:
     """The checkpoint's toolkit_meta.json and recipe, after checking every file against the manifest."""
-    from toolkit.recipe.schema import Recipe
 
     if not tag_dir.is_dir():
         raise ToolkitError(f"{tag_dir} is not a folder: pass a checkpoint step folder (e.g. .../step_00000050)")
-    problems = verify_manifest(tag_dir)
+    problems = manifest.verify(tag_dir)
     if problems:
         raise ToolkitError(f"checkpoint {tag_dir} is damaged or incomplete: {'; '.join(problems)}")
     meta = manifest.read_meta(tag_dir)
@@ -91,21 +89,19 @@ def read_meta(tag_dir: Path) -> tuple[dict, object]:
 
 def _expected_params(hf_config) -> dict[str, tuple]:
     """Name -> shape of every parameter of the Hugging Face model (tied weights once), built on the meta device."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: heavy; model paths only
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config)
+        model = AutoModelForCausalLM.from_config(hf_config)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def _trainer_groups(hf_config) -> list[dict]:
     """The optimizer groups the DeepSpeed backend builds (toolkit.model.param_groups), as [{name: shape}]."""
-    from transformers import LlamaForCausalLM
-
-    from toolkit.model import param_groups
+    from transformers import AutoModelForCausalLM  # lazy: heavy; model paths only
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config)
+        model = AutoModelForCausalLM.from_config(hf_config)
     names = {id(p): n for n, p in model.named_parameters()}
     return [OrderedDict((names[id(p)], tuple(p.shape)) for p in g["params"]) for g in param_groups(model, 0.0)]
 
@@ -196,7 +192,6 @@ class DeepSpeedSource:
     """
 
     def __init__(self, tag_dir: str | Path, fp32: bool = False):
-        from toolkit.model import to_hf_config
 
         self.tag_dir, self.fp32 = Path(tag_dir), fp32
         self.meta, self.recipe = read_meta(self.tag_dir)
@@ -413,233 +408,3 @@ def check_zero12_group(layout: _Zero12Layout, g: int, parts: list[torch.Tensor],
 
 
 # ====================================================================== resharding
-def _new_recipe(recipe, dp: int):
-    """The recipe as a run on `dp` ranks sees it: world size (and dp) set to the new size; a pinned accumulation
-    step count is dropped so it is derived again from the unchanged global batch."""
-    from toolkit.recipe.schema import Recipe
-
-    d = recipe.model_dump(mode="json")
-    p, t = d["parallel"], d["training"]
-    if p.get("world_size") is not None:
-        p["world_size"] = dp
-    if p.get("dp") is not None:
-        p["dp"] = dp
-    if t.get("grad_accum_steps") is not None and t.get("global_batch_size") is not None \
-            and t.get("micro_batch_size") is not None:
-        t["grad_accum_steps"] = None
-    return Recipe.model_validate(d)
-
-
-def _ds_config(cfg: dict, batch) -> dict:
-    cfg = dict(cfg)
-    cfg.update(train_batch_size=batch.global_batch, train_micro_batch_size_per_gpu=batch.micro_batch,
-               gradient_accumulation_steps=batch.grad_accum)
-    return cfg
-
-
-class _Scratch:
-    """File-backed tensors in a scratch folder: building a rank's partitions does not hold them in memory."""
-
-    def __init__(self, folder: Path):
-        self.folder, self.n = folder, 0
-        folder.mkdir()
-
-    def zeros(self, numel: int, dtype=torch.float32) -> torch.Tensor:
-        self.n += 1
-        path = self.folder / f"{self.n}.bin"
-        return torch.from_file(str(path), shared=True, size=max(numel, 1), dtype=dtype)[:numel]  # zero-filled
-
-    def clear(self) -> None:
-        shutil.rmtree(self.folder)
-        self.folder.mkdir()
-
-
-def reshard_deepspeed(src_tag_dir: str | Path, dst_root: str | Path, dp: int, overwrite: bool = False) -> Path:
-    """Write a copy of a ZeRO-0/1/2 checkpoint re-partitioned for `dp` data-parallel ranks, as the new checkpoint
-    directory `dst_root` (the step folder under the same tag, toolkit_meta.json with the new layout and manifest,
-    `latest` and `latest_complete`). Returns the new step folder.
-
-    DeepSpeed's own files are rewritten as a run on `dp` ranks would have saved them: the optimizer's flat fp32
-    master partitions and Adam moments are re-cut (padding recomputed for the new size), param_slice_mappings
-    rebuilt, dp_world_size updated. So DeepSpeed loads them natively; no DeepSpeed config change is needed.
-    The global batch stays the same: a resumed run on `dp` ranks derives grad_accum from it, and the data
-    position (micro-batches consumed in the epoch, counted per rank) is rescaled to that accumulation count. Each
-    new rank takes the RNG state of old rank (rank % old dp).
-
-    The checkpoint is built in a hidden folder next to `dst_root` and renamed into place at the end; an existing
-    `dst_root` is refused unless `overwrite`. Memory: the source is memory-mapped and each new rank's partitions
-    are assembled in file-backed scratch tensors, so resident memory stays small.
-    """
-    from toolkit.recipe import resolve
-
-    src, dst_root = Path(src_tag_dir), Path(dst_root)
-    meta, recipe = read_meta(src)
-    stage, old_dp = int(meta["layout"]["zero_stage"]), int(meta["layout"]["dp"])
-    if stage == 3:
-        raise ToolkitError(f"{src} is a ZeRO-3 checkpoint; reshard_deepspeed re-partitions ZeRO-0/1/2 only: resume it "
-                           f"with the saved dp={old_dp}")
-    if not isinstance(dp, int) or dp < 1:
-        raise ToolkitError(f"dp must be a positive integer, not {dp!r}")
-    if dst_root.exists() and not overwrite:
-        raise ToolkitError(f"{dst_root} already exists; choose a new folder or pass overwrite=True")
-    src_root, dst_abs = src.resolve().parent, dst_root.resolve()
-    if dst_abs == src_root or dst_abs in src_root.parents or src_root in dst_abs.parents:
-        raise ToolkitError(f"{dst_root} overlaps the source checkpoint directory {src_root}; write elsewhere")
-    old_plan = resolve(recipe, int(meta["layout"]["world_size"]))
-    new_recipe = _new_recipe(recipe, dp)
-    new_plan = resolve(new_recipe, dp)
-    if new_plan.batch.global_batch != old_plan.batch.global_batch:
-        raise ToolkitError(f"the global batch would change ({old_plan.batch.global_batch} -> "
-                           f"{new_plan.batch.global_batch}) at dp={dp}")
-    bf16 = recipe.training.precision == "bf16"
-    _check_known_files(src, meta, stage, old_dp, bf16)
-    data_states = _data_states(src, old_dp, old_plan.batch.grad_accum, new_plan.batch.grad_accum)
-
-    tag = src.name
-    with output.scratch_folder(dst_root, "reshard") as tmp:
-        manifest.require_space(dst_root.parent, manifest.total_bytes(meta.get("files") or {}),
-                               manifest.free_bytes(tmp), str(dst_root), f"the size of {src.name}")
-        tag_dir = tmp / tag
-        tag_dir.mkdir()
-        _write_resharded(src, tag_dir, stage, old_dp, dp, bf16, new_plan.batch, data_states,
-                         _Scratch(tmp / ".scratch"))
-        layout = {**meta["layout"], "world_size": dp, "dp": dp}
-        new_meta = {**meta, "schema_version": manifest.SCHEMA_VERSION, "layout": layout,
-                    "recipe": new_recipe.model_dump(mode="json"),
-                    "resharded_from": {"path": str(src.resolve()), "layout": meta["layout"]},
-                    "files": manifest.complete(tag_dir, {})}
-        (tag_dir / META).write_text(json.dumps(new_meta, indent=2))
-        (tmp / "latest").write_text(tag)
-        (tmp / POINTER).write_text(tag)
-        if dst_root.exists():  # overwrite: move the old one aside first so a failure never leaves neither
-            old = dst_root.parent / f".{dst_root.name}.old-{os.getpid()}"
-            os.replace(dst_root, old)
-            os.replace(tmp, dst_root)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, dst_root)
-    return dst_root / tag
-
-
-def _write_resharded(src: Path, tag_dir: Path, stage: int, old_dp: int, dp: int, bf16: bool, batch,
-                     data_states: list[dict], scratch: _Scratch) -> None:
-    """DeepSpeed's files and the toolkit's per-rank files of the checkpoint at `dp` ranks, into tag_dir."""
-    states = load_rank_file(src / MODEL_STATES)
-    states["dp_world_size"] = dp
-    if isinstance(states.get("ds_config"), dict):
-        states["ds_config"] = _ds_config(states["ds_config"], batch)
-    torch.save(states, tag_dir / MODEL_STATES)
-    del states
-    if stage in (1, 2):
-        _reshard_zero12(src, tag_dir, old_dp, dp, bf16, batch, scratch)
-    shutil.rmtree(scratch.folder)
-    for r in range(dp):
-        state = safe_load.load(src / f"toolkit_rank{r % old_dp:05d}.pt")
-        state["data"] = data_states[r % old_dp]
-        torch.save(state, tag_dir / f"toolkit_rank{r:05d}.pt")
-
-
-def _check_known_files(src: Path, meta: dict, stage: int, old_dp: int, bf16: bool) -> None:
-    """Only files this module knows how to rewrite; anything else (MoE expert files, ...) is refused."""
-    want = {MODEL_STATES, *(f"toolkit_rank{r:05d}.pt" for r in range(old_dp))}
-    optim = [optim_states(r, bf16) for r in range(old_dp)]
-    if stage in (1, 2):
-        if not (src / optim[0]).is_file() and (src / optim_states(0, not bf16)).is_file():
-            optim = [optim_states(r, not bf16) for r in range(old_dp)]
-        want |= set(optim)
-    missing = sorted(n for n in want if not (src / n).is_file())
-    if missing:
-        raise ToolkitError(f"checkpoint {src} (ZeRO-{stage}, dp={old_dp}) lacks {', '.join(missing)}: a rank did not "
-                           "save or the file was removed")
-    other = sorted(set(meta.get("files") or {}) - want)
-    if other:
-        raise ToolkitError(f"checkpoint {src} holds files reshard_deepspeed cannot re-partition: {', '.join(other)}")
-
-
-def _data_states(src: Path, old_dp: int, old_accum: int, new_accum: int) -> list[dict]:
-    """Each old rank's data position, rescaled: consumed micro-batches count per rank, so with the same global
-    batch they scale with grad_accum (steps done in the epoch x accumulation)."""
-    out = []
-    for r in range(old_dp):
-        data = dict(safe_load.load(src / f"toolkit_rank{r:05d}.pt")["data"])
-        consumed = int(data["consumed_micro_batches"])
-        if consumed % old_accum:
-            raise ToolkitError(f"toolkit_rank{r:05d}.pt: {consumed} micro-batches consumed is not a whole number of "
-                               f"steps of {old_accum}; the checkpoint was not saved at a step boundary")
-        data["consumed_micro_batches"] = consumed // old_accum * new_accum
-        out.append(data)
-    if any(d != out[0] for d in out):
-        raise ToolkitError(f"the ranks of {src} saved different data positions: {out}")
-    return out
-
-
-def _reshard_zero12(src: Path, tag_dir: Path, old_dp: int, dp: int, bf16: bool, batch, scratch: _Scratch) -> None:
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    groups = [OrderedDict((k, tuple(v)) for k, v in g.items())
-              for g in load_rank_file(src / MODEL_STATES)["param_shapes"]]
-    names = [optim_states(r, bf16) for r in range(old_dp)]
-    if not (src / names[0]).is_file():
-        names = [optim_states(r, not bf16) for r in range(old_dp)]
-    files = [load_rank_file(src / n) for n in names]
-    osds = [f[OSD] for f in files]
-    first = osds[0]
-    unknown = sorted(set(first) - _ZERO12_KEYS)
-    if unknown:
-        raise ToolkitError(f"{names[0]} holds {unknown}, which reshard_deepspeed does not know how to re-partition")
-    if not isinstance(first["base_optimizer_state"], dict):
-        raise ToolkitError(f"{names[0]} is an elastic checkpoint (zero_optimization.elastic_checkpoint); "
-                           "re-partitioning it is not supported")
-    for name, osd in zip(names, osds):
-        counts = osd["partition_count"]
-        if any(int(c) != old_dp for c in (counts if isinstance(counts, list) else [counts])):
-            raise ToolkitError(f"{name} was partitioned over {counts} ranks, but {META} says dp={old_dp}")
-    paddings = first.get("param_alignment_paddings") or [None] * len(groups)
-    if len(first[FP32_PARTITIONS]) != len(groups):
-        raise ToolkitError(f"{names[0]} has {len(first[FP32_PARTITIONS])} fp32 groups, param_shapes {len(groups)}")
-    old_layouts, new_layouts = [], []
-    for g, shapes in enumerate(groups):
-        old = _Zero12Layout(shapes, paddings[g], old_dp)
-        check_zero12_group(old, g, [o[FP32_PARTITIONS][g] for o in osds], osds, names)
-        old_layouts.append(old)
-        new_layouts.append(_Zero12Layout(shapes, paddings[g], dp))
-    for r in range(dp):
-        fp32, state, group_paddings, mappings = [], {}, [], []
-        for g, (old, new) in enumerate(zip(old_layouts, new_layouts)):
-            lo, lean = r * new.partition, new.lean_size(r)
-            master = scratch.zeros(lean)
-            _copy_into(master, old.gather([o[FP32_PARTITIONS][g] for o in osds], lo, lo + lean, old.partition))
-            fp32.append(master)
-            group_paddings.append(new.partition - lean)
-            mappings.append(OrderedDict((k, fragment_address(numel=n, start=s)) for k, (n, s) in new.fragments(r).items()))
-            state[g] = {}
-            for key, value in first["base_optimizer_state"]["state"][g].items():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    if value.numel() != old.partition:
-                        raise ToolkitError(f"{names[0]}: optimizer state {key} of group {g} has {value.numel()} "
-                                           f"elements, the partition {old.partition}: shapes do not add up")
-                    moment = scratch.zeros(new.partition, value.dtype)
-                    _copy_into(moment[:lean], old.gather([o["base_optimizer_state"]["state"][g][key] for o in osds],
-                                                         lo, lo + lean, old.partition))
-                    state[g][key] = moment
-                else:
-                    state[g][key] = value  # step count: the same on every rank
-        osd = {k: v for k, v in first.items() if k not in (FP32_PARTITIONS, "base_optimizer_state")}
-        osd.update({"base_optimizer_state": {"state": state, "param_groups": first["base_optimizer_state"]["param_groups"]},
-                    FP32_PARTITIONS: fp32, "group_paddings": group_paddings,
-                    "partition_count": [dp] * len(groups), "param_slice_mappings": mappings})
-        out = {k: v for k, v in files[0].items() if k != OSD}
-        if isinstance(out.get("ds_config"), dict):
-            out["ds_config"] = _ds_config(out["ds_config"], batch)
-        torch.save({OSD: osd, **out}, tag_dir / names[0].replace("zero_pp_rank_0_", f"zero_pp_rank_{r}_"))
-        del fp32, state, osd
-        scratch.clear()
-
-
-def _copy_into(dst: torch.Tensor, pieces: list[torch.Tensor]) -> None:
-    off = 0
-    for p in pieces:
-        dst[off:off + p.numel()].copy_(p.view(-1))
-        off += p.numel()
-    if off != dst.numel():
-        raise ToolkitError(f"re-partitioning copied {off} elements into a partition of {dst.numel()}")

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint import safetensors_stream as st
 from toolkit.errors import ToolkitError
+from toolkit.format import safetensors_stream as st
 
 
 class LazyHFState:

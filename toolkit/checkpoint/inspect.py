@@ -9,7 +9,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from toolkit.checkpoint import megatron_lm
 from toolkit.errors import ToolkitError
+from toolkit.families import dims_from_hf, iter_entries
+from toolkit.format import manifest
+from toolkit.format import safetensors_stream as st
+from toolkit.format.safe_load import check_file
+from toolkit.metrics import count_params
+from toolkit.recipe.schema import Recipe
 
 
 def inspect(path: str | Path) -> dict:
@@ -31,7 +38,6 @@ def inspect(path: str | Path) -> dict:
 
 
 def inspect_hf(folder: Path) -> dict:
-    from toolkit.checkpoint import safetensors_stream as st
 
     config = json.loads((folder / "config.json").read_text())
     params, dtypes, problems = 0, {}, []
@@ -63,12 +69,8 @@ def _hf_architecture(config: dict) -> dict:
 
 
 def inspect_toolkit(tag_dir: Path) -> dict:
-    from toolkit.checkpoint import manifest
-    from toolkit.recipe.schema import Recipe
-    from toolkit.train.checkpoint import verify_manifest
-    from toolkit.train.metrics import count_params
 
-    problems = verify_manifest(tag_dir)
+    problems = manifest.verify(tag_dir)
     try:
         meta = manifest.read_meta(tag_dir)
     except ToolkitError:
@@ -78,9 +80,8 @@ def inspect_toolkit(tag_dir: Path) -> dict:
               "parameters": None, "dtypes": None, "bytes": _bytes(tag_dir),
               "checked": manifest.describe_check(meta.get("files") or {}) if meta.get("files") else None}
     if meta.get("hf_config"):  # written by `toolkit convert`, which records the model's config itself
-        from toolkit.checkpoint import LlamaDims, iter_entries
 
-        dims = LlamaDims.from_hf(meta["hf_config"])
+        dims = dims_from_hf(meta["hf_config"])
         report["architecture"] = _hf_architecture(meta["hf_config"])
         report["parameters"] = sum(_numel(s) for e in iter_entries(dims, 1, 1) if e.reads_back for s in e.hf_shapes)
         report["converted_from"] = meta.get("converted_from")
@@ -96,7 +97,6 @@ def inspect_toolkit(tag_dir: Path) -> dict:
 
 def _megatron_dtypes(tag_dir: Path) -> dict:
     """Element counts per dtype over the per-rank weight files (TP-replicated norms count once per rank)."""
-    from toolkit.checkpoint import safetensors_stream as st
 
     dtypes: dict[str, int] = {}
     for f in sorted(tag_dir.glob("model_*.safetensors")):
@@ -109,10 +109,8 @@ def _megatron_dtypes(tag_dir: Path) -> dict:
 
 def inspect_megatron_lm(path: Path) -> dict:
     """Megatron-LM's legacy layout, from its arguments (read safely, memory-mapped) and file list."""
-    from toolkit.checkpoint import megatron_lm
 
     it_dir = megatron_lm.iteration_dir(path)
-    from toolkit.checkpoint.safe_load import check_file
 
     files = sorted(it_dir.glob("mp_rank_*/model_optim_rng.pt"))
     if not files:
@@ -125,9 +123,8 @@ def inspect_megatron_lm(path: Path) -> dict:
                 for p in range(pp) for t in range(tp) if not megatron_lm.rank_file(it_dir, t, p, pp).is_file()]
     problems += [why for f in files[1:] if (why := check_file(f))]  # unreadable or unsafe (pickles only, mmapped)
     config = megatron_lm.hf_config(args, args.padded_vocab_size)
-    from toolkit.checkpoint import LlamaDims, iter_entries
 
-    dims = LlamaDims.from_hf(config)
+    dims = dims_from_hf(config)
     return {"path": str(path), "format": "megatron-lm", "complete": not problems, "problems": problems,
             "step": state.get("iteration"), "layout": {"tp": tp, "pp": pp, "vpp": vpp},
             "architecture": {**_hf_architecture(config), "vocab_size": f"{args.padded_vocab_size} (padded)"},
@@ -144,9 +141,8 @@ def _numel(shape) -> int:
 
 def inspect_root(root: Path) -> dict:
     """The newest intact checkpoint of a directory, plus the state of every step_* folder in it."""
-    from toolkit.train.checkpoint import verify_manifest
 
-    steps = {p.name: verify_manifest(p) for p in sorted(root.glob("step_*")) if p.is_dir()}
+    steps = {p.name: manifest.verify(p) for p in sorted(root.glob("step_*")) if p.is_dir()}
     intact = [name for name, problems in steps.items() if not problems]
     if not intact:
         raise ToolkitError(f"{root} holds no complete checkpoint; incomplete: "

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from toolkit.checkpoint.llama import local_spec_name
-from toolkit.checkpoint.safe_load import load as load_weights_only
 from toolkit.errors import ToolkitError
+from toolkit.families.mapping import local_spec_name
+from toolkit.format.safe_load import load as load_weights_only
 
 
 def safe_load(path: Path, mmap: bool = False) -> dict:

@@ -13,20 +13,25 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint import manifest
-from toolkit.checkpoint import safetensors_stream as st
-from toolkit.checkpoint.convert_llama import iter_entries, raise_problems
-from toolkit.checkpoint.llama import LlamaDims, check_dims
+from toolkit.checkpoint import megatron_lm
+from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
 from toolkit.errors import Problem, ToolkitError
+from toolkit.families.entries import check_megatron_shards, iter_entries, raise_problems
+from toolkit.families.mapping import Dims, check_dims
+from toolkit.families.registry import dims_from_hf
+from toolkit.format import manifest
+from toolkit.format import safetensors_stream as st
+from toolkit.format.names import META, POINTER, chunk_key, model_file, optim_file, split_key
+from toolkit.model import to_hf_config
+from toolkit.recipe.schema import Recipe
 
 WEIGHT = "weight"
 
 
-def meta_shards(dims: LlamaDims, tp: int, pp: int, vpp: int) -> dict[tuple[int, int], dict[str, tuple]]:
+def meta_shards(dims: Dims, tp: int, pp: int, vpp: int) -> dict[tuple[int, int], dict[str, tuple]]:
     """{(pp_rank, tp_rank): {"chunk{c}.{name}": shard shape}} of a Megatron layout, from the rules' shard_shape
     (tests pin it to what split really gives): the one place shapes come from, for checking sources and laying
     out files."""
-    from toolkit.megatron.checkpoint import chunk_key
 
     raise_problems(f"the model cannot be laid out at tp={tp} pp={pp} vpp={vpp}", check_dims(dims, tp, pp, vpp))
     out: dict[tuple[int, int], dict[str, tuple]] = {(p, t): {} for p in range(pp) for t in range(tp)}
@@ -48,8 +53,8 @@ class Source:
     divisible_by: int = 128
     layout: tuple[int, int, int] | None = None  # (tp, pp, vpp) of sharded sources
 
-    def dims(self, tp: int = 1) -> LlamaDims:
-        return LlamaDims.from_hf(self.config, tp, self.divisible_by)
+    def dims(self, tp: int = 1) -> Dims:
+        return dims_from_hf(self.config, tp, self.divisible_by)
 
     def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
         raise NotImplementedError
@@ -100,15 +105,15 @@ class HFSource(Source):
         for e in iter_entries(dims, 1, 1):
             for name, shape in zip(e.hf_names, e.hf_shapes):
                 if name not in self._where:
-                    problems.append(Problem(name, "is missing", "check the folder is a complete LlamaForCausalLM"))
+                    problems.append(Problem(name, "is missing", f"check the folder is a complete {dims.family} model"))
                 elif self._where[name].shape(name) != shape:
                     problems.append(Problem(name, f"has shape {self._where[name].shape(name)}, config.json gives "
                                             f"{shape}", "the weights and config.json are of different models"))
         known = {n for e in iter_entries(dims, 1, 1) for n in e.hf_names} | {"lm_head.weight"}
         extra = sorted(k for k in self._where if k not in known and not k.endswith("rotary_emb.inv_freq"))
         if extra:
-            problems.append(Problem("weights", f"{len(extra)} tensors the Llama map does not know: "
-                                    f"{', '.join(extra[:6])}", "convert a Llama-family model"))
+            problems.append(Problem("weights", f"{len(extra)} tensors the {dims.family} map does not know: "
+                                    f"{', '.join(extra[:6])}", f"convert a {dims.family} model, or add the tensors to toolkit/families/{dims.family}.py"))
         raise_problems(f"{folder} does not match its config.json", problems)
 
     def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
@@ -133,7 +138,6 @@ class _ShardedSource(Source):
         self._entries = {e.hf_names: e for e in iter_entries(self._dims, pp, vpp) if e.reads_back}
 
     def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
-        from toolkit.megatron.checkpoint import chunk_key
 
         entry = self._entries[tuple(hf_names)]
         key = chunk_key(entry.chunk, entry.megatron_name, None if field == WEIGHT else field)
@@ -147,7 +151,6 @@ class ToolkitMegatronSource(_ShardedSource):
     kind = "toolkit Megatron"
 
     def __init__(self, tag_dir: Path, meta: dict, weights_only: bool = False):
-        from toolkit.megatron.checkpoint import model_file, optim_file
 
         self.tag_dir, self.meta, self.step = tag_dir, meta, meta.get("step")
         lay = meta["layout"]
@@ -209,8 +212,6 @@ def model_config(meta: dict) -> tuple[dict, int]:
     """(HF config dict, vocab divisor) of a toolkit checkpoint: stored by conversions, else from its recipe."""
     if meta.get("hf_config"):
         return meta["hf_config"], int(meta.get("make_vocab_size_divisible_by", 128))
-    from toolkit.model import to_hf_config
-    from toolkit.recipe.schema import Recipe
 
     recipe = Recipe.model_validate(meta["recipe"])
     return to_hf_config(recipe.model).to_dict(), recipe.parallel.megatron.make_vocab_size_divisible_by
@@ -223,7 +224,6 @@ class MegatronLMSource(_ShardedSource):
     kind = "Megatron-LM"
 
     def __init__(self, path: Path, vocab_size: int | None):
-        from toolkit.checkpoint import megatron_lm
 
         args, self._shards, self.step = megatron_lm.read(path, mmap=True)
         if vocab_size is None:
@@ -239,13 +239,11 @@ class MegatronLMSource(_ShardedSource):
             raise ToolkitError(f"--vocab-size {vocab_size} pads to {self._dims.padded_vocab} rows at tp="
                                f"{self.layout[0]}, but the checkpoint has {args.padded_vocab_size}; check the "
                                "vocabulary size")
-        from toolkit.checkpoint.convert_llama import check_megatron_shards
 
         raise_problems(f"{path} does not match its own arguments",
                        check_megatron_shards(self._shards, iter_entries(self._dims, *self.layout[1:]), *self.layout))
 
     def _get(self, p: int, t: int, key: str) -> torch.Tensor:
-        from toolkit.megatron.checkpoint import split_key
 
         chunk, name, _ = split_key(key)
         return self._shards[(p, t)][chunk][name]
@@ -260,7 +258,6 @@ class DeepSpeedHFSource(Source):
     kind = "DeepSpeed"
 
     def __init__(self, tag_dir: Path, meta: dict, fp32: bool):
-        from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
 
         self._ds, self._fp32 = DeepSpeedSource(tag_dir, fp32=fp32), fp32
         self.meta, self.step, self.config = meta, self._ds.step, self._ds.config
@@ -279,7 +276,6 @@ class DeepSpeedHFSource(Source):
 def follow_pointer(src: Path) -> Path:
     """A checkpoint directory's newest complete checkpoint (its latest_complete pointer), else `src` itself. No
     silent fallback to an older one: a damaged checkpoint is reported, not skipped."""
-    from toolkit.train.checkpoint import META, POINTER
 
     if (src / META).is_file() or not (src / POINTER).is_file():
         return src
@@ -292,7 +288,6 @@ def follow_pointer(src: Path) -> Path:
 
 def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, weights_only: bool = False) -> Source:
     """The right source for a path, from its own files."""
-    from toolkit.train.checkpoint import META, verify_manifest
 
     if not src.exists():
         raise ToolkitError(f"{src} does not exist")
@@ -300,7 +295,7 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
         return HFSource(src)
     src = follow_pointer(src)
     if (src / META).is_file() or src.name.startswith("step_"):
-        problems = verify_manifest(src)
+        problems = manifest.verify(src)
         if problems:
             raise ToolkitError(f"{src} is not a complete checkpoint: {'; '.join(problems)}")
         meta = manifest.read_meta(src)

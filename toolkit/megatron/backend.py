@@ -5,6 +5,11 @@ from pathlib import Path
 
 import torch
 
+from toolkit.format.names import rank_tag
+from toolkit.megatron import runtime
+from toolkit.megatron.checkpoint import checkpoint_bytes, load_rank_state, save_rank_state, written_files
+from toolkit.megatron.runtime import train_step
+from toolkit.model import to_hf_config
 from toolkit.recipe import Plan
 from toolkit.train.dist import DistInfo
 from toolkit.train.schedule import lr_multiplier
@@ -14,10 +19,8 @@ class MegatronBackend:
     name = "megatron"
 
     def __init__(self, plan: Plan, info: DistInfo):
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # lazy: Megatron runs only
 
-        from toolkit.megatron import runtime
-        from toolkit.megatron.checkpoint import rank_tag
 
         r, layout = plan.recipe, plan.layout
         self.recipe, self.on_gpu = r, info.device == "cuda"
@@ -40,35 +43,29 @@ class MegatronBackend:
         return t.optimizer.lr * lr_multiplier(step, s.warmup_steps, t.steps, s.decay, s.min_lr / t.optimizer.lr)
 
     def step(self, batches: list[dict], lr: float, want_grad_norm: bool):
-        from toolkit.megatron.runtime import train_step
 
         return train_step(self.chunks, self.optimizer, batches, self.recipe, lr, self.device)
 
     def save_state(self, root: Path, tag: str) -> None:
-        from toolkit.megatron.checkpoint import save_rank_state
 
         save_rank_state(self, root / tag)
 
     def load_state(self, tag_dir: Path) -> None:
-        from toolkit.megatron.checkpoint import load_rank_state
 
         load_rank_state(self, tag_dir)
 
     @property
     def hf_config(self) -> dict:
         """The Hugging Face config of the recipe's model (a resumed checkpoint must hold the same architecture)."""
-        from toolkit.model import to_hf_config
 
         return to_hf_config(self.recipe.model).to_dict()
 
     def rank_files(self, tag_dir: Path) -> list[str]:
         """The checkpoint files this rank wrote (it hashes them for the manifest)."""
-        from toolkit.megatron.checkpoint import written_files
 
         return written_files(self, tag_dir)
 
     def checkpoint_bytes(self) -> int:
         """This rank's share of a checkpoint's size (to check the disk before the first save)."""
-        from toolkit.megatron.checkpoint import checkpoint_bytes
 
         return checkpoint_bytes(self)

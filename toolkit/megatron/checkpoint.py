@@ -10,7 +10,7 @@
 
 Keying the optimizer state by parameter name (not by Megatron's position in its param groups) is what lets
 `toolkit convert` move it to another TP x PP layout with the same split/merge rules as the weights. Every file
-written by data-parallel rank 0 is safetensors or read as weights only (toolkit/checkpoint/safe_load.py). The
+written by data-parallel rank 0 is safetensors or read as weights only (toolkit/format/safe_load.py). The
 layout (tp, pp, vpp, dp, ...) is recorded in the step folder's toolkit_meta.json by toolkit/train/checkpoint.py,
 which also decides when a checkpoint is complete, and which hashes the files this rank wrote (written_files).
 """
@@ -21,39 +21,12 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint import safe_load
-from toolkit.checkpoint import safetensors_stream as st
 from toolkit.errors import ToolkitError
-
-OPTIM_FIELDS = ("exp_avg", "exp_avg_sq")
-MASTER = "master"
-
-
-def rank_tag(tp_rank: int, pp_rank: int) -> str:
-    """The (tp, pp) part of a per-rank file name."""
-    return f"tp{tp_rank:02d}_pp{pp_rank:03d}"
-
-
-def model_file(tag_dir: Path, tp_rank: int, pp_rank: int) -> Path:
-    return tag_dir / f"model_{rank_tag(tp_rank, pp_rank)}.safetensors"
-
-
-def optim_file(tag_dir: Path, tp_rank: int, pp_rank: int) -> Path:
-    return tag_dir / f"optim_{rank_tag(tp_rank, pp_rank)}.safetensors"
-
-
-def chunk_key(chunk: int, name: str, field: str | None = None) -> str:
-    """The key of a parameter (field None) or of one of its optimizer tensors in the per-rank files."""
-    return f"chunk{chunk}.{name}" + (f":{field}" if field else "")
-
-
-def split_key(key: str) -> tuple[int, str, str | None]:
-    """(chunk, name, field) of a key written by chunk_key."""
-    head, _, rest = key.partition(".")
-    name, _, field = rest.partition(":")
-    if not head.startswith("chunk") or not head[5:].isdigit() or not name:
-        raise ToolkitError(f"{key!r} is not a toolkit Megatron checkpoint key (chunk<c>.<name>[:<field>])")
-    return int(head[5:]), name, field or None
+from toolkit.families.mapping import local_spec_name
+from toolkit.format import safe_load
+from toolkit.format import safetensors_stream as st
+from toolkit.format.names import MASTER, OPTIM_FIELDS, chunk_key, model_file, optim_file, split_key
+from toolkit.megatron.runtime import chunk_state, load_chunk_state
 
 
 def _distributed(backend) -> bool:
@@ -67,8 +40,6 @@ def _inner_optimizers(optimizer) -> list:
 def named_optimizer_params(backend) -> list[tuple[str, torch.nn.Parameter, torch.nn.Parameter, object]]:
     """(key, model parameter, parameter the optimizer updates, inner torch optimizer) for every trained parameter.
     The two parameters differ when the model is 16-bit: the optimizer then steps an fp32 main copy."""
-    from toolkit.checkpoint.llama import local_spec_name
-
     names = {}
     for c, w in enumerate(backend.chunks):
         for n, p in w.module.named_parameters():
@@ -152,13 +123,12 @@ def load_optimizer_tensors(backend, tensors: dict[str, torch.Tensor], meta: dict
 
 
 def _chunk_tensors(backend) -> dict[str, torch.Tensor]:
-    from toolkit.megatron.runtime import chunk_state
 
     return {chunk_key(c, n): v for c, w in enumerate(backend.chunks) for n, v in chunk_state(w.module).items()}
 
 
 def save_rank_state(backend, tag_dir: Path) -> None:
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: Megatron runs only
 
     tag_dir.mkdir(parents=True, exist_ok=True)
     tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
@@ -175,7 +145,7 @@ def save_rank_state(backend, tag_dir: Path) -> None:
 
 def written_files(backend, tag_dir: Path) -> list[str]:
     """The files save_rank_state wrote on this rank (data-parallel rank 0 of each (tp, pp) writes them all)."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: Megatron runs only
 
     if ps.get_data_parallel_rank() != 0 or ps.get_context_parallel_rank() != 0:
         return []
@@ -188,7 +158,7 @@ def checkpoint_bytes(backend) -> int:
     """Bytes this rank adds to a checkpoint: on the writing rank its weights, its optimizer's fp32 main weights
     (when they are not the weights themselves) and their Adam state; with the distributed optimizer, every rank's
     shard of those (gathered into one file by save_parameter_state)."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: Megatron runs only
 
     writer = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
     model = [p for c in backend.chunks for p in c.module.parameters()]
@@ -206,9 +176,8 @@ def checkpoint_bytes(backend) -> int:
 
 def load_weights(chunks: list, tag_dir: Path) -> None:
     """Fill this rank's model chunks (GPTModels) from a toolkit Megatron checkpoint of the same layout."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: Megatron runs only
 
-    from toolkit.megatron.runtime import load_chunk_state
 
     path = model_file(tag_dir, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
     if not path.is_file():
@@ -225,7 +194,7 @@ def load_weights(chunks: list, tag_dir: Path) -> None:
 
 
 def load_rank_state(backend, tag_dir: Path) -> None:
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: Megatron runs only
 
     tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     load_weights([w.module for w in backend.chunks], tag_dir)

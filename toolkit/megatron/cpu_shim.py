@@ -67,7 +67,7 @@ def install() -> None:
         return
     if torch.cuda.is_available():
         raise RuntimeError("the Megatron CPU shim must not be installed on a machine with a GPU")
-    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.tensor_parallel.random as mrandom  # lazy: Megatron runs only
 
     cpu_state = lambda *a, **k: torch.get_rng_state()  # noqa: E731
     set_state = lambda state, *a, **k: torch.set_rng_state(state)  # noqa: E731

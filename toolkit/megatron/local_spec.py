@@ -22,7 +22,9 @@ class RMSNorm(torch.nn.RMSNorm):
 def local_block_spec(config, vp_stage: int | None):
     """TransformerBlockSubmodules: the local layer spec with RMSNorm above for the two per-layer norms and the
     final norm (Megatron's default block would use its torch-norm wrapper for the final one)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # lazy: Megatron runs only
+
+    # lazy: Megatron runs only
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     layer = get_gpt_layer_local_spec(normalization="RMSNorm")

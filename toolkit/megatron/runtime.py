@@ -12,9 +12,15 @@ from functools import partial
 import numpy as np
 import torch
 
+from toolkit.adapters import megatron as mcfg
+from toolkit.checkpoint.hf_io import LazyHFState
 from toolkit.errors import ToolkitError
+from toolkit.families import dims_from_hf, iter_entries
+from toolkit.families.mapping import local_spec_name
 from toolkit.layout import Layout
-from toolkit.megatron import config as mcfg
+from toolkit.megatron import cpu_shim
+from toolkit.megatron.local_spec import local_block_spec
+from toolkit.model import to_hf_config
 from toolkit.recipe.schema import Recipe
 from toolkit.train import faults
 
@@ -28,11 +34,10 @@ def te_available() -> bool:
 
 
 def init_parallel(r: Recipe, layout: Layout, on_gpu: bool) -> None:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core import parallel_state  # lazy: Megatron runs only
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # lazy: Megatron runs only
 
     if not on_gpu:
-        from toolkit.megatron import cpu_shim
 
         cpu_shim.install()
     parallel_state.initialize_model_parallel(**mcfg.to_parallel_kwargs(layout))
@@ -48,9 +53,8 @@ def init_parallel(r: Recipe, layout: Layout, on_gpu: bool) -> None:
 def layer_spec(r: Recipe, on_gpu: bool, tconfig, vp_stage: int | None):
     """Transformer Engine layers when asked for, or by default on GPUs where TE imports; else the local spec
     (with an RMSNorm that supports sequence parallelism)."""
-    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.models.gpt import gpt_layer_specs as specs  # lazy: Megatron runs only
 
-    from toolkit.megatron.local_spec import local_block_spec
 
     impl = r.parallel.megatron.transformer_impl
     if impl == "transformer_engine" or (impl == "auto" and on_gpu and te_available()):
@@ -60,9 +64,9 @@ def layer_spec(r: Recipe, on_gpu: bool, tconfig, vp_stage: int | None):
 
 def build_chunks(r: Recipe, layout: Layout, on_gpu: bool) -> list:
     """One GPTModel per virtual pipeline chunk of this rank (one chunk without interleaving)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core import parallel_state as ps  # lazy: Megatron runs only
+    from megatron.core.models.gpt import GPTModel  # lazy: Megatron runs only
+    from megatron.core.transformer.transformer_config import TransformerConfig  # lazy: Megatron runs only
 
     tconfig = TransformerConfig(**mcfg.to_transformer_config_kwargs(r, layout, on_gpu))
     kwargs = mcfg.to_gpt_model_kwargs(r, layout)
@@ -79,13 +83,10 @@ def build_chunks(r: Recipe, layout: Layout, on_gpu: bool) -> list:
 def load_hf_weights(chunks: list, hf_path: str, r: Recipe, layout: Layout) -> None:
     """Fill this rank's chunks from a Hugging Face checkpoint through the shared Llama mapping rules, reading only
     the tensors this pipeline rank holds, one parameter at a time (memory-mapped safetensors)."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: Megatron runs only
 
-    from toolkit.checkpoint import LlamaDims, iter_entries
-    from toolkit.checkpoint.hf_io import LazyHFState
-    from toolkit.model import to_hf_config
 
-    dims = LlamaDims.from_hf(to_hf_config(r.model), layout.tp, r.parallel.megatron.make_vocab_size_divisible_by)
+    dims = dims_from_hf(to_hf_config(r.model), layout.tp, r.parallel.megatron.make_vocab_size_divisible_by)
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     states: list[dict] = [{} for _ in chunks]
     with LazyHFState(hf_path) as hf:
@@ -99,7 +100,6 @@ def load_hf_weights(chunks: list, hf_path: str, r: Recipe, layout: Layout) -> No
 
 def chunk_state(chunk) -> dict:
     """A chunk's tensors under local-spec names (whatever the spec), without Megatron's _extra_state entries."""
-    from toolkit.checkpoint.llama import local_spec_name
 
     return {local_spec_name(k): v for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
 
@@ -121,8 +121,9 @@ def load_chunk_state(chunk, state: dict) -> None:
 
 def wrap_and_optimize(chunks: list, r: Recipe, layout: Layout):
     """DDP around each chunk, then Megatron's optimizer (distributed when zero_stage is 1)."""
+    # lazy: Megatron runs only
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # lazy: Megatron runs only
 
     ddp_config = DistributedDataParallelConfig(**mcfg.to_ddp_config_kwargs(r, layout))
     wrapped = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c,
@@ -148,7 +149,7 @@ def _batch_tensors(micro: dict, device) -> dict:
     """Megatron's GPTModel scores position t against labels[t] (no internal shift, unlike Hugging Face): shift
     here and mask the last position, so the loss is the same mean over the same seq_len - 1 predictions. With
     context parallelism, Megatron's own splitter keeps this rank's 2 load-balanced chunks of every sequence."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron.core.utils import get_batch_on_this_cp_rank  # lazy: Megatron runs only
 
     ids = micro["input_ids"].to(device)
     labels = torch.roll(micro["labels"].to(device), shifts=-1, dims=1)
@@ -165,7 +166,7 @@ def _loss(mask, output_tensor):
     """Mean loss over the micro-batch's predicted tokens. Under context parallelism each rank holds part of every
     sequence: divide by the token count of the whole CP group and scale by cp, because the gradient reduction
     averages over dp x cp ranks (as Megatron-LM's pretrain_gpt does)."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: Megatron runs only
 
     local = (output_tensor.float() * mask).sum()
     totals = torch.stack([local.detach(), mask.sum()])
@@ -186,7 +187,7 @@ def forward_step(device, data_iterator, model):
 def train_step(wrapped: list, optimizer, batches: list[dict], r: Recipe, lr: float, device) -> tuple:
     """One optimizer step over `batches` (this rank's micro-batches). Returns (mean loss on the last pipeline
     stage, or None elsewhere; grad norm)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # lazy: Megatron runs only
 
     for w in wrapped:
         w.zero_grad_buffer()

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.layout import padded_vocab_size
 from toolkit.errors import ToolkitError
+from toolkit.layout import padded_vocab_size
 from toolkit.recipe.schema import ModelConfig
 
 IMPLS = ("hf", "megatron_local", "megatron_te")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from toolkit.recipe.checks import resolve
 from toolkit.recipe.schema import Recipe
 
 
@@ -70,7 +71,6 @@ def apply(r: Recipe, c: Choice) -> Recipe:
 
 def from_recipe(r: Recipe, world: int) -> Choice:
     """The recipe's own layout on `world` ranks (batch arithmetic as `toolkit validate` derives it)."""
-    from toolkit.recipe.checks import resolve
 
     plan = resolve(r, world)
     lay, b, p = plan.layout, plan.batch, r.parallel

@@ -12,12 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from toolkit.layout import Layout
+from toolkit.metrics import count_params, flops_per_token
 from toolkit.plan import activations as act
 from toolkit.plan.choice import Choice, apply
+from toolkit.plan.deepspeed_states import deepspeed_buffer_bytes, deepspeed_state_bytes
 from toolkit.plan.hardware import Cluster
+from toolkit.plan.megatron_states import megatron_params, megatron_state_bytes
 from toolkit.plan.types import CPU, GPU, NVME, StateBytes
 from toolkit.recipe.schema import Recipe
-from toolkit.train.metrics import count_params, flops_per_token
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -81,10 +83,8 @@ class Estimate:
 
 def _states(r: Recipe, c: Choice, pp_rank: int) -> StateBytes:
     if c.backend == "deepspeed":
-        from toolkit.plan.deepspeed_states import deepspeed_state_bytes
 
         return deepspeed_state_bytes(r, c.dp)
-    from toolkit.plan.megatron_states import megatron_state_bytes
 
     layout = Layout("megatron", c.world, c.dp, c.tp, c.pp, c.vpp, c.cp, c.sp, c.zero)
     return megatron_state_bytes(r, layout, pp_rank=pp_rank)  # dp ranks differ by under one bucket's padding
@@ -138,7 +138,6 @@ def activation_bytes(r: Recipe, c: Choice, pp_rank: int) -> tuple[int, list[str]
 
 def _buffers(r: Recipe, c: Choice) -> dict[str, int]:
     if c.backend == "deepspeed":
-        from toolkit.plan.deepspeed_states import deepspeed_buffer_bytes
 
         return deepspeed_buffer_bytes(r, c.dp)
     return {}  # Megatron's DDP buckets are views into the grad buffer, counted in the states
@@ -247,7 +246,6 @@ def _rank_params(r: Recipe, c: Choice, cache: dict) -> int:
     key = ("params", c.backend, c.tp, c.pp, c.vpp)
     if key not in cache:
         if c.backend == "megatron":
-            from toolkit.plan.megatron_states import megatron_params
 
             cache[key] = max(megatron_params(r, c.tp, c.pp, c.vpp, 0, p) for p in {0, c.pp - 1})
         else:

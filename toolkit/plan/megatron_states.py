@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from toolkit.adapters import megatron as mcfg
 from toolkit.errors import ToolkitError
 from toolkit.layout import Layout
-from toolkit.megatron import config as mcfg
 from toolkit.plan.types import StateBytes
 from toolkit.recipe.schema import Recipe
 

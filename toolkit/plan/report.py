@@ -6,9 +6,9 @@ from pathlib import Path
 
 import yaml
 
+from toolkit.metrics import count_params
 from toolkit.plan.estimate import Estimate
 from toolkit.plan.hardware import Cluster
-from toolkit.train.metrics import count_params
 
 GiB = 2**30
 

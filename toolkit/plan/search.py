@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from toolkit.metrics import count_params
 from toolkit.plan import activations as act
 from toolkit.plan.choice import Choice, apply
 from toolkit.plan.estimate import Estimate, estimate
 from toolkit.plan.hardware import Cluster
 from toolkit.recipe.checks import check_backend, check_model_parallel, check_offload
 from toolkit.recipe.schema import Recipe
-from toolkit.train.metrics import count_params
 
 BACKENDS = ("deepspeed", "megatron")
 

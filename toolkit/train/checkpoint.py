@@ -25,9 +25,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from toolkit.checkpoint import manifest, safe_load
-from toolkit.checkpoint.manifest import META, SCHEMA_VERSION
 from toolkit.errors import ToolkitError
+from toolkit.format import manifest, safe_load
+from toolkit.format.manifest import META, SCHEMA_VERSION
+from toolkit.model import to_hf_config
+from toolkit.recipe.schema import Recipe
 from toolkit.train import faults
 
 POINTER = "latest_complete"
@@ -300,8 +302,6 @@ def check_model(tag_dir: Path, meta: dict, running: dict | None) -> None:
     if meta.get("hf_config"):
         saved = meta["hf_config"]
     elif meta.get("recipe"):
-        from toolkit.model import to_hf_config
-        from toolkit.recipe.schema import Recipe
 
         saved = to_hf_config(Recipe.model_validate(meta["recipe"]).model).to_dict()
     else:

@@ -6,6 +6,9 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 from toolkit.proc import free_port
 
 
@@ -27,13 +30,11 @@ def init_distributed(with_deepspeed: bool = True) -> DistInfo:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    import torch
-    import torch.distributed as dist
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1)))
     if with_deepspeed:
-        from deepspeed.accelerator import get_accelerator
+        from deepspeed.accelerator import get_accelerator  # lazy: DeepSpeed paths only
 
         device = "cuda" if get_accelerator().device_name() == "cuda" else "cpu"
     else:
@@ -44,7 +45,7 @@ def init_distributed(with_deepspeed: bool = True) -> DistInfo:
         # ranks on one CPU share its cores; oversubscription makes every rank slower
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if with_deepspeed:
-        import deepspeed
+        import deepspeed  # lazy: DeepSpeed paths only
 
         # DeepSpeed 0.19 calls torch's deprecated reduce_scatter_tensor and all_gather_into_tensor every ZeRO step;
         # the warnings are not the user's
@@ -62,7 +63,6 @@ def init_distributed(with_deepspeed: bool = True) -> DistInfo:
 @contextmanager
 def rank_zero_first():
     """Rank 0 runs the body first (e.g. fills a cache); the others run it after."""
-    import torch.distributed as dist
 
     if dist.get_rank() != 0:
         dist.barrier()
@@ -75,7 +75,6 @@ def shutdown() -> None:
     """Leave the process group together. Exiting with it alive lets the interpreter tear down while the
     communication threads still run, which intermittently aborts a rank ("terminate called without an active
     exception") after the work is done."""
-    import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()

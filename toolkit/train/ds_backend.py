@@ -6,10 +6,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from toolkit.adapters.deepspeed import build_ds_config
 from toolkit.errors import ToolkitError
+from toolkit.model import build_model, param_groups
 from toolkit.recipe import Plan
 from toolkit.train import faults
 from toolkit.train.dist import DistInfo
+from toolkit.train.schedule import build_scheduler
 
 
 class DeepSpeedBackend:
@@ -18,11 +21,8 @@ class DeepSpeedBackend:
     def __init__(self, plan: Plan, info: DistInfo, tokenizer):
         """The DeepSpeed config exists before the model so ZeRO-3 can partition the parameters as they are
         created (zero.Init) instead of after a full copy has been materialised."""
-        import deepspeed
+        import deepspeed  # lazy: DeepSpeed paths only
 
-        from toolkit.adapters.deepspeed import build_ds_config
-        from toolkit.model import build_model, param_groups
-        from toolkit.train.schedule import build_scheduler
 
         r, layout = plan.recipe, plan.layout
         ds_config = build_ds_config(plan, info.device)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+from torch.optim.lr_scheduler import LambdaLR
+
 from toolkit.recipe.schema import TrainingConfig
 
 
@@ -19,7 +21,6 @@ def lr_multiplier(step: int, warmup: int, total: int, decay: str, min_ratio: flo
 
 def build_scheduler(optimizer, t: TrainingConfig):
     """A torch LambdaLR over `optimizer` (DeepSpeed steps it after each optimizer step and checkpoints it)."""
-    from torch.optim.lr_scheduler import LambdaLR
 
     s = t.schedule
     min_ratio = s.min_lr / t.optimizer.lr

@@ -1,4 +1,4 @@
-"""Llama conversion between a Hugging Face state dict and Megatron-Core per-(pp rank, tp rank, chunk) state dicts.
+"""Conversion between a Hugging Face state dict and Megatron-Core per-(pp rank, tp rank, chunk) state dicts.
 
 The unit of work is an Entry (one Megatron parameter, its HF tensors, its rule and where it lives), so a streaming
 converter can walk iter_entries() and load one entry's tensors at a time; the full-dict functions below do just that
@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from toolkit.checkpoint.llama import (LlamaDims, ParamMap, check_dims, embedding_map, final_norm_map, layer_map,
-                                      output_map)
-from toolkit.checkpoint.megatron_layout import first_stage, last_stage, layer_location, tied_output_is_stored
-from toolkit.checkpoint.rules import Rule
 from toolkit.errors import Problem, ToolkitError
+from toolkit.families.mapping import Dims, ParamMap, check_dims
+from toolkit.families.registry import family_named
+from toolkit.families.rules import Rule
+from toolkit.layout import first_stage, last_stage, layer_location, tied_output_is_stored
 
 # Older transformers saved the RoPE frequencies as a buffer; it is derived from the config, never a weight.
 _DERIVED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -52,23 +52,24 @@ def _place(pm: ParamMap, pp_rank: int, chunk: int, i: int = 0, j: int = 0, reads
                  pp_rank, chunk, reads_back)
 
 
-def iter_entries(dims: LlamaDims, pp: int, vpp: int) -> Iterator[Entry]:
+def iter_entries(dims: Dims, pp: int, vpp: int) -> Iterator[Entry]:
     """Every Megatron parameter of the model, in HF order: embeddings, layers 0..L-1, final norm, output layer."""
-    yield _place(embedding_map(dims), *first_stage())
-    per_layer = layer_map(dims)
+    family = family_named(dims.family)
+    yield _place(family.embedding(dims), *first_stage())
+    per_layer = family.layer(dims)
     for i in range(dims.layers):
         pp_rank, chunk, j = layer_location(i, dims.layers, pp, vpp)
         yield from (_place(pm, pp_rank, chunk, i=i, j=j) for pm in per_layer)
-    yield _place(final_norm_map(dims), *last_stage(pp, vpp))
+    yield _place(family.final_norm(dims), *last_stage(pp, vpp))
     if not dims.tied or tied_output_is_stored(pp, vpp):
-        yield _place(output_map(dims), *last_stage(pp, vpp), reads_back=not dims.tied)
+        yield _place(family.output(dims), *last_stage(pp, vpp), reads_back=not dims.tied)
 
 
-def hf_to_megatron(hf_state: Mapping[str, Tensor], dims: LlamaDims, tp: int, pp: int, vpp: int = 1) -> MegatronShards:
-    """Split an HF Llama state dict into Megatron state dicts: {(pp_rank, tp_rank): [chunk 0 dict, chunk 1 ...]}."""
+def hf_to_megatron(hf_state: Mapping[str, Tensor], dims: Dims, tp: int, pp: int, vpp: int = 1) -> MegatronShards:
+    """Split an HF state dict into Megatron state dicts: {(pp_rank, tp_rank): [chunk 0 dict, chunk 1 ...]}."""
     raise_problems("cannot convert to Megatron", check_dims(dims, tp, pp, vpp))
     entries = list(iter_entries(dims, pp, vpp))
-    raise_problems("the Hugging Face state dict does not match the Llama dims", check_hf_state(hf_state, entries, dims))
+    raise_problems(f"the Hugging Face state dict does not match the {dims.family} dims", check_hf_state(hf_state, entries, dims))
     shards: MegatronShards = {(p, r): [{} for _ in range(vpp)] for p in range(pp) for r in range(tp)}
     for entry in entries:
         pieces = entry.to_megatron([hf_state[name] for name in entry.hf_names], tp)
@@ -77,12 +78,12 @@ def hf_to_megatron(hf_state: Mapping[str, Tensor], dims: LlamaDims, tp: int, pp:
     return shards
 
 
-def megatron_to_hf(shards: Mapping[tuple[int, int], Sequence[Mapping[str, Tensor]]], dims: LlamaDims, tp: int,
+def megatron_to_hf(shards: Mapping[tuple[int, int], Sequence[Mapping[str, Tensor]]], dims: Dims, tp: int,
                    pp: int, vpp: int = 1) -> dict[str, Tensor]:
-    """Merge Megatron state dicts ({(pp_rank, tp_rank): [one per chunk]}) into one HF Llama state dict."""
+    """Merge Megatron state dicts ({(pp_rank, tp_rank): [one per chunk]}) into one HF state dict."""
     raise_problems("cannot convert from Megatron", check_dims(dims, tp, pp, vpp))
     entries = list(iter_entries(dims, pp, vpp))
-    raise_problems("the Megatron shards do not match the Llama dims and layout",
+    raise_problems(f"the Megatron shards do not match the {dims.family} dims and layout",
                    check_megatron_shards(shards, entries, tp, pp, vpp))
     hf_state: dict[str, Tensor] = {}
     for entry in (e for e in entries if e.reads_back):
@@ -97,7 +98,7 @@ def raise_problems(heading: str, problems: Sequence[Problem]) -> None:
         raise ToolkitError(f"{heading}: {len(problems)} problem{'s' * (len(problems) != 1)}\n{body}")
 
 
-def check_hf_state(hf_state: Mapping[str, Tensor], entries: Iterable[Entry], dims: LlamaDims) -> list[Problem]:
+def check_hf_state(hf_state: Mapping[str, Tensor], entries: Iterable[Entry], dims: Dims) -> list[Problem]:
     """Missing, misshapen and unexpected HF tensors."""
     problems, expected = _check_tied_lm_head(hf_state, dims), {"lm_head.weight"} if dims.tied else set()
     for entry in entries:
@@ -105,19 +106,19 @@ def check_hf_state(hf_state: Mapping[str, Tensor], entries: Iterable[Entry], dim
             expected.add(name)
             if name not in hf_state:
                 problems.append(Problem(name, "missing from the Hugging Face state dict",
-                                        "check the checkpoint is a complete LlamaForCausalLM and dims.tied is right"))
+                                        f"check the checkpoint is a complete {dims.family} model and dims.tied is right"))
             elif tuple(hf_state[name].shape) != shape:
                 problems.append(Problem(name, f"has shape {tuple(hf_state[name].shape)}, the dims give {shape}",
                                         "build the dims from this checkpoint's own config.json"))
     unexpected = sorted(n for n in hf_state if n not in expected and not n.endswith(_DERIVED_HF_SUFFIXES))
     if unexpected:
-        problems.append(Problem("hf_state", f"{len(unexpected)} tensors the Llama map does not know: "
+        problems.append(Problem("hf_state", f"{len(unexpected)} tensors the {dims.family} map does not know: "
                                 f"{', '.join(unexpected[:8])}{' ...' * (len(unexpected) > 8)}",
-                                "add them to toolkit/checkpoint/llama.py, or convert with the right model family"))
+                                f"add them to toolkit/families/{dims.family}.py, or convert with the right model family"))
     return problems
 
 
-def _check_tied_lm_head(hf_state: Mapping[str, Tensor], dims: LlamaDims) -> list[Problem]:
+def _check_tied_lm_head(hf_state: Mapping[str, Tensor], dims: Dims) -> list[Problem]:
     # state_dict() of a tied model lists the shared tensor under both names; save_pretrained drops lm_head.
     # Accept it, but only if it really is the embedding matrix: otherwise the conversion would lose it.
     lm_head, embed = hf_state.get("lm_head.weight"), hf_state.get("model.embed_tokens.weight")
@@ -151,7 +152,7 @@ def _check_chunk_names(where: str, state: Mapping[str, object], names: set[str])
         problems.append(Problem(where, f"missing {', '.join(sorted(names - present)[:8])}",
                                 "check the layout (tp, pp, vpp) and dims.tied match the checkpoint"))
     if present - names:
-        problems.append(Problem(where, f"has tensors the Llama map does not know: "
+        problems.append(Problem(where, f"has tensors the model family's map does not know: "
                                 f"{', '.join(sorted(present - names)[:8])}",
                                 "check the model family and the layer spec (local spec names are expected)"))
     return problems

@@ -7,12 +7,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from toolkit.adapters.megatron import check_megatron
+from toolkit.data import DataStream, build_dataset
 from toolkit.errors import Problem, RecipeError
+from toolkit.megatron.backend import MegatronBackend
+from toolkit.megatron.runtime import te_available
+from toolkit.metrics import RunLog, detect_peak_tflops, flops_per_token
 from toolkit.recipe import Plan, Recipe, check_paths, resolve
 from toolkit.train import checkpoint as ckpt
 from toolkit.train import faults, preempt
 from toolkit.train.dist import DistInfo, init_distributed, rank_zero_first, shutdown
-from toolkit.train.metrics import RunLog, detect_peak_tflops, flops_per_token
+from toolkit.train.ds_backend import DeepSpeedBackend
 
 
 def prepare(recipe: Recipe) -> tuple[Plan, DistInfo]:
@@ -21,8 +26,6 @@ def prepare(recipe: Recipe) -> tuple[Plan, DistInfo]:
     plan = resolve(recipe, info.world_size)
     problems = check_paths(recipe)
     if plan.layout.backend == "megatron":
-        from toolkit.megatron.config import check_megatron
-        from toolkit.megatron.runtime import te_available
 
         problems += check_megatron(recipe, te_available())
     if problems:
@@ -32,16 +35,14 @@ def prepare(recipe: Recipe) -> tuple[Plan, DistInfo]:
 
 def build_backend(plan: Plan, info: DistInfo, tokenizer):
     if plan.layout.backend == "megatron":
-        from toolkit.megatron.backend import MegatronBackend
 
         return MegatronBackend(plan, info)
-    from toolkit.train.ds_backend import DeepSpeedBackend
 
     return DeepSpeedBackend(plan, info, tokenizer)
 
 
 def _load_tokenizer(r: Recipe):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: heavy; model paths only
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(r.data.tokenizer)
@@ -61,7 +62,6 @@ def _check_vocab(r: Recipe, tokenizer) -> None:
 
 def train(recipe: Recipe) -> list[dict]:
     """Run the recipe to its last step (resuming when a checkpoint exists). Returns rank 0's logged records."""
-    from toolkit.data import DataStream, build_dataset
 
     plan, info = prepare(recipe)
     r, layout, batch = plan.recipe, plan.layout, plan.batch
@@ -70,7 +70,7 @@ def train(recipe: Recipe) -> list[dict]:
     for note in plan.notes:
         log.info(f"[toolkit] {note}")
     if info.rank != 0:
-        import datasets
+        import datasets  # lazy: heavy; corpus reads only
 
         datasets.disable_progress_bars()  # one progress bar per job, not one per rank
     tokenizer = _load_tokenizer(r)

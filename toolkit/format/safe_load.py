@@ -16,6 +16,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from toolkit.errors import ToolkitError
@@ -25,7 +26,6 @@ REFUSED = "refused rather than unpickled"
 
 def _numpy_records() -> list:
     """numpy's RNG state (Megatron-LM stores np.random.get_state() as arrays)."""
-    import numpy as np
 
     reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
     dtypes = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32)]
@@ -34,9 +34,9 @@ def _numpy_records() -> list:
 
 def _deepspeed_records() -> list:
     """The non-tensor objects DeepSpeed 0.19 pickles into its checkpoint files (records, no code)."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # lazy: DeepSpeed paths only
+    from deepspeed.runtime.zero.config import ZeroStageEnum  # lazy: DeepSpeed paths only
+    from deepspeed.utils.tensor_fragment import fragment_address  # lazy: DeepSpeed paths only
 
     return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 

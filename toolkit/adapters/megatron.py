@@ -14,7 +14,7 @@ from toolkit.recipe.schema import Recipe
 
 def _dtype(precision: str):
     # torch is imported here, not at the top: `toolkit plan` reads these dicts and must start in well under 2 s.
-    import torch
+    import torch  # lazy: keeps validate/render free of torch
 
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
@@ -48,7 +48,7 @@ def to_architecture_kwargs(r: Recipe) -> dict:
 def to_transformer_config_kwargs(r: Recipe, layout: Layout, on_gpu: bool) -> dict:
     """TransformerConfig fields for the recipe's Llama. Fusions that need GPU kernels are on only on GPUs."""
     m, precision = r.model, r.training.precision
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # lazy: keeps validate/render free of torch
 
     dtype = _dtype(precision)
     return {
@@ -117,7 +117,7 @@ def check_megatron(r: Recipe, te_available: bool) -> list[Problem]:
 
 def to_json_dict(r: Recipe, layout: Layout, on_gpu: bool = True) -> dict:
     """Every Megatron-Core argument the recipe produces, as JSON-able data (`toolkit render megatron-config`)."""
-    import torch
+    import torch  # lazy: keeps validate/render free of torch
 
     def plain(d: dict) -> dict:
         return {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else

@@ -15,7 +15,11 @@ HFTensors = Union[Tensor, tuple[Tensor, ...]]  # one HF tensor, or several fused
 
 
 class Rule(Protocol):
-    """split(full, tp) gives one shard per TP rank; merge(shards) is its exact inverse."""
+    """split(full, tp) gives one shard per TP rank; merge(shards) is its exact inverse. A rule that fuses several HF
+    tensors names them in `parts`: split takes and merge gives them in that order, and the keyword mappings
+    (toolkit/families/mapping.py) order a family's names by it, so no family file lists them by position."""
+
+    parts: tuple[str, ...]
 
     def split(self, full: HFTensors, tp: int) -> list[Tensor]: ...
 
@@ -65,6 +69,8 @@ def _split_dim(full: Tensor, tp: int, dim: int, what: str) -> list[Tensor]:
 class Replicated:
     """Every rank holds the full tensor (norms); merge checks the copies agree."""
 
+    parts = ("weight",)
+
     def split(self, full: Tensor, tp: int) -> list[Tensor]:
         return [_own(full) for _ in range(tp)]
 
@@ -83,6 +89,8 @@ class Replicated:
 class ColumnParallel:
     """Output features (dim 0) are split across TP ranks."""
 
+    parts = ("weight",)
+
     def split(self, full: Tensor, tp: int) -> list[Tensor]:
         return _split_dim(full, tp, 0, "column-parallel weight")
 
@@ -97,6 +105,8 @@ class ColumnParallel:
 class RowParallel:
     """Input features (dim 1) are split across TP ranks."""
 
+    parts = ("weight",)
+
     def split(self, full: Tensor, tp: int) -> list[Tensor]:
         return _split_dim(full, tp, 1, "row-parallel weight")
 
@@ -110,6 +120,8 @@ class RowParallel:
 @dataclass(frozen=True)
 class VocabParallel:
     """Vocabulary rows padded with zeros to padded_vocab, then split on dim 0; merge drops the padding."""
+
+    parts = ("weight",)
 
     true_vocab: int
     padded_vocab: int
@@ -136,6 +148,8 @@ class VocabParallel:
 @dataclass(frozen=True)
 class QKV:
     """HF (q, k, v) <-> Megatron linear_qkv: per kv group g, rows [q heads of g, k_g, v_g]; TP-split in blocks."""
+
+    parts = ("q", "k", "v")
 
     num_heads: int
     num_kv_heads: int
@@ -184,6 +198,8 @@ class QKV:
 @dataclass(frozen=True)
 class GatedMLP:
     """HF (gate, up) <-> Megatron linear_fc1: each rank holds cat(gate shard r, up shard r), not a split of cat."""
+
+    parts = ("gate", "up")
 
     def split(self, full: tuple[Tensor, Tensor], tp: int) -> list[Tensor]:
         gate, up = full

@@ -35,7 +35,7 @@ def detect_peak_tflops(device: str, precision: str) -> float | None:
     """The device's dense 16-bit peak, or None where it is unknown (CPU, fp32): then no MFU is printed."""
     if device != "cuda" or precision == "fp32":
         return None
-    import torch
+    import torch  # lazy: keeps toolkit plan free of torch
 
     name = torch.cuda.get_device_name()
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
@@ -51,7 +51,7 @@ class RunLog:
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # lazy: only when a run logs to TensorBoard
 
                 self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"))
 

@@ -1,0 +1,153 @@
+"""How a model family is written down: its dims, and each Megatron-Core parameter as a keyword mapping from the
+Hugging Face tensors it is made of (`qkv(q=..., k=..., v=...)`, `gated_mlp(gate=..., up=...)`), with the typed rule
+that splits and merges it. A family file (llama.py) is a list of these; nothing in it depends on argument order."""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from toolkit.errors import Problem, ToolkitError
+from toolkit.families.rules import QKV, GatedMLP, Replicated, RowParallel, Rule, VocabParallel
+from toolkit.layout import padded_vocab_size
+
+HF_LAYER = "model.layers.{i}"  # {i}: global layer number
+MEGATRON_LAYER = "decoder.layers.{j}"  # {j}: index of the layer within its pipeline chunk
+REQUIRED = ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size")
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The shapes a checkpoint needs for conversion; padded_vocab is Megatron's (it depends on tp)."""
+
+    family: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    layers: int
+    vocab: int
+    padded_vocab: int
+    tied: bool
+
+
+def config_getter(config: Any) -> Callable[..., Any]:
+    """get(key, default) over a transformers config object or a plain config.json dict."""
+    return config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
+
+
+def read_dims(family: str, config: Any, tp: int, divisible_by: int, tied_default: bool) -> Dims:
+    """Dims from an HF config. `tied_default` is what the family's config class assumes when the key is absent."""
+    get = config_getter(config)
+    missing = [key for key in REQUIRED if get(key) is None]
+    if missing:
+        raise ToolkitError(f"{family} config is missing {', '.join(missing)}; pass the model's config.json, which "
+                           f"names all of: {', '.join(REQUIRED)}")
+    heads, vocab = get("num_attention_heads"), get("vocab_size")
+    tied = get("tie_word_embeddings")
+    return Dims(family=family, hidden=get("hidden_size"), heads=heads, kv_heads=get("num_key_value_heads") or heads,
+                head_dim=get("head_dim") or get("hidden_size") // heads, ffn=get("intermediate_size"),
+                layers=get("num_hidden_layers"), vocab=vocab, padded_vocab=padded_vocab_size(vocab, tp, divisible_by),
+                tied=tied_default if tied is None else bool(tied))
+
+
+@dataclass(frozen=True)
+class ParamMap:
+    """One Megatron parameter and the HF tensors it is made of, in its rule's `parts` order (built only by the
+    keyword constructors below); names may hold {i} / {j} layer placeholders."""
+
+    hf_names: tuple[str, ...]
+    megatron_name: str
+    rule: Rule
+    hf_shapes: tuple[tuple[int, ...], ...]
+
+
+def mapping(megatron: str, rule: Rule, **parts: tuple[str, tuple[int, ...]]) -> ParamMap:
+    """Megatron parameter `megatron` from the HF tensors named by keyword, one per part of the rule."""
+    if set(parts) != set(rule.parts):
+        raise ToolkitError(f"{megatron}: {type(rule).__name__} takes the parts {', '.join(rule.parts)}, the mapping "
+                           f"names {', '.join(sorted(parts))}: name each part once by keyword")
+    ordered = [parts[p] for p in rule.parts]
+    return ParamMap(tuple(name for name, _ in ordered), megatron, rule, tuple(tuple(s) for _, s in ordered))
+
+
+def replicated(megatron: str, *, weight: str, shape: tuple[int, ...]) -> ParamMap:
+    return mapping(megatron, Replicated(), weight=(weight, shape))
+
+
+def row_parallel(megatron: str, *, weight: str, shape: tuple[int, ...]) -> ParamMap:
+    return mapping(megatron, RowParallel(), weight=(weight, shape))
+
+
+def vocab_parallel(megatron: str, dims: Dims, *, weight: str) -> ParamMap:
+    return mapping(megatron, VocabParallel(dims.vocab, dims.padded_vocab), weight=(weight, (dims.vocab, dims.hidden)))
+
+
+def qkv(megatron: str, dims: Dims, *, q: str, k: str, v: str) -> ParamMap:
+    """Megatron's fused linear_qkv from HF's separate q, k and v projections."""
+    q_rows, kv_rows, h = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.hidden
+    return mapping(megatron, QKV(dims.heads, dims.kv_heads, dims.head_dim),
+                   q=(q, (q_rows, h)), k=(k, (kv_rows, h)), v=(v, (kv_rows, h)))
+
+
+def gated_mlp(megatron: str, dims: Dims, *, gate: str, up: str) -> ParamMap:
+    """Megatron's fused linear_fc1 from HF's gate and up projections."""
+    return mapping(megatron, GatedMLP(), gate=(gate, (dims.ffn, dims.hidden)), up=(up, (dims.ffn, dims.hidden)))
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: which HF configs it takes, how its dims are read, and its weight map."""
+
+    name: str
+    model_types: tuple[str, ...]
+    """The HF config's `model_type` values this family converts."""
+    hf_architecture: str
+    """The transformers class a converted Hugging Face folder names in config.json."""
+    dims: Callable[[Any, int, int], Dims]
+    """(config, tp, make_vocab_size_divisible_by) -> Dims; raises ToolkitError on what the map cannot express."""
+    layer: Callable[[Dims], list[ParamMap]]
+    embedding: Callable[[Dims], ParamMap]
+    final_norm: Callable[[Dims], ParamMap]
+    output: Callable[[Dims], ParamMap]
+    """The output layer; tied models take it from the embeddings (HF has no lm_head then)."""
+
+
+def check_dims(dims: Dims, tp: int, pp: int, vpp: int) -> list[Problem]:
+    """Problems splitting these dims over tp x pp x vpp, with the arithmetic."""
+    if min(tp, pp, vpp) < 1:
+        return [Problem("parallel", f"tp = {tp}, pp = {pp}, vpp = {vpp}; each must be >= 1", "use 1 for none")]
+    rules = [
+        (dims.heads % dims.kv_heads == 0, "heads",
+         f"{dims.heads} heads are not a multiple of {dims.kv_heads} kv heads",
+         "check num_key_value_heads in the config"),
+        (dims.heads % tp == 0, "tp", f"{dims.heads} attention heads are not divisible by tp = {tp}",
+         f"choose tp dividing {dims.heads}"),
+        # Megatron splits query groups across ranks when tp is a multiple of them, so both directions work
+        (dims.kv_heads % tp == 0 or tp % dims.kv_heads == 0, "tp",
+         f"tp = {tp} is neither a divisor nor a multiple of the {dims.kv_heads} kv heads",
+         f"choose tp dividing {dims.kv_heads}, or a multiple of {dims.kv_heads} dividing {dims.heads}"),
+        (dims.ffn % tp == 0, "tp", f"ffn size {dims.ffn} is not divisible by tp = {tp}",
+         f"choose tp dividing {dims.ffn}"),
+        (dims.padded_vocab >= dims.vocab and dims.padded_vocab % tp == 0, "padded_vocab",
+         f"padded vocab {dims.padded_vocab} must be >= vocab {dims.vocab} and divisible by tp = {tp}",
+         "build the dims with toolkit.families.dims_from_hf(config, tp=tp)"),
+        (dims.layers % (pp * vpp) == 0, "pp x vpp", f"{dims.layers} layers do not split into pp x vpp = {pp} x {vpp} "
+         f"= {pp * vpp} equal chunks", f"choose pp x vpp dividing {dims.layers}"),
+    ]
+    return [Problem(key, message, fix) for ok, key, message, fix in rules if not ok]
+
+
+# Megatron's Transformer Engine layer spec fuses the two norms into the linears that follow them; the local spec
+# keeps them as modules. Checkpoints and weight loading speak local names; these translate.
+TE_NORM_NAMES = {".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
+                 ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight"}
+
+
+def local_spec_name(name: str) -> str:
+    """The local-spec name of a Megatron parameter that may carry a Transformer Engine spec name."""
+    for te, local in TE_NORM_NAMES.items():
+        if name.endswith(te):
+            return name[: -len(te)] + local
+    return name
