@@ -18,7 +18,7 @@ by the launcher users use, on --gpus processes of one node:
 Each run trains warm-up steps (not measured: CUDA context, allocator growth, fused-kernel autotuning) then the
 measured steps, logging every step. Printed per case, and written to --out as JSON:
   tokens/s          trained tokens per second over the measured steps, all GPUs together
-  TFLOP/s per GPU   model FLOPs (toolkit/train/metrics.py flops_per_token: 6 x non-embedding parameters +
+  TFLOP/s per GPU   model FLOPs (toolkit/metrics.py flops_per_token: 6 x non-embedding parameters +
                     attention scores, recomputation not counted) x tokens/s / GPUs
   MFU               TFLOP/s per GPU / the device's dense bf16 peak (metrics.PEAK_TFLOPS, or --peak-tflops)
   peak memory       torch.cuda.max_memory_allocated() of each training process, read just before the final
@@ -311,7 +311,7 @@ def _print_row(row: dict) -> None:
 
 
 def summary(rows: list[dict]) -> list[str]:
-    """The cases as a Markdown table (what the README's measured-numbers table quotes)."""
+    """The cases as a Markdown table (what docs/performance.md quotes)."""
     out = ["| case | tokens/s | TFLOP/s per GPU | MFU | peak GiB | plan GiB | peak / plan | step s | plan step s |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -10,7 +10,7 @@ Llama on the demo corpus, 2 CPU ranks under torchrun, gloo, OMP_NUM_THREADS=1) i
   raw       a minimal hand-written script: bench/overhead_raw_deepspeed.py (deepspeed.initialize over a
             transformers Llama, with the DeepSpeed JSON the toolkit renders) or bench/overhead_raw_megatron.py
             (GPTModel, DDP, get_megatron_optimizer and get_forward_backward_func called directly, with the
-            Megatron-Core arguments toolkit/megatron/config.py derives; it reuses the toolkit's CPU shim and
+            Megatron-Core arguments toolkit/adapters/megatron.py derives; it reuses the toolkit's CPU shim and
             local layer spec, which are environment glue, not training code)
 Same seed, data, batch, schedule, logging interval and number of steps. Launches alternate (toolkit, raw, then
 raw, toolkit, ...) and the backends interleave, so drift of the machine reaches both sides alike. Before them, one
@@ -97,7 +97,7 @@ def build_spec(backend: str, recipe: str, steps: int, nproc: int) -> dict:
 
 
 def _megatron_args(r, layout) -> dict:
-    """toolkit/megatron/config.py's arguments as JSON (dtypes by name; the activation is SiLU, set by the script)."""
+    """toolkit/adapters/megatron.py's arguments as JSON (dtypes by name; the activation is SiLU, set by the script)."""
     from toolkit.adapters import megatron as mcfg
 
     if layout.vpp > 1 or layout.cp > 1:

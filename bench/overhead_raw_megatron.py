@@ -4,7 +4,7 @@
 
 What a user writes by hand with Megatron-Core: process groups, GPTModel, DistributedDataParallel,
 get_megatron_optimizer and get_forward_backward_func, called directly. spec.json (written by bench/overhead.py)
-holds the Megatron-Core arguments the toolkit derives from the same recipe (toolkit/megatron/config.py), so both
+holds the Megatron-Core arguments the toolkit derives from the same recipe (toolkit/adapters/megatron.py), so both
 sides build the same model and optimizer and train on the same data with the same seed.
 
 Two pieces of the toolkit are used, as environment glue rather than training code: on a machine without a GPU

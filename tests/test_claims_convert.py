@@ -1,4 +1,4 @@
-"""Two claims the README makes about `toolkit convert`, measured on a model big enough to tell them apart.
+"""Two claims docs/convert.md makes about `toolkit convert`, measured on a model big enough to tell them apart.
 
 The model: a random fp32 Llama (hidden 512, 20 layers, vocabulary 20,480, untied) of 320 MiB whose largest
 parameter, the embedding (and the output layer of the same shape), is 40 MiB: the model is 8 times its largest

@@ -1,6 +1,6 @@
 """`toolkit convert --to hf` from Megatron-LM's legacy layout: weights, padding, safety, atomic output.
 
-The Megatron-LM checkpoint is written here the way Megatron-LM writes it (see ../shared/FACTS.md): per-rank
+The Megatron-LM checkpoint is written here the way Megatron-LM writes it (the layout Megatron-LM core 0.16 writes): per-rank
 model_optim_rng.pt files with an argparse.Namespace of arguments, Transformer Engine norm names, _extra_state
 entries, a vocabulary padded to 128 x tp whose padding rows are not zero, numpy RNG state, and the tracker file.
 """

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO
+
 from toolkit.errors import ToolkitError
 from toolkit.families import QKV, GatedMLP
 from toolkit.families.mapping import mapping

@@ -1,4 +1,4 @@
-"""The GPU fast paths the README's performance section names are what the recipes render by default: checked as
+"""The GPU fast paths docs/performance.md names are what the recipes render by default: checked as
 data (the configs and the model the toolkit builds), since no GPU runs here."""
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def test_table_and_json_carry_the_same_numbers_quickly():
     elapsed = time.monotonic() - start
     assert text.returncode == 0, text.stderr
     # The issue asks for under 2 s; the bound here is loose because CI machines are shared. What keeps it fast is
-    # that planning never imports torch, DeepSpeed or Megatron (checked below); README gives the measured time.
+    # that planning never imports torch, DeepSpeed or Megatron (checked below); docs/plan.md gives the measured time.
     assert elapsed < 10, elapsed
     data = json.loads(cli("--recipe", "llama70b_tp8_pp4", "--gpus", "64", "--json").stdout)
     first = data["ranked"][0]

@@ -23,7 +23,7 @@ from toolkit.errors import ToolkitError
 from toolkit.plan import activations as act
 from toolkit.recipe.schema import ModelConfig
 
-# The README's claim: the planner's bytes equal what autograd saves within 4 bytes (measured: equal, except the
+# docs/plan.md's claim: the planner's bytes equal what autograd saves within 4 bytes (measured: equal, except the
 # selective-recompute layer, where autograd keeps 4 bytes more than the formula).
 TOL_BYTES = 4
 SHAPES = {

@@ -25,7 +25,7 @@ so every name carries mp_rank_00), on `dp` data-parallel ranks:
   sub-group the concatenation of rank r's slice of each parameter; a parameter of n elements is cut into dp
   slices of ceil(n / dp) (the last zero-padded). No 16-bit weights are stored anywhere.
 
-Files are opened with ``torch.load(weights_only=True, mmap=True)`` (toolkit/checkpoint/safe_load.py): tensors stay
+Files are opened with ``torch.load(weights_only=True, mmap=True)`` (toolkit/format/safe_load.py): tensors stay
 on disk until sliced, and the only objects other than tensors and plain containers that are accepted are the four
 DeepSpeed records of its allow-list.
 """

@@ -14,6 +14,7 @@ from toolkit.errors import ToolkitError
 from toolkit.families import dims_from_hf, iter_entries
 from toolkit.format import manifest
 from toolkit.format import safetensors_stream as st
+from toolkit.format.names import POINTER, TAG_GLOB
 from toolkit.format.safe_load import check_file
 from toolkit.metrics import count_params
 from toolkit.recipe.schema import Recipe
@@ -28,7 +29,7 @@ def inspect(path: str | Path) -> dict:
         return inspect_hf(path)
     if (path / "toolkit_meta.json").is_file() or path.name.startswith("step_"):
         return inspect_toolkit(path)
-    if (path / "latest_complete").is_file() or list(path.glob("step_*")):
+    if (path / POINTER).is_file() or list(path.glob(TAG_GLOB)):
         return inspect_root(path)
     if (path / "latest_checkpointed_iteration.txt").is_file() or path.name.startswith("iter_"):
         return inspect_megatron_lm(path)
@@ -142,7 +143,7 @@ def _numel(shape) -> int:
 def inspect_root(root: Path) -> dict:
     """The newest intact checkpoint of a directory, plus the state of every step_* folder in it."""
 
-    steps = {p.name: manifest.verify(p) for p in sorted(root.glob("step_*")) if p.is_dir()}
+    steps = {p.name: manifest.verify(p) for p in sorted(root.glob(TAG_GLOB)) if p.is_dir()}
     intact = [name for name, problems in steps.items() if not problems]
     if not intact:
         raise ToolkitError(f"{root} holds no complete checkpoint; incomplete: "

@@ -6,7 +6,7 @@ Layout of <checkpoint dir>:
     toolkit_rank00000.pt    this rank's RNG states and data position (read as weights only)
     toolkit_meta.json       written last, by rank 0, after every rank hashed and flushed its files: step, layout,
                             recipe, and the manifest (every file with its size and SHA-256,
-                            toolkit/checkpoint/manifest.py)
+                            toolkit/format/manifest.py)
   latest                    DeepSpeed's pointer (so DeepSpeed's zero_to_fp32 tooling works)
   latest_complete           the toolkit's pointer, replaced atomically only once a checkpoint is complete
 
@@ -27,20 +27,20 @@ import torch.distributed as dist
 
 from toolkit.errors import ToolkitError
 from toolkit.format import manifest, safe_load
-from toolkit.format.manifest import META, SCHEMA_VERSION
+from toolkit.format.names import (
+    DEEPSPEED_POINTER,
+    META,
+    POINTER,
+    SCHEMA_VERSION,
+    TAG_GLOB,
+    complete_tags,
+    is_complete,
+    rank_file,
+    tag_for,
+)
 from toolkit.model import to_hf_config
 from toolkit.recipe.schema import Recipe
 from toolkit.train import faults
-
-POINTER = "latest_complete"
-
-
-def tag_for(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def rank_file(rank: int) -> str:
-    return f"toolkit_rank{rank:05d}.pt"
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -75,17 +75,9 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((name, keys.numpy(), *rest))
 
 
-def is_complete(tag_dir: Path) -> bool:
-    return (tag_dir / META).is_file()
-
-
 def is_intact(tag_dir: Path) -> bool:
     """Complete, and every file still has the size and checksum the manifest recorded."""
     return is_complete(tag_dir) and not verify_manifest(tag_dir)
-
-
-def complete_tags(root: Path) -> list[Path]:
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))
 
 
 # ------------------------------------------------------------------ saving
@@ -108,7 +100,7 @@ def save(backend, root: Path, step: int, data_state: dict, meta: dict) -> Path:
         meta = {"schema_version": SCHEMA_VERSION, "step": step, "tag": tag, **meta, "files": files}
         _write_atomic(tag_dir / META, json.dumps(meta, indent=2))
         faults.point("save-meta", step, rank)  # complete, but the pointers still name the previous one
-        _write_atomic(root / "latest", tag)
+        _write_atomic(root / DEEPSPEED_POINTER, tag)
         _write_atomic(root / POINTER, tag)
     dist.barrier()
     return tag_dir
@@ -184,7 +176,7 @@ def prune(root: Path, keep: int) -> list[Path]:
     if not done:
         return []
     newest = done[-1].name
-    stale = done[:-keep] + [p for p in root.glob("step_*") if p.is_dir() and not is_complete(p) and p.name < newest]
+    stale = done[:-keep] + [p for p in root.glob(TAG_GLOB) if p.is_dir() and not is_complete(p) and p.name < newest]
     for p in stale:
         shutil.rmtree(p)
     return stale
@@ -200,7 +192,7 @@ def find_resume(root: Path, resume: str, log=None) -> Path | None:
         return None
     if resume != "auto":
         return _explicit(Path(resume), log)
-    folders = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True) if root.is_dir() else []
+    folders = sorted((p for p in root.glob(TAG_GLOB) if p.is_dir()), reverse=True) if root.is_dir() else []
     for tag_dir in folders:
         problems = _verify(tag_dir)
         if not problems:
@@ -219,7 +211,7 @@ def _explicit(p: Path, log) -> Path:
         if problems:
             raise ToolkitError(f"checkpoint.resume: {p} does not match its manifest: {'; '.join(problems)}")
         return p
-    if (p / POINTER).is_file() or list(p.glob("step_*")):
+    if (p / POINTER).is_file() or list(p.glob(TAG_GLOB)):
         found = find_resume(p, "auto", log)
         if found is None:
             raise ToolkitError(f"checkpoint.resume: {p} holds no checkpoint whose manifest verifies (`toolkit "
@@ -254,7 +246,7 @@ def _describe(layout: dict) -> str:
 
 def load(backend, tag_dir: Path, layout_meta: dict) -> dict:
     """Restore the backend's model and optimizer state, then this rank's RNG. Returns the saved toolkit state.
-    Every pickle is read as weights only (toolkit/checkpoint/safe_load.py), also inside DeepSpeed and Megatron."""
+    Every pickle is read as weights only (toolkit/format/safe_load.py), also inside DeepSpeed and Megatron."""
     meta = manifest.read_meta(tag_dir)
     saved = meta.get("layout", {})
     if saved != layout_meta:
