@@ -85,7 +85,8 @@ def test_resume_takes_the_newest_that_verifies_and_logs_each_skipped(world_of_on
     _flip_a_byte(root / "step_00000005" / "weights.bin")  # same size: only the checksum sees it
     (root / "step_00000004" / "weights.bin").write_bytes(b"w" * 10)  # truncated
     (root / "step_00000003" / "toolkit_rank00000.pt").unlink()  # a rank's file lost
-    (root / "step_00000006").mkdir()  # a crash during the save of step 6
+    (root / "step_00000006").mkdir()  # a crash during the save of step 6 (its marker is written first)
+    (root / "step_00000006" / ckpt.STARTED).write_text('{"step": 6}')
     (root / "step_00000006" / "weights.bin").write_bytes(b"partial")
     lines: list[str] = []
     assert ckpt.find_resume(root, "auto", log=lines.append) == root / "step_00000002"
@@ -143,10 +144,12 @@ def test_a_full_disk_refuses_the_save_before_anything_is_written(world_of_one, t
 def test_a_folder_left_by_a_crash_at_the_same_step_is_cleared_first(world_of_one, tmp_path):
     root = tmp_path / "ckpt"
     (root / "step_00000002").mkdir(parents=True)
+    (root / "step_00000002" / ckpt.STARTED).write_text('{"step": 2}')  # a save writes it first
     (root / "step_00000002" / "zero_pp_rank_7_mp_rank_00_optim_states.pt").write_bytes(b"from another world size")
     tag_dir = _save(root, 2)
     assert sorted(json.loads((tag_dir / ckpt.META).read_text())["files"]) == ["toolkit_rank00000.pt", "weights.bin"]
-    assert sorted(p.name for p in tag_dir.iterdir()) == ["toolkit_meta.json", "toolkit_rank00000.pt", "weights.bin"]
+    assert sorted(p.name for p in tag_dir.iterdir()) == ["toolkit_meta.json", "toolkit_rank00000.pt",
+                                                         "toolkit_started.json", "weights.bin"]
 
 
 def test_each_rank_claims_the_deepspeed_files_it_wrote(tmp_path):

@@ -24,6 +24,8 @@ from toolkit.errors import ToolkitError
 SCHEMA_VERSION = 2
 DIGEST = "sha256"
 META = "toolkit_meta.json"
+STARTED = "toolkit_started.json"
+"""Written first when a save begins (names.mark_started); not part of the manifest."""
 
 
 def file_entry(path: Path, fsync: bool = False) -> dict:
@@ -45,7 +47,7 @@ def complete(tag_dir: Path, known: dict[str, dict]) -> dict[str, dict]:
     other file in it, so the manifest never depends on which rank claimed what."""
     files = dict(known)
     for p in sorted(tag_dir.iterdir()):
-        if p.is_file() and p.name != META and p.name not in files:
+        if p.is_file() and p.name not in (META, STARTED) and p.name not in files:
             files[p.name] = file_entry(p, fsync=True)
     return dict(sorted(files.items()))
 

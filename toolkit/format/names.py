@@ -3,6 +3,8 @@
 
   <checkpoint dir>/
     step_00000050/                 one checkpoint (tag_for(step))
+      toolkit_started.json         written first, before any other file of the save (STARTED): the folder is
+                                   the toolkit's own, so the debris of a crashed save may be removed
       toolkit_rank00000.pt         a rank's RNG states and data position (rank_file)
       toolkit_meta.json            written last: step, layout, recipe, manifest (META, manifest.py)
       model_tpTT_ppPPP.safetensors the Megatron backend's weights of rank (tp, pp), keys chunk_key(c, name)
@@ -13,14 +15,17 @@
 """
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 from toolkit.errors import ToolkitError
-from toolkit.format.manifest import META, SCHEMA_VERSION  # noqa: F401 - named here with the rest of the folder
+from toolkit.format.manifest import META, SCHEMA_VERSION, STARTED  # noqa: F401 - named with the rest
 
 POINTER = "latest_complete"
 DEEPSPEED_POINTER = "latest"
 TAG_GLOB = "step_*"
+_TAG = re.compile(r"step_\d{8,}")
 OPTIM_FIELDS = ("exp_avg", "exp_avg_sq")
 """Adam's moments, stored per parameter under these field names."""
 MASTER = "master"
@@ -41,7 +46,45 @@ def is_complete(tag_dir: Path) -> bool:
 
 
 def complete_tags(root: Path) -> list[Path]:
-    return sorted(p for p in root.glob(TAG_GLOB) if p.is_dir() and is_complete(p))
+    return sorted(p for p in root.glob(TAG_GLOB) if own(p) and is_complete(p))
+
+
+def own(tag_dir: Path) -> bool:
+    """Whether the toolkit wrote this step folder, so that it may write into it or delete it: a real folder (not a
+    link) named as tag_for names them, holding the meta file (a complete save) or the marker a save writes before
+    anything else (the debris of a crashed save), or nothing at all (a crash between the two)."""
+    if tag_dir.is_symlink() or not tag_dir.is_dir() or not _TAG.fullmatch(tag_dir.name):
+        return False
+    return (tag_dir / META).is_file() or (tag_dir / STARTED).is_file() or not any(tag_dir.iterdir())
+
+
+def foreign(root: Path) -> list[Path]:
+    """The step_* entries of a checkpoint directory that the toolkit did not write (see own)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob(TAG_GLOB) if not own(p))
+
+
+def refuse_foreign(root: Path, what: str = "checkpoint.dir") -> None:
+    """Refuse a checkpoint directory holding step_* entries the toolkit did not write: it would save into them and
+    delete them when pruning."""
+    found = foreign(root)
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise ToolkitError(f"{what} {root} holds {found[0].name}{more}, which the toolkit did not write (no {META} "
+                           f"or {STARTED} in it); move it out of {root} or choose another {what}. Nothing was "
+                           "written")
+
+
+def mark_started(tag_dir: Path, step: int) -> None:
+    """Create the folder of a save and its STARTED marker, before any other file of the save (rank 0)."""
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(tag_dir / STARTED, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, f'{{"step": {step}}}\n'.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def rank_tag(tp_rank: int, pp_rank: int) -> str:

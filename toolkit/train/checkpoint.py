@@ -10,6 +10,8 @@ Layout of <checkpoint dir>:
   latest                    DeepSpeed's pointer (so DeepSpeed's zero_to_fp32 tooling works)
   latest_complete           the toolkit's pointer, replaced atomically only once a checkpoint is complete
 
+A save writes toolkit_started.json first, so the toolkit writes into and deletes only step folders it made (names.own);
+a checkpoint directory holding any other step_* entry is refused before training starts (refuse_checkpoint_dir).
 A checkpoint without toolkit_meta.json is incomplete and is never resumed from; one whose files no longer match
 their manifest is skipped (and the log says which file). A save first checks the disk can hold it.
 """
@@ -32,10 +34,15 @@ from toolkit.format.names import (
     META,
     POINTER,
     SCHEMA_VERSION,
+    STARTED,  # noqa: F401 - for tests and readers
     TAG_GLOB,
     complete_tags,
+    foreign,
     is_complete,
+    mark_started,
+    own,
     rank_file,
+    refuse_foreign,
     tag_for,
 )
 from toolkit.model import to_hf_config
@@ -117,18 +124,23 @@ def _prepare(backend, root: Path, tag_dir: Path) -> None:
     summed = torch.tensor([0 if previous else state_bytes(backend)], dtype=torch.int64, device=device)
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)
     # one MAX reduce: the largest previous size, the smallest free space, whether any rank sees the old folder
-    worst = torch.tensor([previous, -manifest.free_bytes(root), int(tag_dir.exists())], dtype=torch.int64,
-                         device=device)
+    exists = tag_dir.exists() or tag_dir.is_symlink()
+    worst = torch.tensor([previous, -manifest.free_bytes(root), int(exists), int(exists and not own(tag_dir))],
+                         dtype=torch.int64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    previous, free, stale = int(worst[0]), -int(worst[1]), bool(worst[2])
+    previous, free, stale, alien = int(worst[0]), -int(worst[1]), bool(worst[2]), bool(worst[3])
+    if alien:  # appeared during the run (refuse_checkpoint_dir saw none at the start): never save into it
+        raise ToolkitError(f"checkpoint.dir {root} holds {tag_dir.name}, which the toolkit did not write; move it "
+                           f"out of {root} or choose another checkpoint.dir. Nothing was written")
     basis = (f"the size of {done[-1].name}" if previous and done else
              f"the model and optimizer state on the {dist.get_world_size()} ranks")
     manifest.require_space(root, previous or int(summed.item()), free, f"checkpoint {tag_dir.name}", basis)
-    if stale:
-        if dist.get_rank() == 0:
+    if dist.get_rank() == 0:
+        if stale:  # the toolkit's own (checked above): a crashed save of this step
             (tag_dir / META).unlink(missing_ok=True)  # first: never complete while it is being taken apart
             shutil.rmtree(tag_dir)
-        dist.barrier()
+        mark_started(tag_dir, int(tag_dir.name[5:]))  # before any rank writes a file of this save
+    dist.barrier()
 
 
 def _manifest_bytes(tag_dir: Path) -> int:
@@ -171,28 +183,58 @@ def state_bytes(backend) -> int:
 
 def prune(root: Path, keep: int) -> list[Path]:
     """Rank 0: delete complete checkpoints beyond the newest `keep`, and incomplete ones older than the newest
-    complete one (debris of a crash). Called only after a newer checkpoint is complete."""
-    done = complete_tags(root)
+    complete one (debris of a crash). Called only after a newer checkpoint is complete. Only folders the toolkit
+    wrote (names.own) are deleted: complete ones whose meta file holds a manifest, incomplete ones with the marker
+    a save writes first (or empty)."""
+    done = [p for p in complete_tags(root) if _has_manifest(p)]
     if not done:
         return []
     newest = done[-1].name
-    stale = done[:-keep] + [p for p in root.glob(TAG_GLOB) if p.is_dir() and not is_complete(p) and p.name < newest]
+    stale = done[:-keep] + [p for p in root.glob(TAG_GLOB) if own(p) and not is_complete(p) and p.name < newest]
     for p in stale:
         shutil.rmtree(p)
     return stale
 
 
+def _has_manifest(tag_dir: Path) -> bool:
+    try:
+        return isinstance(manifest.read_meta(tag_dir).get("files"), dict)
+    except ToolkitError:
+        return False
+
+
 # ------------------------------------------------------------------ choosing and loading
+def refuse_checkpoint_dir(root: Path) -> None:
+    """Refuse, on every rank together, a checkpoint directory holding step_* entries the toolkit did not write
+    (names.foreign): training would save into them and prune them."""
+    try:
+        refuse_foreign(root)
+        problem = ""
+    except ToolkitError as e:
+        problem = str(e)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        seen: list = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, problem)  # a rank that sees none still stops with the others
+        problem = next((p for p in seen if p), "")
+    if problem:
+        raise ToolkitError(problem)
+
+
 def find_resume(root: Path, resume: str, log=None) -> Path | None:
     """The checkpoint folder to resume from (None: start fresh): with "auto", the newest whose manifest verifies.
     `log` gets one line naming the choice and one per newer checkpoint skipped, with the file that failed. Under a
     process group every rank must call this (the checksum work is shared; the ranks agree on the answer)."""
-    say = log or (lambda _: None)
+    refuse_checkpoint_dir(root)
     if resume == "never":
         return None
     if resume != "auto":
         return _explicit(Path(resume), log)
-    folders = sorted((p for p in root.glob(TAG_GLOB) if p.is_dir()), reverse=True) if root.is_dir() else []
+    return _newest(root, log)
+
+
+def _newest(root: Path, log=None) -> Path | None:
+    say = log or (lambda _: None)
+    folders = sorted((p for p in root.glob(TAG_GLOB) if own(p)), reverse=True) if root.is_dir() else []
     for tag_dir in folders:
         problems = _verify(tag_dir)
         if not problems:
@@ -212,7 +254,7 @@ def _explicit(p: Path, log) -> Path:
             raise ToolkitError(f"checkpoint.resume: {p} does not match its manifest: {'; '.join(problems)}")
         return p
     if (p / POINTER).is_file() or list(p.glob(TAG_GLOB)):
-        found = find_resume(p, "auto", log)
+        found = _newest(p, log)
         if found is None:
             raise ToolkitError(f"checkpoint.resume: {p} holds no checkpoint whose manifest verifies (`toolkit "
                                f"inspect {p}` lists what is wrong with each)")
