@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -25,11 +26,49 @@ from toolkit.slurm import render_job, write_job, write_shipped
 DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the toolkit's error style: one line naming the problem and the fix, exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+def count(what: str, most: int):
+    """An argparse type: a whole number from 1 to `most` (0, negatives and absurd sizes are typos, not defaults)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number; give {what}") from None
+        if not 1 <= value <= most:
+            raise argparse.ArgumentTypeError(f"{text[:40]} is out of range; give {what}, from 1 to {most:,}")
+        return value
+    return parse
+
+
+def amount(what: str, most: float):
+    """An argparse type: a finite number above 0 and at most `most` (nan, inf, 0 and negatives are refused)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number; give {what}") from None
+        if not (math.isfinite(value) and 0 < value <= most):
+            raise argparse.ArgumentTypeError(f"{text[:40]} is out of range; give {what}, above 0 and at most "
+                                             f"{most:,.0f}")
+        return value
+    return parse
+
+
+RANKS = 1 << 20  # more ranks than any cluster has; the planner's search stays bounded
+_WORLD = count("the number of ranks, e.g. 8", RANKS)
+
+
 def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", required=True, help="shipped recipe name (see `toolkit show --list`) or YAML path")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one recipe key, e.g. --set training.steps=20 (repeatable; wins over the file)")
-    p.add_argument("--world-size", type=int, default=None,
+    p.add_argument("--world-size", type=_WORLD, default=None,
                    help="ranks to check the layout against (default: the recipe's parallel.world_size)")
 
 
@@ -176,7 +215,7 @@ def render_ds_json(name: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="toolkit", description="Train Llama models on DeepSpeed or Megatron-Core from "
+    ap = _Parser(prog="toolkit", description="Train Llama models on DeepSpeed or Megatron-Core from "
                                  "one recipe: validate, show and render recipes; inspect and convert checkpoints.")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("validate", help="check a recipe for a world size and print its batch arithmetic")
@@ -210,11 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf: a Hugging Face folder; megatron: a toolkit Megatron checkpoint at --tp/--pp/--vpp "
                    "(with the optimizer state when SRC has it, so training resumes on the new layout); deepspeed: "
                    "a toolkit DeepSpeed checkpoint at another data-parallel size (--dp)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of a Megatron target (default 1)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of a Megatron target (default 1)")
-    p.add_argument("--vpp", type=int, default=1, help="virtual pipeline chunks per rank (default 1)")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel size of a DeepSpeed target")
-    p.add_argument("--vocab-size", type=int, default=None, help="true vocabulary size (Megatron-LM sources)")
+    p.add_argument("--tp", type=count("a tensor-parallel size, e.g. 2", RANKS), default=1, help="tensor-parallel size of a Megatron target (default 1)")
+    p.add_argument("--pp", type=count("a pipeline-parallel size, e.g. 2", RANKS), default=1, help="pipeline-parallel size of a Megatron target (default 1)")
+    p.add_argument("--vpp", type=count("virtual chunks per rank, e.g. 2", 1024), default=1, help="virtual pipeline chunks per rank (default 1)")
+    p.add_argument("--dp", type=count("a data-parallel size, e.g. 4", RANKS), default=None, help="data-parallel size of a DeepSpeed target")
+    p.add_argument("--vocab-size", type=count("the vocabulary size, e.g. 32000", 1 << 24), default=None, help="true vocabulary size (Megatron-LM sources)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="cast the weights")
     p.add_argument("--fp32", action="store_true", help="DeepSpeed sources: take the fp32 master weights from the "
                    "optimizer files instead of the model states")
@@ -234,15 +273,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", required=True, help="shipped recipe name or YAML path")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one recipe key (repeatable)")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs to plan for")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--gpu-memory", type=float, default=80.0, metavar="GiB", help="memory of one GPU (default 80)")
-    p.add_argument("--cpu-memory", type=float, default=None, metavar="GiB", help="host RAM per node (default 1024)")
-    p.add_argument("--nvme", type=float, default=None, metavar="GiB", help="local NVMe per node (default 3500)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="dense 16-bit peak of one GPU (default 989, H100)")
+    p.add_argument("--gpus", type=count("the number of GPUs, e.g. 8", RANKS), required=True, help="GPUs to plan for")
+    p.add_argument("--gpus-per-node", type=count("GPUs per node, e.g. 8", 1024), default=8, help="GPUs per node (default 8)")
+    p.add_argument("--gpu-memory", type=amount("one GPU's memory in GiB, e.g. 80", 100_000), default=80.0, metavar="GiB", help="memory of one GPU (default 80)")
+    p.add_argument("--cpu-memory", type=amount("host RAM per node in GiB, e.g. 1024", 10_000_000), default=None, metavar="GiB", help="host RAM per node (default 1024)")
+    p.add_argument("--nvme", type=amount("local NVMe per node in GiB, e.g. 3500", 100_000_000), default=None, metavar="GiB", help="local NVMe per node (default 3500)")
+    p.add_argument("--peak-tflops", type=amount("one GPU's dense 16-bit TFLOPS, e.g. 989", 1_000_000), default=None, help="dense 16-bit peak of one GPU (default 989, H100)")
     p.add_argument("--backend", choices=["any", "deepspeed", "megatron"], default="any",
                    help="layouts of one backend only (default: both)")
-    p.add_argument("--top", type=int, default=8, help="ranked layouts to show (default 8)")
+    p.add_argument("--top", type=count("how many layouts to show, e.g. 8", 100_000), default=8, help="ranked layouts to show (default 8)")
     p.add_argument("--json", action="store_true", help="the same numbers as JSON")
     p.add_argument("--write", metavar="PATH", help="save the fastest layout that fits as a recipe (base: this one)")
     p.add_argument("--overwrite", action="store_true", help="let --write replace an existing file")
@@ -253,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", help="also check free disk at this recipe's checkpoint directory")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe key (repeatable)")
-    p.add_argument("--nodes", type=int, default=None, help="nodes of the job to check the network settings for "
+    p.add_argument("--nodes", type=count("the number of nodes, e.g. 2", 65_536), default=None, help="nodes of the job to check the network settings for "
                    "(default: SLURM_JOB_NUM_NODES, else 1)")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.set_defaults(func=cmd_doctor)
@@ -265,15 +304,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", help="shipped recipe name (see `toolkit show --list`) or YAML path")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one recipe key (repeatable); the job passes it to training too")
-    p.add_argument("--nodes", type=int, help="nodes to allocate (one torchrun each)")
-    p.add_argument("--gpus-per-node", type=int, help="GPUs per node, one rank each (with --cpu: CPU ranks per node)")
+    p.add_argument("--nodes", type=count("the number of nodes, e.g. 2", 65_536), help="nodes to allocate (one torchrun each)")
+    p.add_argument("--gpus-per-node", type=count("ranks per node, e.g. 8", 1024), help="GPUs per node, one rank each (with --cpu: CPU ranks per node)")
     p.add_argument("--partition", help="#SBATCH --partition")
     p.add_argument("--time", help="#SBATCH --time, e.g. 24:00:00 (default: the partition's limit)")
     p.add_argument("--account", help="#SBATCH --account")
     p.add_argument("--job-name", help="#SBATCH --job-name (default: the recipe's name)")
-    p.add_argument("--signal-seconds", type=int, default=120,
+    p.add_argument("--signal-seconds", type=count("seconds, e.g. 120", 7 * 86_400), default=120,
                    help="send SIGUSR1 this long before the time limit, to checkpoint and requeue (default 120)")
-    p.add_argument("--cpus-per-task", type=int, default=None,
+    p.add_argument("--cpus-per-task", type=count("cores per node, e.g. 64", 100_000), default=None,
                    help="cores per node for its torchrun (default 8 per GPU, or 1 per rank with --cpu)")
     p.add_argument("--cpu", action="store_true", help="CPU nodes: no GPUs requested, gloo instead of NCCL")
     p.add_argument("--out", help="write the script to this file instead of printing it")

@@ -1,14 +1,13 @@
 """Rules a recipe must satisfy for the world size it runs on; every problem is collected, then raised once."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.errors import Problem, RecipeError
 from toolkit.layout import Batch, Layout, derive_batch, derive_dp
-from toolkit.recipe.presets import model_keys_from_hf_config
+from toolkit.recipe.presets import model_keys_from_hf_config, read_hf_config
 from toolkit.recipe.schema import Recipe
 
 
@@ -134,6 +133,10 @@ def check_training(r: Recipe) -> list[Problem]:
 def resolve(r: Recipe, world_size: int | None = None, source: str | None = None) -> Plan:
     """Check every rule for `world_size` ranks (default: the recipe's own) and derive the layout and batch."""
     p = r.parallel
+    if world_size is not None and world_size < 1:  # 0 is a typo, not "use the recipe's own"
+        raise RecipeError(source or r.name, [Problem("--world-size", f"{world_size}: a world size counts ranks, "
+                                                     "at least 1", "give the number of ranks, e.g. --world-size 8, "
+                                                     "or leave it out to use parallel.world_size")])
     world = world_size or p.world_size or (p.dp or 1) * p.tp * p.pp * p.cp
     problems = check_model(r) + check_model_parallel(r) + check_backend(r) + check_offload(r) + check_training(r)
     dp, dp_problems = derive_dp(world, p.tp, p.pp, p.cp, p.dp)
@@ -181,7 +184,10 @@ def _check_hf_config(r: Recipe) -> list[Problem]:
     cfg = Path(r.model.hf_path) / "config.json"
     if not cfg.is_file():
         return [Problem("model.hf_path", f"{cfg} does not exist", "point hf_path at a Hugging Face model folder")]
-    theirs = model_keys_from_hf_config(json.loads(cfg.read_text()))
+    hf, problems = read_hf_config(cfg)
+    if problems:
+        return problems
+    theirs = model_keys_from_hf_config(hf)
     ours = r.model.model_dump()
     diff = [f"{k}: {ours[k]} in the recipe, {v} in config.json" for k, v in theirs.items()
             if k in ours and k != "rope_scaling" and ours[k] != v and not (k == "num_kv_heads" and ours[k] is None)]

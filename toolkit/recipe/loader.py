@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import copy
 import difflib
-import json
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from toolkit.errors import Problem, RecipeError
-from toolkit.recipe.presets import PRESETS, model_keys_from_hf_config
+from toolkit.recipe.presets import PRESETS, model_keys_from_hf_config, read_hf_config
 from toolkit.recipe.schema import Recipe
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -50,22 +49,123 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _read_yaml(path: Path, source: str) -> dict:
+# Budgets for hostile recipe files. A recipe is a few KB with a few hundred values; these are far above that and far
+# below what would hang validation (nested aliases, "billion laughs", expand 1 KB into 9^9 values).
+MAX_RECIPE_BYTES = 1 << 20
+MAX_RECIPE_NODES = 100_000
+MAX_PROBLEMS = 20
+MAX_REPR = 80
+
+
+def _expanded_size(root: yaml.Node) -> int | None:
+    """How many nodes the document holds once every alias is expanded (an alias re-uses its anchor's node object,
+    so this counts each shared node as often as it is reached; memoised, so it costs the unique nodes only).
+    None when a node contains itself (`a: &a [*a]`)."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    open_: set[int] = set()
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            open_.discard(key)
+            children = _children(node)
+            sizes[key] = min(1 + sum(sizes[id(c)] for c in children), MAX_RECIPE_NODES + 1)
+            continue
+        if key in sizes:
+            continue
+        if key in open_:
+            return None
+        open_.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in _children(node) if id(c) not in sizes)
+    return sizes[id(root)]
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _yaml_problem(path: Path, source: str, message: str, fix: str) -> RecipeError:
+    return RecipeError(source, [Problem("<yaml>", f"{path} {message}", fix)])
+
+
+class _TooBig(ValueError):
+    """A YAML text beyond the budgets: args are (what is wrong, the fix)."""
+
+
+def _bounded_load(text: str, loader_cls: type = yaml.SafeLoader):
+    """yaml.safe_load with budgets: aliases may not expand past MAX_RECIPE_NODES values or contain themselves,
+    nesting may not exhaust the stack, integers may not exceed Python's int-str limit. Raises _TooBig or
+    yaml.YAMLError."""
+    loader = loader_cls(text)
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        nodes = _expanded_size(node)
+        if nodes is None:
+            raise _TooBig("has an alias inside its own anchor (the value contains itself)",
+                          "write the value out instead of the recursive *alias")
+        if nodes > MAX_RECIPE_NODES:
+            raise _TooBig(f"expands to more than {MAX_RECIPE_NODES:,} values through its &anchors and *aliases",
+                          "write the recipe without nested aliases; a recipe holds a few hundred values")
+        return loader.construct_document(node)
+    except RecursionError:
+        raise _TooBig("nests its values too deeply to read",
+                      "a recipe nests a few levels (section: {key: value}); flatten it") from None
+    except _TooBig:
+        raise
+    except ValueError as e:  # an integer of thousands of digits: Python's int-str conversion limit
+        what = ("holds an integer of more than 4,300 digits" if "integer string conversion" in str(e)
+                else f"holds a value Python cannot read: {_short(str(e))}")
+        raise _TooBig(what, "use numbers of ordinary size (steps, sizes and rates fit in a few digits)") from None
+    finally:
+        loader.dispose()
+
+
+def _read_yaml(path: Path, source: str, top: bool = False) -> dict:
+    size = path.stat().st_size
+    if size > MAX_RECIPE_BYTES:
+        raise _yaml_problem(path, source, f"is {size:,} bytes; a recipe is a few KB (the limit is "
+                            f"{MAX_RECIPE_BYTES:,})", "pass the recipe YAML, not a data or checkpoint file")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise _yaml_problem(path, source, f"is not UTF-8 text (byte 0x{raw[e.start]:02x} at line {line})",
+                            "save the recipe as UTF-8 (a recipe is a text file; check it is not a binary file)"
+                            ) from None
+    try:
+        data = _bounded_load(text, _UniqueKeyLoader)
+    except _TooBig as e:
+        raise _yaml_problem(path, source, *e.args) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         why = getattr(e, "problem", None) or str(e)
-        raise RecipeError(source, [Problem("<yaml>", f"{path} is not valid YAML{where}: {why}",
-                                           "keep one of the two entries" if "given twice" in str(why) else
-                                           "fix the YAML syntax (indentation, a missing ':' or quote)")]) from None
+        raise _yaml_problem(path, source, f"is not valid YAML{where}: {_short(str(why), 200)}",
+                            "keep one of the two entries" if "given twice" in str(why) else
+                            "fix the YAML syntax (indentation, a missing ':' or quote)") from None
+    if top and not data:
+        raise _yaml_problem(path, source, "is empty (no keys)" if data is None or data == {} else
+                            f"holds {data!r}, not a mapping of keys",
+                            "start from a shipped recipe, e.g. `base: tiny_zero0` (see `toolkit show --list`)")
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise RecipeError(source, [Problem("<yaml>", f"{path} holds a {type(data).__name__}, not a mapping of keys",
-                                           "a recipe is a YAML mapping such as `model: {preset: tiny}`")])
+        raise _yaml_problem(path, source, f"holds a {type(data).__name__}, not a mapping of keys",
+                            "a recipe is a YAML mapping such as `model: {preset: tiny}`")
     return data
+
+
+def _short(text: str, limit: int = MAX_REPR) -> str:
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
 def _deep_merge(low: dict, high: dict) -> dict:
@@ -82,7 +182,7 @@ def _load_chain(path: Path, source: str, seen: tuple[Path, ...] = ()) -> dict:
         chain = " -> ".join(p.name for p in (*seen, path))
         raise RecipeError(source, [Problem("base", f"the base chain loops: {chain}",
                                            "remove the `base:` that points back to a recipe already in the chain")])
-    data = _read_yaml(path, source)
+    data = _read_yaml(path, source, top=not seen)
     base = data.pop("base", None)
     if base is None:
         return data
@@ -112,10 +212,13 @@ def parse_overrides(items: list[str], source: str) -> dict:
     for item in items or []:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip() or any(not part for part in key.split(".")):
-            problems.append(Problem(f"--set {item}", "expected KEY.PATH=VALUE", "e.g. --set training.steps=20"))
+            problems.append(Problem(_short(f"--set {item}"), "expected KEY.PATH=VALUE", "e.g. --set training.steps=20"))
             continue
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = _bounded_load(raw) if raw.strip() else None
+        except _TooBig as e:
+            problems.append(Problem(_short(f"--set {item}"), f"the value {e.args[0]}", e.args[1]))
+            continue
         except yaml.YAMLError:
             value = raw
         node = out
@@ -123,7 +226,7 @@ def parse_overrides(items: list[str], source: str) -> dict:
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                problems.append(Problem(f"--set {item}", f"{part} was already set to a value, not a section"))
+                problems.append(Problem(_short(f"--set {item}"), f"{part} was already set to a value, not a section"))
                 break
         else:
             node[leaf] = value
@@ -151,19 +254,26 @@ def _layer_model_source(raw: dict, source: str) -> dict:
         if not cfg.is_file():
             raise RecipeError(source, [Problem("model.hf_path", f"{cfg} does not exist",
                                                "point hf_path at a local Hugging Face model folder with config.json")])
-        below = model_keys_from_hf_config(json.loads(cfg.read_text()))
+        hf, problems = read_hf_config(cfg)
+        if problems:
+            raise RecipeError(source, problems)
+        below = model_keys_from_hf_config(hf)
     return {**raw, "model": {**below, **model}}
 
 
 def _problems_from_validation(err: ValidationError) -> list[Problem]:
     problems = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
+    errors = err.errors()
+    for e in errors[:MAX_PROBLEMS]:
+        key = _short(".".join(str(p) for p in e["loc"]))
         if e["type"] == "extra_forbidden":
             problems.append(_unknown_key(e["loc"]))
         else:
-            problems.append(Problem(key, f"{e['msg']} (got {e.get('input')!r})",
+            problems.append(Problem(key, f"{e['msg']} (got {_short(repr(e.get('input')))})",
                                     f"see `toolkit show --explain` for what {key} takes"))
+    if len(errors) > MAX_PROBLEMS:
+        problems.append(Problem("...", f"and {len(errors) - MAX_PROBLEMS} more problems like these",
+                                "fix the ones above, then validate again"))
     return problems
 
 
@@ -179,7 +289,7 @@ def _unknown_key(loc: tuple) -> Problem:
     close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
     hint = f"did you mean `{close[0]}`? " if close else ""
     section = ".".join(map(str, loc[:-1])) or "the top level"
-    return Problem(".".join(map(str, loc)), f"unknown key under {section}",
+    return Problem(_short(".".join(map(str, loc))), f"unknown key under {_short(section)}",
                    f"{hint}valid keys: {', '.join(valid)}")
 
 

@@ -1,6 +1,11 @@
 """Named model sizes. A preset is a layer of values under the recipe's own `model:` keys."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from toolkit.errors import Problem
+
 _LLAMA2 = dict(vocab_size=32000, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5)
 _LLAMA3 = dict(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
 _LLAMA31_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -48,3 +53,49 @@ def model_keys_from_hf_config(cfg: dict) -> dict:
     if kind != "default":
         out["rope_scaling"] = rope
     return out
+
+
+# Hugging Face config.json fields whose non-default values change the architecture in ways the toolkit's Llama
+# model (and its converters) do not implement: (field, the value Llama has, what the other value would need).
+_LLAMA_ONLY = (
+    ("sliding_window", None, "sliding-window attention (Mistral and others)"),
+    ("attention_bias", False, "biases on the q/k/v/o projections"),
+    ("mlp_bias", False, "biases on the MLP projections"),
+    ("hidden_act", "silu", "a SwiGLU MLP with another activation"),
+    ("use_sliding_window", False, "sliding-window attention"),
+    ("qk_norm", False, "normalised queries and keys"),
+)
+
+
+def unsupported_hf_config(cfg: dict, where: str) -> list[Problem]:
+    """What in a Hugging Face config.json the toolkit cannot honour: another model_type, or a Llama-shaped
+    config with a field (sliding_window, attention biases, another activation, ...) that changes the maths."""
+    fix = "use a Llama checkpoint (model_type: llama); other families are not supported yet"
+    kind = cfg.get("model_type", "llama")  # absent in hand-written test configs; every saved HF config has it
+    if kind != "llama":
+        return [Problem("model.hf_path", f"{where} has model_type {kind!r}; only 'llama' is supported", fix)]
+    out = []
+    for key, llama, needs in _LLAMA_ONLY:
+        value = cfg.get(key, llama)
+        if value is not None and value != llama:
+            out.append(Problem("model.hf_path", f"{where} sets {key}: {json.dumps(value)}, which needs {needs}; "
+                               f"the toolkit's Llama has {key}: {json.dumps(llama)}", fix))
+    head_dim = cfg.get("head_dim")
+    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    if head_dim and isinstance(hidden, int) and isinstance(heads, int) and heads and head_dim * heads != hidden:
+        out.append(Problem("model.hf_path", f"{where} sets head_dim {head_dim}, not hidden_size / "
+                           f"num_attention_heads = {hidden} / {heads}", fix))
+    return out
+
+
+def read_hf_config(path: Path) -> tuple[dict, list[Problem]]:
+    """A config.json read for a recipe, with every problem that stops the toolkit from honouring it."""
+    try:
+        cfg = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        return {}, [Problem("model.hf_path", f"{path} is not a JSON config ({type(e).__name__}: "
+                            f"{str(e)[:80]})", "point hf_path at a Hugging Face model folder")]
+    if not isinstance(cfg, dict):
+        return {}, [Problem("model.hf_path", f"{path} holds a {type(cfg).__name__}, not a JSON object",
+                            "point hf_path at a Hugging Face model folder")]
+    return cfg, unsupported_hf_config(cfg, str(path))

@@ -14,7 +14,9 @@ Offload = Literal["none", "cpu", "nvme"]
 
 class _Section(BaseModel):
     # extra="forbid": an unknown key is an error that lists the valid ones, never silently ignored.
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=False)
+    # allow_inf_nan=False: `lr: .inf` or `1e999` (YAML reads both as a float) is refused, not trained with.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=False,
+                              allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
