@@ -188,6 +188,13 @@ def test_existing_destination_needs_overwrite_and_survives_a_failure(megatron_lm
     with pytest.raises(ToolkitError):  # a failing conversion with --overwrite leaves the old folder alone
         convert_to_hf(megatron_lm_ckpt, dst, vocab_size=None, overwrite=True)
     assert (dst / "keep.txt").read_text() == "user data"
-    convert_to_hf(megatron_lm_ckpt, dst, vocab_size=VOCAB, overwrite=True)
-    assert not (dst / "keep.txt").exists() and (dst / "model.safetensors").is_file()
+    with pytest.raises(ToolkitError, match="which toolkit convert did not write"):  # never deletes a user's folder
+        convert_to_hf(megatron_lm_ckpt, dst, vocab_size=VOCAB, overwrite=True)
+    assert (dst / "keep.txt").read_text() == "user data"
+    (dst / "keep.txt").unlink()
+    dst.rmdir()
+    convert_to_hf(megatron_lm_ckpt, dst, vocab_size=VOCAB)
+    first = (dst / "model.safetensors").stat().st_ino
+    convert_to_hf(megatron_lm_ckpt, dst, vocab_size=VOCAB, overwrite=True)  # its own output: replaced
+    assert (dst / "model.safetensors").is_file() and (dst / "model.safetensors").stat().st_ino != first
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no partial folders left

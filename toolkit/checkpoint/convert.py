@@ -18,7 +18,6 @@ once the new one is complete.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
@@ -29,20 +28,18 @@ import torch
 
 from toolkit.checkpoint import output
 from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed
-from toolkit.checkpoint.sources import WEIGHT, Source, follow_pointer, meta_shards, open_source
+from toolkit.checkpoint.sources import TOKENIZER_FILES, WEIGHT, Source, follow_pointer, meta_shards, open_source
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
 from toolkit.families.registry import family_of_config
 from toolkit.families.rules import views
-from toolkit.format import manifest, safe_load
+from toolkit.format import manifest, paths, safe_load
 from toolkit.format import safetensors_stream as st
 from toolkit.format.names import META, POINTER, SCHEMA_VERSION, chunk_key, model_file, optim_file, tag_for
 from toolkit.recipe.loader import REPO_ROOT
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_SHARD_BYTES = 5 * 2**30  # what save_pretrained uses by default
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json")
 LOGITS_CHECK_MAX_PARAMS = 2 * 10**9  # the post-write forward pass runs only for models this small
 
 
@@ -149,7 +146,7 @@ def _copy_tokenizer(source: Source, folder: Path) -> None:
     if where is not None and Path(where).is_dir():
         for name in TOKENIZER_FILES:
             if (Path(where) / name).is_file():
-                shutil.copy2(Path(where) / name, folder / name)
+                shutil.copy2(paths.inside(Path(where), name, f"{where} (its tokenizer file)"), folder / name)
 
 
 class MegatronTarget:
@@ -228,13 +225,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
             log=print) -> Path:
     """Convert SRC into DST (see the module docstring). Returns DST."""
     src, dst = Path(src), Path(dst)
-    if dst.exists() and not overwrite:
-        raise ToolkitError(f"{dst} already exists; pass --overwrite to replace it (it is replaced only after the "
-                           "new checkpoint is complete and verified)")
-    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents or \
-            dst.resolve() in src.resolve().parents:
-        raise ToolkitError(f"{dst} overlaps the source {src} (the same folder, inside it, or holding it: "
-                           "--overwrite would delete the source); write the conversion somewhere else")
+    output.check_destination(src, dst, overwrite)
     if dtype is not None and dtype not in DTYPES:
         raise ToolkitError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if to == "deepspeed":
@@ -257,7 +248,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
             _write(source, target, cast, pp, vpp, progress, log)
             if verify:
                 _verify(source, tmp if to == "hf" else target.tag_dir, target.fields, cast, log, logits=to == "hf")
-            _replace(tmp, dst)
+            output.replace(tmp, dst)
     finally:
         source.close()
     return dst
@@ -345,15 +336,6 @@ def _to_deepspeed(src: Path, dst: Path, dp: int | None, overwrite: bool) -> Path
                            "directly (model.hf_path + model.pretrained: true), so convert other formats --to hf")
 
     return reshard_deepspeed(tag, dst, dp, overwrite=overwrite)
-
-
-def _replace(tmp: Path, dst: Path) -> None:
-    """Move the finished folder into place; an old DST is kept until the new one is there."""
-    old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-    if dst.exists():
-        dst.rename(old)
-    tmp.rename(dst)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def convert_to_hf(src: str | Path, dst: str | Path, vocab_size: int | None = None, dtype: str | None = None,

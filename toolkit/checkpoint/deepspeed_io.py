@@ -39,7 +39,7 @@ from typing import Self
 import torch
 
 from toolkit.errors import ToolkitError
-from toolkit.format import manifest, safe_load
+from toolkit.format import manifest, paths, safe_load
 from toolkit.format.names import META
 from toolkit.model import param_groups, to_hf_config
 from toolkit.recipe.schema import Recipe
@@ -211,7 +211,7 @@ class DeepSpeedSource:
 
     # ------------------------------------------------------------------ opening
     def _file(self, name: str) -> Path:
-        return self.tag_dir / name
+        return paths.inside(self.tag_dir, name, f"checkpoint {self.tag_dir}")
 
     def _require(self, names: list[str]) -> None:
         missing = [n for n in names if not self._file(n).is_file()]

@@ -5,7 +5,6 @@ the data position is split for the new ranks."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections import OrderedDict
 from pathlib import Path
@@ -96,8 +95,7 @@ def reshard_deepspeed(src_tag_dir: str | Path, dst_root: str | Path, dp: int, ov
                            f"with the saved dp={old_dp}")
     if not isinstance(dp, int) or dp < 1:
         raise ToolkitError(f"dp must be a positive integer, not {dp!r}")
-    if dst_root.exists() and not overwrite:
-        raise ToolkitError(f"{dst_root} already exists; choose a new folder or pass overwrite=True")
+    output.check_destination(src.parent, dst_root, overwrite)
     src_root, dst_abs = src.resolve().parent, dst_root.resolve()
     if dst_abs == src_root or dst_abs in src_root.parents or src_root in dst_abs.parents:
         raise ToolkitError(f"{dst_root} overlaps the source checkpoint directory {src_root}; write elsewhere")
@@ -127,13 +125,7 @@ def reshard_deepspeed(src_tag_dir: str | Path, dst_root: str | Path, dp: int, ov
         (tag_dir / META).write_text(json.dumps(new_meta, indent=2))
         (tmp / DEEPSPEED_POINTER).write_text(tag)
         (tmp / POINTER).write_text(tag)
-        if dst_root.exists():  # overwrite: move the old one aside first so a failure never leaves neither
-            old = dst_root.parent / f".{dst_root.name}.old-{os.getpid()}"
-            os.replace(dst_root, old)
-            os.replace(tmp, dst_root)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, dst_root)
+        output.replace(tmp, dst_root)  # an old one (overwrite) is moved aside first, so a failure never leaves neither
     return dst_root / tag
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from toolkit.errors import ToolkitError
 from toolkit.families.mapping import local_spec_name
+from toolkit.format import paths
 from toolkit.format.safe_load import load as load_weights_only
 
 
@@ -27,8 +28,11 @@ def iteration_dir(path: Path) -> Path:
     tracker = path / "latest_checkpointed_iteration.txt"
     if not tracker.is_file():
         raise ToolkitError(f"{path} is not a Megatron-LM checkpoint: no latest_checkpointed_iteration.txt")
-    text = tracker.read_text().strip()
-    folder = path / ("release" if text == "release" else f"iter_{int(text):07d}")
+    text = tracker.read_text(errors="replace").strip()
+    if text != "release" and not (text.isascii() and text.isdigit()):
+        raise ToolkitError(f"{tracker} holds {text[:80]!r}, not an iteration number or 'release'; write the number "
+                           "of the iteration to convert into it")
+    folder = paths.inside(path, "release" if text == "release" else f"iter_{int(text):07d}", str(tracker))
     if not folder.is_dir():
         raise ToolkitError(f"{tracker} points at {folder.name}, which does not exist")
     return folder
@@ -42,6 +46,7 @@ def rank_file(it_dir: Path, tp: int, pp: int, pp_size: int) -> Path:
 def read(path: Path, mmap: bool = False) -> tuple[argparse.Namespace, dict, int]:
     """(args, {(pp_rank, tp_rank): [chunk state dicts with local-spec names]}, iteration)."""
     it_dir = iteration_dir(path)
+    paths.check_tree(path, it_dir.glob("mp_rank_*/model_optim_rng.pt"), f"Megatron-LM checkpoint {path}")
     first = min(it_dir.glob("mp_rank_*/model_optim_rng.pt"), default=None)
     if first is None:
         raise ToolkitError(f"{it_dir} holds no mp_rank_*/model_optim_rng.pt files")

@@ -1,7 +1,10 @@
 """All-or-nothing output folders for `toolkit convert`: built in a hidden folder beside the destination, which is
-removed (with any parent folders it needed) when anything fails, and disk errors reported as what they are."""
+removed (with any parent folders it needed) when anything fails, and disk errors reported as what they are. Every
+output carries a mark naming what it holds (names.OUTPUT_MARK); an existing destination is replaced (--overwrite)
+only when it is such a folder and holds nothing else: never a folder the toolkit did not write."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -9,6 +12,61 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from toolkit.errors import ToolkitError
+from toolkit.format import paths
+from toolkit.format.names import OUTPUT_MARK
+
+
+def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+    """Refuse, before anything is read or written, a destination that exists (without overwrite), that is not a
+    folder `toolkit convert` wrote (with overwrite), or that overlaps the source."""
+    src, dst = Path(src), Path(dst)
+    real_src, real_dst = paths.resolve(src), paths.resolve(dst)
+    if dst.is_symlink():
+        raise ToolkitError(f"{dst} is a symbolic link; choose a destination that is not one (the toolkit never "
+                           "writes through a link). Nothing was written")
+    if dst.exists() and not overwrite:
+        raise ToolkitError(f"{dst} already exists; pass --overwrite to replace it (it is replaced only after the "
+                           "new checkpoint is complete and verified)")
+    if real_dst == real_src or real_src in real_dst.parents or real_dst in real_src.parents:
+        raise ToolkitError(f"{dst} overlaps the source {src} (the same folder, inside it, or holding it: "
+                           "--overwrite would delete the source); write the conversion somewhere else")
+    if dst.exists():
+        foreign = _not_written_by_us(dst)
+        if foreign:
+            raise ToolkitError(f"{dst} holds {foreign}, which toolkit convert did not write; --overwrite replaces "
+                               "only a folder written by toolkit convert: move it away yourself or choose another "
+                               "destination. Nothing was written")
+
+
+def _not_written_by_us(dst: Path) -> str | None:
+    """The first entry of `dst` that its mark does not list (or what is wrong with the mark); None if all are."""
+    if not dst.is_dir():
+        return "a file where a folder would go"
+    try:
+        listed = json.loads((dst / OUTPUT_MARK).read_text()).get("entries")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        listed = None
+    if not isinstance(listed, list):
+        return f"no readable {OUTPUT_MARK}"
+    extra = sorted(p.name for p in dst.iterdir() if p.name != OUTPUT_MARK and p.name not in listed)
+    return extra[0] if extra else None
+
+
+def mark(folder: Path) -> None:
+    """Name everything in a finished output folder (before it is moved into place)."""
+    entries = sorted(p.name for p in folder.iterdir() if p.name != OUTPUT_MARK)
+    (folder / OUTPUT_MARK).write_text(json.dumps({"written_by": "toolkit convert", "entries": entries}) + "\n")
+
+
+def replace(tmp: Path, dst: Path) -> None:
+    """Move the finished folder into place; an old DST (checked by check_destination) is kept until the new one is
+    there, then removed."""
+    mark(tmp)
+    old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+    if dst.exists():
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _outermost_new(path: Path) -> Path:

@@ -19,13 +19,16 @@ from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import check_megatron_shards, iter_entries, raise_problems
 from toolkit.families.mapping import Dims, check_dims
 from toolkit.families.registry import dims_from_hf
-from toolkit.format import manifest
+from toolkit.format import manifest, paths
 from toolkit.format import safetensors_stream as st
 from toolkit.format.names import META, POINTER, chunk_key, model_file, optim_file, split_key
 from toolkit.model import to_hf_config
 from toolkit.recipe.schema import Recipe
 
 WEIGHT = "weight"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json")
+"""Files carried along into a Hugging Face output (each checked to lie inside its folder, links followed)."""
 
 
 def meta_shards(dims: Dims, tp: int, pp: int, vpp: int) -> dict[tuple[int, int], dict[str, tuple]]:
@@ -77,14 +80,22 @@ class HFSource(Source):
 
     def __init__(self, folder: Path):
         self.folder = folder
-        config = folder / "config.json"
+        config = paths.inside(folder, "config.json", str(folder))
         if not config.is_file():
             raise ToolkitError(f"{folder} has no config.json; a Hugging Face model folder needs one")
-        self.config = json.loads(config.read_text())
-        index = folder / "model.safetensors.index.json"
+        self.config = _json(config, "a Hugging Face config.json", dict)
+        for name in TOKENIZER_FILES:  # copied into the output: never one from outside the folder
+            if (folder / name).exists() or (folder / name).is_symlink():
+                paths.inside(folder, name, f"{folder} (its tokenizer file)")
+        index = paths.inside(folder, "model.safetensors.index.json", str(folder))
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map") or {}
+            weight_map = _json(index, "a safetensors index", dict).get("weight_map") or {}
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise ToolkitError(f"{index} has a weight_map that is not {{tensor name: file name}}; re-save the "
+                                   "model with save_pretrained")
             files = sorted(set(weight_map.values()))
+            for f in files:
+                paths.inside(folder, f, f"{index}")
             missing = [f for f in files if not (folder / f).is_file()]
             if missing:
                 raise ToolkitError(f"{folder} is incomplete: {', '.join(missing[:4])} listed in {index.name} "
@@ -94,7 +105,7 @@ class HFSource(Source):
             if not files:
                 raise ToolkitError(f"{folder} holds no *.safetensors files (.bin pickles are not read: re-save the "
                                    "model with save_pretrained(safe_serialization=True))")
-        self._readers = [st.Reader(folder / f) for f in files]
+        self._readers = [st.Reader(paths.inside(folder, f, str(folder))) for f in files]
         self._where = {k: r for r in self._readers for k in r.keys()}
         if index.is_file():
             wrong = [k for k, f in weight_map.items() if k not in self._where or self._where[k].path.name != f]
@@ -158,8 +169,11 @@ class ToolkitMegatronSource(_ShardedSource):
         self.config, self.divisible_by = model_config(meta)
         self._index()
         tp, pp, _ = self.layout
-        self._models = {(p, t): st.Reader(model_file(tag_dir, t, p)) for p in range(pp) for t in range(tp)}
-        optims = {(p, t): optim_file(tag_dir, t, p) for p in range(pp) for t in range(tp)}
+        where = f"checkpoint {tag_dir}"
+        self._models = {(p, t): st.Reader(paths.inside(tag_dir, model_file(tag_dir, t, p).name, where))
+                        for p in range(pp) for t in range(tp)}
+        optims = {(p, t): paths.inside(tag_dir, optim_file(tag_dir, t, p).name, where)
+                  for p in range(pp) for t in range(tp)}
         self._optims = {}
         if not weights_only and all(f.is_file() for f in optims.values()):
             self._optims = {k: st.Reader(f) for k, f in optims.items()}
@@ -273,13 +287,24 @@ class DeepSpeedHFSource(Source):
         getattr(self._ds, "close", lambda: None)()
 
 
+def _json(path: Path, what: str, kind: type):
+    """A JSON file of the source, or one line saying it is not `what`."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ToolkitError(f"{path} is not {what} ({e}); re-copy or re-save it") from None
+    if not isinstance(value, kind):
+        raise ToolkitError(f"{path} holds a JSON {type(value).__name__}, not {what}; re-copy or re-save it")
+    return value
+
+
 def follow_pointer(src: Path) -> Path:
     """A checkpoint directory's newest complete checkpoint (its latest_complete pointer), else `src` itself. No
     silent fallback to an older one: a damaged checkpoint is reported, not skipped."""
 
     if (src / META).is_file() or not (src / POINTER).is_file():
         return src
-    pointed = src / (src / POINTER).read_text().strip()
+    pointed = paths.inside(src, (src / POINTER).read_text(errors="replace").strip(), str(src / POINTER))
     if not pointed.is_dir():
         raise ToolkitError(f"{src / POINTER} points at {pointed.name}, which does not exist; pass the step_* folder "
                            "to convert")
@@ -289,6 +314,7 @@ def follow_pointer(src: Path) -> Path:
 def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, weights_only: bool = False) -> Source:
     """The right source for a path, from its own files."""
 
+    paths.resolve(src)  # a link that loops: one line, not a traceback
     if not src.exists():
         raise ToolkitError(f"{src} does not exist")
     if (src / "config.json").is_file():

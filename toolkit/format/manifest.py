@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from toolkit.errors import ToolkitError
+from toolkit.format import paths
 
 SCHEMA_VERSION = 2
 DIGEST = "sha256"
@@ -96,7 +97,11 @@ def verify(tag_dir: Path, checksums: bool | set[str] = True) -> list[str]:
     problems = []
     for name, entry in files.items():
         want = _size(entry)
-        path = tag_dir / name
+        try:
+            path = paths.inside(tag_dir, name, META)
+        except ToolkitError as e:
+            problems.append(str(e))
+            continue
         if not path.is_file():
             problems.append(f"{name} is missing")
         elif path.stat().st_size != want:

@@ -22,6 +22,8 @@ from pathlib import Path
 from toolkit.errors import ToolkitError
 from toolkit.format.manifest import META, SCHEMA_VERSION, STARTED  # noqa: F401 - named with the rest
 
+OUTPUT_MARK = ".toolkit_output.json"
+"""In every folder `toolkit convert` writes: the names it wrote there, so --overwrite replaces only such a folder."""
 POINTER = "latest_complete"
 DEEPSPEED_POINTER = "latest"
 TAG_GLOB = "step_*"

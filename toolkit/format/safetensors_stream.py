@@ -61,18 +61,46 @@ class Reader:
             header = json.loads(self._f.read(length))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             self._fail(f"has a header that is not valid JSON ({e})")
+        if not isinstance(header, dict):
+            self._fail(f"has a header that is a JSON {type(header).__name__}, not an object of tensors")
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self._base, self._info = 8 + length, header
-        end = max((info["data_offsets"][1] for info in header.values()), default=0)
-        if self._base + end != size:
-            self._fail(f"has {size} bytes but its header describes {self._base + end}: the file is "
-                       f"{'truncated' if size < self._base + end else 'longer than its header says'}")
-        for name, info in header.items():
+        self._check_ranges(size - self._base)
+
+    def _check_ranges(self, data_size: int) -> None:
+        """Every tensor's data_offsets must be its own: begin <= end, as many bytes as its shape and dtype need,
+        and together the tensors tile the data area exactly (no overlap, no gap, nothing past the end)."""
+        spans = []
+        for name, info in self._info.items():
+            if not isinstance(info, dict):
+                self._fail(f"describes {name} as {info!r}, not a tensor")
             if info.get("dtype") not in _DTYPES:
                 self._fail(f"stores {name} as {info.get('dtype')!r}, a dtype this toolkit does not read")
-            begin, stop = info["data_offsets"]
+            shape, offsets = info.get("shape"), info.get("data_offsets")
+            if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+                self._fail(f"gives {name} the shape {shape!r}, not a list of sizes")
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+                self._fail(f"gives {name} the data_offsets {offsets!r}, not [begin, end]")
+            spans.append((*offsets, name))
+        end = max((stop for _, stop, _ in spans), default=0)
+        if end != data_size:
+            self._fail(f"has {self._base + data_size} bytes but its header describes {self._base + end}: the file is "
+                       f"{'truncated' if data_size < end else 'longer than its header says'}")
+        for begin, stop, name in spans:
+            info = self._info[name]
+            if not 0 <= begin <= stop:
+                self._fail(f"gives {name} the byte range [{begin}, {stop}), which is not a range")
             if stop - begin != nbytes(info["shape"], _DTYPES[info["dtype"]]):
                 self._fail(f"gives {name} {stop - begin} bytes for shape {info['shape']} {info['dtype']}")
+        at, previous = 0, None
+        for begin, stop, name in sorted(spans):
+            if begin < at:
+                self._fail(f"gives {name} the byte range [{begin}, {stop}), which overlaps {previous}'s: two tensors "
+                           "would share bytes")
+            if begin > at:
+                self._fail(f"leaves bytes [{at}, {begin}) before {name} unclaimed by any tensor: the header does not "
+                           "describe the data")
+            at, previous = stop, name
 
     def _fail(self, what: str):
         self._f.close()

@@ -37,7 +37,6 @@ from toolkit.format.names import (
     STARTED,  # noqa: F401 - for tests and readers
     TAG_GLOB,
     complete_tags,
-    foreign,
     is_complete,
     mark_started,
     own,
