@@ -7,13 +7,15 @@ checkpoint so a resumed run continues with exactly the next batch.
 """
 from __future__ import annotations
 
+import codecs
+import json
 from contextlib import nullcontext
 from itertools import chain
 from pathlib import Path
 
 from torch.utils.data import DataLoader, DistributedSampler
 
-from toolkit.errors import ToolkitError
+from toolkit.errors import Problem, ToolkitError
 from toolkit.recipe.checks import expand_glob
 from toolkit.recipe.schema import DataConfig
 
@@ -30,6 +32,101 @@ def _builder(files: list[str], fmt: str) -> str:
     return kinds.pop()
 
 
+# How much of each data file the pre-start check reads: enough to catch an empty, binary or wrongly shaped file in
+# milliseconds, whatever the corpus size (the full read happens later, in `datasets`).
+CHECK_BYTES = 1 << 20
+CHECK_LINES = 200
+
+
+def _kind(file: Path, fmt: str) -> str | None:
+    return fmt if fmt != "auto" else _BUILDERS.get(file.suffix)
+
+
+def check_files(cfg: DataConfig) -> list[Problem]:
+    """Problems with the local data files, found by reading the head of each: empty, not UTF-8, not JSON lines,
+    no text column, not parquet. Pure Python and fast, so a run checks its data before it starts processes,
+    builds a model or creates its output folder."""
+    if cfg.hub_dataset:
+        return []
+    out = []
+    files = [p for pattern in cfg.paths for p in expand_glob(pattern)]
+    for file in files:
+        if not file.is_file():
+            out.append(Problem("data.paths", f"{file} is not a file", "list data files (or globs of them)"))
+            continue
+        kind = _kind(file, cfg.format)
+        problem = _check_parquet(file) if kind == "parquet" else _check_text(file, kind, cfg)
+        if problem:
+            out.append(Problem("data.paths", f"{file} {problem[0]}", problem[1]))
+    return out
+
+
+def _check_parquet(file: Path) -> tuple[str, str] | None:
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        head = f.read(4)
+        f.seek(max(size - 4, 0))
+        tail = f.read(4)
+    if size < 12 or head != b"PAR1" or tail != b"PAR1":
+        return "is not a Parquet file (no PAR1 marks)", "write it with pandas/pyarrow, or fix data.format"
+    return None
+
+
+def _check_text(file: Path, kind: str | None, cfg: DataConfig) -> tuple[str, str] | None:
+    with file.open("rb") as f:
+        head = f.read(CHECK_BYTES)
+        whole = not f.read(1)
+    if not head:
+        return "is empty", "remove it from data.paths or fill it with text"
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=whole)
+    except UnicodeDecodeError as e:
+        return (f"is not UTF-8 text (byte 0x{head[e.start]:02x} at offset {e.start:,})",
+                "convert it to UTF-8 text, or remove it from data.paths if it is not data")
+    if "\x00" in text:
+        return "holds NUL bytes: it is a binary file, not text", "remove it from data.paths"
+    if not text.strip():
+        return ("holds only whitespace" if whole else f"starts with {len(head):,} bytes of whitespace",
+                "remove it from data.paths or fill it with text")
+    if kind == "json":
+        return _check_json_lines(text, whole, cfg)
+    return None
+
+
+def _check_json_lines(text: str, whole: bool, cfg: DataConfig) -> tuple[str, str] | None:
+    """JSON lines, one object per line with the text column; a .json file may instead hold one JSON array."""
+    fields = [cfg.text_field] + (["text"] if cfg.format == "auto" else [])
+    lines = text.splitlines()
+    if not whole:
+        lines = lines[:-1]  # the last line may be cut by the read budget
+    stripped = text.lstrip()
+    if stripped.startswith("[") and whole:
+        try:
+            rows = json.loads(text)
+        except ValueError as e:
+            return f"is not valid JSON: {str(e)[:80]}", "write one JSON object per line (JSON lines)"
+        rows = rows if isinstance(rows, list) else [rows]
+        numbered = enumerate(rows[:CHECK_LINES], 1)
+    else:
+        numbered = ((n, line) for n, line in enumerate(lines[:CHECK_LINES], 1) if line.strip())
+        rows = None
+    for n, row in numbered:
+        if rows is None:
+            try:
+                row = json.loads(row)
+            except ValueError as e:
+                return (f"line {n} is not JSON ({str(e)[:60]})",
+                        'write one JSON object per line, e.g. {"text": "..."}; for plain text use a .txt file')
+        if not isinstance(row, dict):
+            return (f"line {n} is a JSON {type(row).__name__}, not an object",
+                    'write one JSON object per line, e.g. {"text": "..."}')
+        if not any(isinstance(row.get(f), str) for f in fields):
+            keys = ", ".join(list(map(str, row))[:8]) or "none"
+            return (f"line {n} has no text string under {' or '.join(map(repr, dict.fromkeys(fields)))} "
+                    f"(its keys: {keys})", "set data.text_field to the key that holds the text")
+    return None
+
+
 def load_raw(cfg: DataConfig):
     import datasets  # lazy: heavy; corpus reads only
 
@@ -37,7 +134,12 @@ def load_raw(cfg: DataConfig):
         return datasets.load_dataset(cfg.hub_dataset, split="train")
     files = [str(p) for pattern in cfg.paths for p in expand_glob(pattern)]
     builder = _builder(files, cfg.format)
-    return datasets.load_dataset(builder, data_files=files, split="train")
+    try:
+        return datasets.load_dataset(builder, data_files=files, split="train")
+    except (datasets.exceptions.DatasetGenerationError, StopIteration) as e:  # what check_files cannot see
+        cause = e.__cause__ or e
+        raise ToolkitError(f"data.paths: `datasets` cannot read {files} as {builder}: {type(cause).__name__}: "
+                           f"{str(cause)[:200]}; fix or remove the file (or set data.format)") from None
 
 
 def tokenize_and_pack(raw, tokenizer, cfg: DataConfig):
@@ -82,6 +184,14 @@ def build_dataset(cfg: DataConfig, tokenizer, rank_zero_first=nullcontext):
     return ds
 
 
+def check_fills_a_step(sequences: int, micro_batch: int, grad_accum: int, dp: int) -> None:
+    """Each data-parallel rank gets sequences // dp of them (the sampler drops the tail); one step needs
+    micro_batch x grad_accum per rank."""
+    if sequences // dp < micro_batch * grad_accum:
+        raise ToolkitError(f"data: {sequences} sequences cannot fill one step of global batch "
+                           f"{micro_batch * grad_accum * dp}; add data or shrink the batch")
+
+
 class DataStream:
     """Per-rank micro-batches, step by step, across epochs, with a resumable position."""
 
@@ -90,10 +200,8 @@ class DataStream:
         self.dataset, self.micro, self.accum, self.num_workers = dataset, micro_batch, grad_accum, num_workers
         self.sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=True, seed=seed,
                                           drop_last=True)
+        check_fills_a_step(len(dataset), micro_batch, grad_accum, dp)
         self.steps_per_epoch = len(self.sampler) // (micro_batch * grad_accum)
-        if self.steps_per_epoch == 0:
-            raise ToolkitError(f"data: {len(dataset)} sequences cannot fill one step of global batch "
-                               f"{micro_batch * grad_accum * dp}; add data or shrink the batch")
         self.epoch, self.consumed = 0, 0  # consumed = micro-batches of this epoch already handed out
         self._it = None
 

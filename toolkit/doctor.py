@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from toolkit.metrics import count_params
+from toolkit.recipe.checks import check_nvme_path
 from toolkit.recipe.loader import REPO_ROOT
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
@@ -252,15 +253,33 @@ NEEDS = [
 ]
 
 
-def readiness(findings: list[Finding]) -> list[Finding]:
-    """One line per backend and use: ready, or which checks stand in the way (their fixes are above)."""
+def uses(recipe) -> set[str]:
+    """The NEEDS entries a recipe relies on: its backend on CPU and GPU, and its kind of offload."""
+    p = recipe.parallel
+    if p.backend == "megatron":
+        return {"megatron backend, CPU rehearsal (local spec)", "megatron backend, GPU training"}
+    out = {"deepspeed backend, CPU rehearsal (gloo)", "deepspeed backend, GPU training"}
+    if "cpu" in (p.offload_optimizer, p.offload_params):
+        out.add("deepspeed ZeRO-Offload (cpu)")
+    if "nvme" in (p.offload_optimizer, p.offload_params):
+        out |= {"deepspeed ZeRO-Offload (cpu)", "deepspeed ZeRO-Infinity (nvme)"}  # NVMe offload runs cpu_adam too
+    return out
+
+
+def readiness(findings: list[Finding], recipe=None) -> list[Finding]:
+    """One line per backend and use: ready, or which checks stand in the way (their fixes are above). Given a
+    recipe, only what it uses can fail: a machine that cannot offload to NVMe is fine for a recipe that never does."""
     status = {f.check: f.status for f in findings}
     fixes = {f.check: f.fix for f in findings if f.fix}
+    wanted = uses(recipe) if recipe is not None else None
     out = []
     for use, required, optional in NEEDS:
         missing = [c for c in required if status.get(c) != OK]
         lacking = [c for c in optional if status.get(c) not in (OK, None)]
-        if missing:
+        if missing and wanted is not None and use not in wanted:
+            out.append(Finding(f"ready: {use}", INFO, f"no, missing: {', '.join(missing)} (recipe {recipe.name} does "
+                               "not use it)"))
+        elif missing:
             fix = "; ".join(dict.fromkeys(fixes[c] for c in missing if c in fixes)) or "see the checks above"
             out.append(Finding(f"ready: {use}", WARN if "GPU" in use else FAIL,
                                "no, missing: " + ", ".join(missing), fix))
@@ -272,12 +291,22 @@ def readiness(findings: list[Finding]) -> list[Finding]:
     return out
 
 
+def check_nvme(recipe) -> list[Finding]:
+    """The recipe's NVMe offload folder on this machine (the check a run makes before it starts)."""
+    problems = check_nvme_path(recipe)
+    if problems:
+        return [Finding("nvme_path", FAIL, problems[0].message, problems[0].fix)]
+    if recipe.parallel.nvme_path and "nvme" in (recipe.parallel.offload_optimizer, recipe.parallel.offload_params):
+        return [Finding("nvme_path", OK, f"{recipe.parallel.nvme_path} is a writable folder")]
+    return []
+
+
 def run(recipe=None, nodes: int | None = None) -> list[Finding]:
     findings = [*check_packages(), *check_torch(), *check_build_tools(), *check_deepspeed_ops(), *check_megatron(),
                 *check_launch_env(), *check_network(nodes=nodes)]
     if recipe is not None:
-        findings += check_disk(recipe)
-    return findings + readiness(findings)
+        findings += check_disk(recipe) + check_nvme(recipe)
+    return findings + readiness(findings, recipe)
 
 
 def render(findings: list[Finding]) -> str:

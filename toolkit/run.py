@@ -1,6 +1,9 @@
 """One training run from a recipe, on either backend: set up in order, resume, then loop over steps."""
 from __future__ import annotations
 
+import hashlib
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -8,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.adapters.megatron import check_megatron
-from toolkit.data import DataStream, build_dataset
+from toolkit.data import DataStream, build_dataset, check_files, check_fills_a_step
 from toolkit.errors import Problem, RecipeError
 from toolkit.megatron.backend import MegatronBackend
 from toolkit.megatron.runtime import te_available
@@ -20,16 +23,41 @@ from toolkit.train.dist import DistInfo, init_distributed, rank_zero_first, shut
 from toolkit.train.ds_backend import DeepSpeedBackend
 
 
-def prepare(recipe: Recipe) -> tuple[Plan, DistInfo]:
-    """Join the process group, then check the recipe against the real world size, the backend and the files."""
-    info = init_distributed(with_deepspeed=recipe.parallel.backend == "deepspeed")
-    plan = resolve(recipe, info.world_size)
-    problems = check_paths(recipe)
-    if plan.layout.backend == "megatron":
+def extensions_dir() -> Path:
+    """The torch extensions cache of this Python environment: one folder per sys.prefix (a venv, a conda env).
+    torch's default folder is keyed only by the Python and CUDA versions, so environments with different DeepSpeed
+    or torch builds share it, and each rejects the other's build and recompiles (shm_comm: 45-58 s per launch).
+    Keyed on the environment, each op is built once per environment and then reused by every run and test."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    key = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    return cache / "torch_extensions" / f"{Path(sys.prefix).name}-{key}"
 
-        problems += check_megatron(recipe, te_available())
+
+def use_own_extensions_cache() -> None:
+    """Point DeepSpeed's JIT builds at extensions_dir(), unless the user chose a TORCH_EXTENSIONS_DIR. torch
+    reads the variable when an op is loaded, so this must run before the backend starts (train() does it)."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+
+
+def check_before_start(recipe: Recipe) -> None:
+    """What can be checked before any process group, model or output folder exists: the files the run reads
+    (data, tokenizer, weights), the head of every data file (empty, binary, wrongly shaped), the NVMe folder."""
+    problems = check_paths(recipe)
+    if not any(p.key == "data.paths" for p in problems):
+        problems += check_files(recipe.data)
     if problems:
         raise RecipeError(recipe.name, problems)
+
+
+def prepare(recipe: Recipe) -> tuple[Plan, DistInfo]:
+    """Check the files, join the process group, then check the recipe against the real world size and backend."""
+    check_before_start(recipe)
+    info = init_distributed(with_deepspeed=recipe.parallel.backend == "deepspeed")
+    plan = resolve(recipe, info.world_size)
+    if plan.layout.backend == "megatron":
+        problems = check_megatron(recipe, te_available())
+        if problems:
+            raise RecipeError(recipe.name, problems)
     return plan, info
 
 
@@ -62,19 +90,22 @@ def _check_vocab(r: Recipe, tokenizer) -> None:
 
 def train(recipe: Recipe) -> list[dict]:
     """Run the recipe to its last step (resuming when a checkpoint exists). Returns rank 0's logged records."""
-
+    use_own_extensions_cache()
     plan, info = prepare(recipe)
     r, layout, batch = plan.recipe, plan.layout, plan.batch
-    log = RunLog(r.out_dir, info.rank == 0, r.logging.tensorboard)
-    log.info(f"[toolkit] {r.name}: {layout.describe()}; {batch.describe()}")
-    for note in plan.notes:
-        log.info(f"[toolkit] {note}")
     if info.rank != 0:
         import datasets  # lazy: heavy; corpus reads only
 
         datasets.disable_progress_bars()  # one progress bar per job, not one per rank
     tokenizer = _load_tokenizer(r)
     dataset = build_dataset(r.data, tokenizer, rank_zero_first)
+    check_fills_a_step(len(dataset), batch.micro_batch, batch.grad_accum, layout.dp)
+    # The output folder (log, TensorBoard events) is created only once the data is known to be usable: a run that
+    # stops on bad data leaves nothing behind.
+    log = RunLog(r.out_dir, info.rank == 0, r.logging.tensorboard)
+    log.info(f"[toolkit] {r.name}: {layout.describe()}; {batch.describe()}")
+    for note in plan.notes:
+        log.info(f"[toolkit] {note}")
     backend = build_backend(plan, info, tokenizer)
     stream = DataStream(dataset, batch.micro_batch, batch.grad_accum, layout.dp, backend.dp_rank, r.training.seed,
                         r.data.num_workers)

@@ -171,9 +171,7 @@ def check_paths(r: Recipe) -> list[Problem]:
         out.append(Problem("model.hf_path", f"{r.model.hf_path} has no *.safetensors weights to load",
                            "convert the weights to safetensors, or set model.pretrained: false"))
     out += _check_hf_config(r)
-    if r.parallel.nvme_path and not _creatable(Path(r.parallel.nvme_path)):
-        out.append(Problem("parallel.nvme_path", f"{r.parallel.nvme_path} cannot be created or written",
-                           "point nvme_path at a writable folder on a local NVMe drive"))
+    out += check_nvme_path(r)
     return out
 
 
@@ -195,6 +193,30 @@ def _check_hf_config(r: Recipe) -> list[Problem]:
         return []
     return [Problem("model.preset", f"{r.model.preset} does not match {cfg}: " + "; ".join(diff),
                     "drop model.preset (the architecture then comes from hf_path) or fix the mismatching keys")]
+
+
+def check_nvme_path(r: Recipe) -> list[Problem]:
+    """The NVMe offload folder must already exist and be writable on the machine that runs. DeepSpeed would create
+    a mistyped path itself (on whatever disk holds it) and then fail forty lines deep in its start-up. Checked at
+    the start of a run, not by `validate`: a cluster recipe names a path (/local_nvme/...) a laptop lacks."""
+    p = r.parallel
+    if "nvme" not in (p.offload_optimizer, p.offload_params) or not p.nvme_path:
+        return []
+    path = Path(p.nvme_path)
+    if path.absolute().is_relative_to(Path(r.out_dir).absolute()) and not path.exists():
+        # a scratch folder inside the run's own output folder (tiny_zero3_nvme's rehearsal): the run creates it
+        if _creatable(path):
+            return []
+        return [Problem("parallel.nvme_path", f"{p.nvme_path} cannot be created (no writable folder above it)",
+                        "set output_dir (or nvme_path) to a writable place")]
+    if not path.is_dir():
+        what = "is not a folder" if path.exists() else "does not exist"
+        return [Problem("parallel.nvme_path", f"{p.nvme_path} {what} on this machine",
+                        f"create it on every node (mkdir -p {p.nvme_path}) on the local NVMe drive, or fix the path")]
+    if not os.access(path, os.W_OK | os.X_OK):
+        return [Problem("parallel.nvme_path", f"{p.nvme_path} is not writable by this user",
+                        f"chmod/chown it (or pick a folder you own) on the local NVMe drive")]
+    return []
 
 
 def _creatable(path: Path) -> bool:
