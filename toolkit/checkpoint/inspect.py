@@ -10,9 +10,10 @@ import json
 from pathlib import Path
 
 from toolkit.checkpoint import megatron_lm
+from toolkit.checkpoint.sources import refusal
 from toolkit.errors import ToolkitError
 from toolkit.families import dims_from_hf, iter_entries
-from toolkit.format import manifest
+from toolkit.format import manifest, paths
 from toolkit.format import safetensors_stream as st
 from toolkit.format.names import POINTER, TAG_GLOB
 from toolkit.format.safe_load import check_file
@@ -23,19 +24,32 @@ from toolkit.recipe.schema import Recipe
 def inspect(path: str | Path) -> dict:
     """A report as plain data (printed by the CLI, or as JSON with --json)."""
     path = Path(path)
+    paths.resolve(path)  # a link that loops: one line, not a traceback
     if not path.exists():
         raise ToolkitError(f"{path} does not exist")
     if (path / "config.json").is_file() and list(path.glob("*.safetensors")):
-        return inspect_hf(path)
+        return _agree(inspect_hf(path), path)
     if (path / "toolkit_meta.json").is_file() or path.name.startswith("step_"):
-        return inspect_toolkit(path)
+        return _agree(inspect_toolkit(path), path)
     if (path / POINTER).is_file() or list(path.glob(TAG_GLOB)):
         return inspect_root(path)
     if (path / "latest_checkpointed_iteration.txt").is_file() or path.name.startswith("iter_"):
-        return inspect_megatron_lm(path)
+        report = inspect_megatron_lm(path)
+        return _agree(report, path, report.pop("padded_vocab"))
     raise ToolkitError(f"{path} is not a checkpoint this toolkit reads: expected a Hugging Face folder (config.json + "
                        "*.safetensors), a step_* folder with toolkit_meta.json, or a checkpoint directory of step_* "
                        "folders")
+
+
+def _agree(report: dict, path: Path, vocab_size: int | None = None) -> dict:
+    """`complete` only when `toolkit convert` also reads the checkpoint (sources.refusal: the one check both use);
+    otherwise its reason is listed with the other problems."""
+    if report["complete"]:
+        why = refusal(path, vocab_size)
+        if why is not None:
+            report["complete"] = False
+            report["problems"].append(why)
+    return report
 
 
 def inspect_hf(folder: Path) -> dict:
@@ -49,7 +63,7 @@ def inspect_hf(folder: Path) -> dict:
                      if not (folder / name).is_file()]
     for file in sorted(folder.glob("*.safetensors")):
         try:
-            reader = st.Reader(file)  # checks the header against the file's size
+            reader = st.Reader(paths.inside(folder, file.name, str(folder)))  # checks the header against the size
         except ToolkitError as e:
             problems.append(str(e))
             continue
@@ -101,7 +115,7 @@ def _megatron_dtypes(tag_dir: Path) -> dict:
 
     dtypes: dict[str, int] = {}
     for f in sorted(tag_dir.glob("model_*.safetensors")):
-        with st.Reader(f) as r:
+        with st.Reader(paths.inside(tag_dir, f.name, f"checkpoint {tag_dir}")) as r:
             for k in r.keys():
                 name = st.dtype_name(r.dtype(k))
                 dtypes[name] = dtypes.get(name, 0) + _numel(r.shape(k))
@@ -114,6 +128,7 @@ def inspect_megatron_lm(path: Path) -> dict:
     it_dir = megatron_lm.iteration_dir(path)
 
     files = sorted(it_dir.glob("mp_rank_*/model_optim_rng.pt"))
+    paths.check_tree(path, files, f"Megatron-LM checkpoint {path}")
     if not files:
         raise ToolkitError(f"{it_dir} holds no mp_rank_*/model_optim_rng.pt files")
     state = megatron_lm.safe_load(files[0], mmap=True)
@@ -130,7 +145,7 @@ def inspect_megatron_lm(path: Path) -> dict:
             "step": state.get("iteration"), "layout": {"tp": tp, "pp": pp, "vpp": vpp},
             "architecture": {**_hf_architecture(config), "vocab_size": f"{args.padded_vocab_size} (padded)"},
             "parameters": sum(_numel(s) for e in iter_entries(dims, 1, 1) if e.reads_back for s in e.hf_shapes),
-            "dtypes": None, "bytes": _bytes(it_dir)}
+            "dtypes": None, "bytes": _bytes(it_dir), "padded_vocab": args.padded_vocab_size}
 
 
 def _numel(shape) -> int:
@@ -148,7 +163,7 @@ def inspect_root(root: Path) -> dict:
     if not intact:
         raise ToolkitError(f"{root} holds no complete checkpoint; incomplete: "
                            + ("; ".join(f"{n}: {p[0]}" for n, p in steps.items()) or "none"))
-    report = inspect_toolkit(root / intact[-1])
+    report = _agree(inspect_toolkit(root / intact[-1]), root / intact[-1])
     report["checkpoints"] = {name: "complete" if not p else "incomplete: " + "; ".join(p) for name, p in steps.items()}
     return report
 

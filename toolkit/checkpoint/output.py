@@ -20,10 +20,10 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
     """Refuse, before anything is read or written, a destination that exists (without overwrite), that is not a
     folder `toolkit convert` wrote (with overwrite), or that overlaps the source."""
     src, dst = Path(src), Path(dst)
-    real_src, real_dst = paths.resolve(src), paths.resolve(dst)
     if dst.is_symlink():
         raise ToolkitError(f"{dst} is a symbolic link; choose a destination that is not one (the toolkit never "
                            "writes through a link). Nothing was written")
+    real_src, real_dst = paths.resolve(src), paths.resolve(dst)
     if dst.exists() and not overwrite:
         raise ToolkitError(f"{dst} already exists; pass --overwrite to replace it (it is replaced only after the "
                            "new checkpoint is complete and verified)")
@@ -47,7 +47,7 @@ def _not_written_by_us(dst: Path) -> str | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         listed = None
     if not isinstance(listed, list):
-        return f"no readable {OUTPUT_MARK}"
+        listed = []  # no mark: nothing in it is ours (an empty folder may still be replaced: it holds nothing)
     extra = sorted(p.name for p in dst.iterdir() if p.name != OUTPUT_MARK and p.name not in listed)
     return extra[0] if extra else None
 

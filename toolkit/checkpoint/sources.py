@@ -311,6 +311,17 @@ def follow_pointer(src: Path) -> Path:
     return pointed
 
 
+def refusal(src: Path, vocab_size: int | None = None) -> str | None:
+    """Why `toolkit convert` would refuse to read `src` (None: it reads it). `toolkit inspect` calls a checkpoint
+    complete only when this is None, so the two never disagree."""
+    try:
+        source = open_source(src, vocab_size)
+    except ToolkitError as e:
+        return str(e)
+    source.close()
+    return None
+
+
 def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, weights_only: bool = False) -> Source:
     """The right source for a path, from its own files."""
 
