@@ -110,19 +110,20 @@ def _check_json_lines(text: str, whole: bool, cfg: DataConfig) -> tuple[str, str
     else:
         numbered = ((n, line) for n, line in enumerate(lines[:CHECK_LINES], 1) if line.strip())
         rows = None
+    label = "item" if rows is not None else "line"
     for n, row in numbered:
         if rows is None:
             try:
                 row = json.loads(row)
             except ValueError as e:
-                return (f"line {n} is not JSON ({str(e)[:60]})",
+                return (f"line {n} is not JSON ({getattr(e, 'msg', str(e))[:60]})",
                         'write one JSON object per line, e.g. {"text": "..."}; for plain text use a .txt file')
         if not isinstance(row, dict):
-            return (f"line {n} is a JSON {type(row).__name__}, not an object",
+            return (f"{label} {n} is a JSON {type(row).__name__}, not an object",
                     'write one JSON object per line, e.g. {"text": "..."}')
         if not any(isinstance(row.get(f), str) for f in fields):
             keys = ", ".join(list(map(str, row))[:8]) or "none"
-            return (f"line {n} has no text string under {' or '.join(map(repr, dict.fromkeys(fields)))} "
+            return (f"{label} {n} has no text string under {' or '.join(map(repr, dict.fromkeys(fields)))} "
                     f"(its keys: {keys})", "set data.text_field to the key that holds the text")
     return None
 

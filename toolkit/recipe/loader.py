@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 from pathlib import Path
 
 import yaml
@@ -35,7 +36,37 @@ def list_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _TooBig(ValueError):
+    """A YAML text beyond the budgets: args are (what is wrong, the fix)."""
+
+
+MAX_RECIPE_DEPTH = 64  # a recipe nests 3-4 levels; deeper nesting only exhausts the composer's recursion
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that refuses, while composing, nesting deeper than MAX_RECIPE_DEPTH (before Python's recursion
+    limit turns it into a slow RecursionError) and more than MAX_RECIPE_NODES written values (pure-Python YAML
+    takes tens of microseconds per value). Aliases are counted after composing, by _expanded_size."""
+
+    _depth = 0
+    _composed = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        self._composed += 1
+        try:
+            if self._depth > MAX_RECIPE_DEPTH:
+                raise _TooBig(f"nests its values more than {MAX_RECIPE_DEPTH} levels deep",
+                              "a recipe nests a few levels (section: {key: value}); flatten it")
+            if self._composed > MAX_RECIPE_NODES:
+                raise _TooBig(f"holds more than {MAX_RECIPE_NODES:,} values",
+                              "a recipe holds a few hundred values; pass the recipe YAML, not a data file")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+class _UniqueKeyLoader(_BoundedLoader):
     """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one, silently)."""
 
     def construct_mapping(self, node, deep=False):
@@ -51,8 +82,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 # Budgets for hostile recipe files. A recipe is a few KB with a few hundred values; these are far above that and far
 # below what would hang validation (nested aliases, "billion laughs", expand 1 KB into 9^9 values).
-MAX_RECIPE_BYTES = 1 << 20
-MAX_RECIPE_NODES = 100_000
+MAX_RECIPE_BYTES = 256 << 10
+MAX_RECIPE_NODES = 5_000
 MAX_PROBLEMS = 20
 MAX_REPR = 80
 
@@ -94,14 +125,23 @@ def _yaml_problem(path: Path, source: str, message: str, fix: str) -> RecipeErro
     return RecipeError(source, [Problem("<yaml>", f"{path} {message}", fix)])
 
 
-class _TooBig(ValueError):
-    """A YAML text beyond the budgets: args are (what is wrong, the fix)."""
+def _flow_depth(text: str) -> int:
+    """The deepest nesting of [ and { in the text (brackets inside quotes or comments count too: a recipe with
+    dozens of unbalanced brackets in its strings is no recipe)."""
+    depth = deepest = 0
+    for m in re.finditer(r"[\[\]{}]", text):
+        depth = depth + 1 if m.group() in "[{" else max(depth - 1, 0)
+        deepest = max(deepest, depth)
+    return deepest
 
 
-def _bounded_load(text: str, loader_cls: type = yaml.SafeLoader):
+def _bounded_load(text: str, loader_cls: type = _BoundedLoader):
     """yaml.safe_load with budgets: aliases may not expand past MAX_RECIPE_NODES values or contain themselves,
     nesting may not exhaust the stack, integers may not exceed Python's int-str limit. Raises _TooBig or
     yaml.YAMLError."""
+    if _flow_depth(text) > MAX_RECIPE_DEPTH:  # PyYAML scans nested brackets in quadratic time: refuse up front
+        raise _TooBig(f"nests its values more than {MAX_RECIPE_DEPTH} levels deep",
+                      "a recipe nests a few levels (section: {key: value}); flatten it")
     loader = loader_cls(text)
     try:
         node = loader.get_single_node()
