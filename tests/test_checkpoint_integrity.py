@@ -188,7 +188,10 @@ def test_inspect_names_the_file_that_fails(world_of_one, tmp_path):
             "after the save)") in proc.stdout.splitlines()
     proc = subprocess.run([sys.executable, "-m", "toolkit", "inspect", str(root)], capture_output=True, text=True,
                           cwd=REPO)
-    assert proc.returncode == 0 and "  step: 1" in proc.stdout.splitlines()
+    # step 1 is the newest intact one; it is not called complete, as convert would not read its stand-in backend
+    assert proc.returncode == 1 and "  step: 1" in proc.stdout.splitlines()
+    assert (f"  problem: {root}/step_00000001/toolkit_meta.json names backend 'x'; expected megatron or deepspeed"
+            in proc.stdout.splitlines())
     assert ("  step_00000002: incomplete: weights.bin does not match its sha256 in the manifest (the file or the "
             "manifest changed after the save)") in proc.stdout.splitlines()
 
