@@ -80,7 +80,7 @@ RECIPES = [
     ("utf16", "base: tiny_zero0\n".encode("utf-16"), ["is not UTF-8 text (byte 0xff at line 1)"]),
     ("int_5000_digits", b"base: tiny_zero0\ntraining: {steps: " + b"9" * 5000 + b"}\n",
      ["holds an integer of more than 4,300 digits", "use numbers of ordinary size"]),
-    ("deep_nesting", b"base: tiny_zero0\nname: " + b"[" * 5000 + b"]" * 5000 + b"\n", ["nests its values more than 64 levels deep"]),
+    ("deep_nesting", b"base: tiny_zero0\nname: " + b"[" * 20000 + b"]" * 20000 + b"\n", ["nests its values more than 64 levels deep"]),
     ("empty_file", b"", ["is empty (no keys)", "base: tiny_zero0"]),
     ("comments_only", b"# nothing here\n\n", ["is empty (no keys)"]),
     ("empty_mapping", b"{}\n", ["is empty (no keys)"]),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import re
 from pathlib import Path
 
 import yaml
@@ -125,23 +124,10 @@ def _yaml_problem(path: Path, source: str, message: str, fix: str) -> RecipeErro
     return RecipeError(source, [Problem("<yaml>", f"{path} {message}", fix)])
 
 
-def _flow_depth(text: str) -> int:
-    """The deepest nesting of [ and { in the text (brackets inside quotes or comments count too: a recipe with
-    dozens of unbalanced brackets in its strings is no recipe)."""
-    depth = deepest = 0
-    for m in re.finditer(r"[\[\]{}]", text):
-        depth = depth + 1 if m.group() in "[{" else max(depth - 1, 0)
-        deepest = max(deepest, depth)
-    return deepest
-
-
 def _bounded_load(text: str, loader_cls: type = _BoundedLoader):
     """yaml.safe_load with budgets: aliases may not expand past MAX_RECIPE_NODES values or contain themselves,
     nesting may not exhaust the stack, integers may not exceed Python's int-str limit. Raises _TooBig or
     yaml.YAMLError."""
-    if _flow_depth(text) > MAX_RECIPE_DEPTH:  # PyYAML scans nested brackets in quadratic time: refuse up front
-        raise _TooBig(f"nests its values more than {MAX_RECIPE_DEPTH} levels deep",
-                      "a recipe nests a few levels (section: {key: value}); flatten it")
     loader = loader_cls(text)
     try:
         node = loader.get_single_node()
