@@ -28,9 +28,11 @@ def test_linear_and_constant():
 def _fake_ckpt(root, step, complete=True):
     d = root / ckpt.tag_for(step)
     d.mkdir(parents=True)
+    (d / ckpt.STARTED).write_text(json.dumps({"step": step}))  # a save writes it first
     (d / "mp_rank_00_model_states.pt").write_bytes(b"x")
     if complete:
-        (d / ckpt.META).write_text(json.dumps({"step": step, "layout": {"world_size": 2, "zero_stage": 3}}))
+        (d / ckpt.META).write_text(json.dumps({"step": step, "layout": {"world_size": 2, "zero_stage": 3},
+                                               "files": {"mp_rank_00_model_states.pt": 1}}))
     return d
 
 
