@@ -389,8 +389,10 @@ def test_extensions_cache_is_per_environment(monkeypatch, tmp_path):
     first = run.extensions_dir()
     assert first == run.extensions_dir(), "stable: built once per environment, then reused"
     assert first.parent == tmp_path / "torch_extensions" and Path(sys.prefix).name in first.name
-    monkeypatch.setattr(sys, "prefix", "/opt/other-env")
-    assert run.extensions_dir() != first, "another environment gets its own folder"
+    monkeypatch.setattr(sys, "prefix", "/opt/a/.venv")
+    one = run.extensions_dir()
+    monkeypatch.setattr(sys, "prefix", "/opt/b/.venv")
+    assert run.extensions_dir() != one and one != first, "every environment gets its own folder, same name or not"
     run.use_own_extensions_cache()
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(run.extensions_dir())
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/users/choice")

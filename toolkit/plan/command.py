@@ -42,8 +42,8 @@ def _global_batch(r) -> int:
 
 
 def check_write_path(path: Path, overwrite: bool) -> None:
-    """`--write PATH` can be written: its folder exists and is writable, and it is not a folder itself.
-    Checked before any planning, so a typo costs nothing and leaves nothing behind."""
+    """`--write PATH` can be written: its folder exists and is writable, and it is not a folder itself. Checked
+    before the temporary file is written, so a typo leaves nothing behind."""
     if path.is_dir():
         raise ToolkitError(f"--write {path}: that is a folder; give a file path such as {path / 'planned.yaml'}")
     if path.exists() and not overwrite:
@@ -59,8 +59,6 @@ def check_write_path(path: Path, overwrite: bool) -> None:
 def run(args) -> int:
     r = load_recipe(args.recipe, args.overrides)
     cluster = cluster_from_args(args)
-    if args.write:
-        check_write_path(Path(args.write), args.overwrite)
     gb = _global_batch(r)
     backends = BACKENDS if args.backend == "any" else (args.backend,)
     try:
