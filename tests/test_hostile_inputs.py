@@ -319,6 +319,25 @@ def test_empty_corpus_through_the_real_entry_point(tmp_path):
     assert snapshot(tmp_path) == before
 
 
+def test_too_little_data_leaves_no_run_folder(tmp_path):
+    """Data that only tokenization can judge (too short for one sequence) is found after the process group is up,
+    but before the run folder, its log and TensorBoard file exist (the Megatron backend, a world of one: no
+    DeepSpeed op to build, about 7 s)."""
+    data = tmp_path / "short.jsonl"
+    data.write_text('{"text": "hello world"}\n')
+    before = snapshot(tmp_path)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "recipes/train.py", "--recipe", "tiny_dp2_distopt", "--set",
+                           "parallel.world_size=1", "--set", f"data.paths=[{data}]", "--set",
+                           f"output_dir={tmp_path / 'run'}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert last.startswith("error: data: no complete sequence of 128 tokens") and "lower data.seq_len" in last
+    assert snapshot(tmp_path) == before, "no run folder, log or TensorBoard file"
+
+
 # ------------------------------------------------------------------ NVMe folder
 
 def test_missing_nvme_path_stops_the_run_before_deepspeed(tmp_path, capsys, monkeypatch):
