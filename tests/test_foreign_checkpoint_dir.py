@@ -5,6 +5,7 @@ empty folder) is still cleared."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -107,7 +108,9 @@ def test_a_foreign_folder_appearing_during_the_run_is_never_written_nor_pruned(w
     _save(root, 1)
     user = _plant_user_folder(root, "step_00000002")  # at the step the run saves next
     older = _plant_user_folder(root, "step_00000000")  # older than every checkpoint: prune's debris rule
-    before = snapshot(user), snapshot(older)
+    backup = root / "step_00000001.bak"  # the user's copy of a checkpoint, meta file and manifest included
+    shutil.copytree(root / "step_00000001", backup)
+    before = snapshot(user), snapshot(older), snapshot(backup)
     with pytest.raises(ToolkitError) as err:
         _save(root, 2)
     assert str(err.value) == (f"checkpoint.dir {root} holds step_00000002, which the toolkit did not write; move it "
@@ -115,8 +118,9 @@ def test_a_foreign_folder_appearing_during_the_run_is_never_written_nor_pruned(w
     for step in (3, 4, 5):  # several saves, each pruned to keep: 1
         _save(root, step)
         ckpt.prune(root, 1)
-    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000000", "step_00000002", "step_00000005"]
-    assert (snapshot(user), snapshot(older)) == before
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000000", "step_00000001.bak", "step_00000002",
+                                                          "step_00000005"]
+    assert (snapshot(user), snapshot(older), snapshot(backup)) == before
 
 
 def test_the_toolkits_own_debris_is_still_cleared(world_of_one, tmp_path):
