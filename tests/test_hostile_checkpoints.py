@@ -137,6 +137,11 @@ def st_not_a_tensor(src: Path) -> None:
     _write(src / "model.safetensors", header, body)
 
 
+def st_header_a_list(src: Path) -> None:
+    _, body = _header(src / "model.safetensors")
+    _write(src / "model.safetensors", [], body)
+
+
 def _outside(case: Path, name: str, data: bytes = b"root:x:0:0:secret\n") -> Path:
     path = case / "outside" / name
     path.parent.mkdir(exist_ok=True)
@@ -231,6 +236,8 @@ CONVERT_CASES = [
     ("shape size mismatch", "hf", st_shape_size, [], ["bytes for shape", "re-copy or re-save this file"]),
     ("an entry that is not a tensor", "hf", st_not_a_tensor, [], ["describes model.extra as [1, 2, 3], not a tensor",
                                                                   "re-copy or re-save this file"]),
+    ("a header that is a list", "hf", st_header_a_list, [], ["has a header that is a JSON list, not an object",
+                                                             "re-copy or re-save this file"]),
     ("tokenizer link out of the folder", "hf", tok_symlink_out, [], ["(its tokenizer file) names tokenizer.json",
                                                                      "outside", "copy the file into"]),
     ("config link out of the folder", "hf", config_symlink_out, [], ["names config.json", "outside",
