@@ -52,8 +52,8 @@ def _plant_user_folder(root: Path, name: str = "step_00000001") -> Path:
 
 def _message(root: Path, entry: str, more: str = "") -> str:
     return (f"checkpoint.dir {root} holds {entry}{more}, which the toolkit did not write (no toolkit_meta.json or "
-            f"toolkit_started.json in it); move it out of {root} or choose another checkpoint.dir. Nothing was "
-            "written")
+            f"toolkit_started.json in it); move it out of {root} or choose another checkpoint.dir. Nothing in "
+            f"{root} was written or deleted")
 
 
 def test_training_refuses_a_checkpoint_dir_holding_a_foreign_step_folder(tmp_path):
@@ -71,8 +71,7 @@ def test_training_refuses_a_checkpoint_dir_holding_a_foreign_step_folder(tmp_pat
                            *[a for s in sets for a in ("--set", s)]], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: {_message(root, 'step_00000001')}"], proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [f"error: {_message(root, 'step_00000001')}"], proc.stderr[-3000:]
     assert {k: v for k, v in snapshot(out).items() if k.startswith("checkpoints")} == \
         {k: v for k, v in before.items() if k.startswith("checkpoints")}
 
@@ -114,7 +113,8 @@ def test_a_foreign_folder_appearing_during_the_run_is_never_written_nor_pruned(w
     with pytest.raises(ToolkitError) as err:
         _save(root, 2)
     assert str(err.value) == (f"checkpoint.dir {root} holds step_00000002, which the toolkit did not write; move it "
-                              f"out of {root} or choose another checkpoint.dir. Nothing was written")
+                              f"out of {root} or choose another checkpoint.dir. Nothing in {root} was written or "
+                              "deleted")
     for step in (3, 4, 5):  # several saves, each pruned to keep: 1
         _save(root, step)
         ckpt.prune(root, 1)

@@ -74,8 +74,8 @@ def refuse_foreign(root: Path, what: str = "checkpoint.dir") -> None:
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise ToolkitError(f"{what} {root} holds {found[0].name}{more}, which the toolkit did not write (no {META} "
-                           f"or {STARTED} in it); move it out of {root} or choose another {what}. Nothing was "
-                           "written")
+                           f"or {STARTED} in it); move it out of {root} or choose another {what}. Nothing in "
+                           f"{root} was written or deleted")
 
 
 def mark_started(tag_dir: Path, step: int) -> None:

@@ -130,7 +130,7 @@ def _prepare(backend, root: Path, tag_dir: Path) -> None:
     previous, free, stale, alien = int(worst[0]), -int(worst[1]), bool(worst[2]), bool(worst[3])
     if alien:  # appeared during the run (refuse_checkpoint_dir saw none at the start): never save into it
         raise ToolkitError(f"checkpoint.dir {root} holds {tag_dir.name}, which the toolkit did not write; move it "
-                           f"out of {root} or choose another checkpoint.dir. Nothing was written")
+                           f"out of {root} or choose another checkpoint.dir. Nothing in {root} was written or deleted")
     basis = (f"the size of {done[-1].name}" if previous and done else
              f"the model and optimizer state on the {dist.get_world_size()} ranks")
     manifest.require_space(root, previous or int(summed.item()), free, f"checkpoint {tag_dir.name}", basis)
