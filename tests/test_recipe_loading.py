@@ -99,11 +99,16 @@ def test_batch_derivation(given, expect):
         assert plan.notes and "(derived)" in plan.notes[-1]
 
 
-def test_nvme_path_may_be_created_but_not_under_a_file(tmp_path):
+def test_nvme_path_must_exist_unless_inside_the_run_folder(tmp_path):
+    """DeepSpeed would create a mistyped nvme_path on whatever disk holds it; the run refuses a missing one, except a
+    scratch folder inside its own output folder (tiny_zero3_nvme's), which the run creates."""
     from toolkit.recipe import check_paths
 
     fresh = load_recipe("tiny_zero3_nvme", [f"parallel.nvme_path={tmp_path}/not/yet/there"])
-    assert not [p for p in check_paths(fresh) if p.key == "parallel.nvme_path"]
+    assert [p.message for p in check_paths(fresh) if p.key == "parallel.nvme_path"] == [
+        f"{tmp_path}/not/yet/there does not exist on this machine"]
+    inside = load_recipe("tiny_zero3_nvme", [f"output_dir={tmp_path}/run", f"parallel.nvme_path={tmp_path}/run/swap"])
+    assert not [p for p in check_paths(inside) if p.key == "parallel.nvme_path"]
     (tmp_path / "file").write_text("x")
-    blocked = load_recipe("tiny_zero3_nvme", [f"parallel.nvme_path={tmp_path}/file/swap"])
+    blocked = load_recipe("tiny_zero3_nvme", [f"output_dir={tmp_path}/file", f"parallel.nvme_path={tmp_path}/file/swap"])
     assert [p.key for p in check_paths(blocked)] == ["parallel.nvme_path"]
