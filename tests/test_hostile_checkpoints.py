@@ -42,6 +42,10 @@ def built(tmp_path_factory, tiny_hf_checkpoint):
             elif name == "output":
                 _BUILT[name] = convert(tiny_hf_checkpoint, root / "out", "megatron", progress=False,
                                        log=lambda *_: None)
+            elif name == "deepspeed":  # a real ZeRO-1 run of one step (about 8 s)
+                from test_bad_inputs import _deepspeed_run
+
+                _BUILT[name] = _deepspeed_run(root)
             elif name == "megatron_lm":
                 write_megatron_lm(root / "mlm", hf_model_for())
                 _BUILT[name] = root / "mlm"
@@ -195,6 +199,13 @@ def megatron_file_symlink_out(src: Path) -> None:
     f.symlink_to(target)
 
 
+def deepspeed_file_symlink_out(src: Path) -> None:
+    f = src / "step_00000001" / "mp_rank_00_model_states.pt"
+    target = _outside(src.parent, f.name, f.read_bytes())  # same bytes: the manifest still matches
+    f.unlink()
+    f.symlink_to(target)
+
+
 def tracker_dotdot(src: Path) -> None:
     (src / "latest_checkpointed_iteration.txt").write_text("../../../etc")
 
@@ -252,6 +263,8 @@ CONVERT_CASES = [
                                                               "outside", "copy the file into"]),
     ("Megatron file link out", "megatron", megatron_file_symlink_out, [], ["names model_tp00_pp000.safetensors",
                                                                            "outside", "copy the file into"]),
+    ("DeepSpeed file link out", "deepspeed", deepspeed_file_symlink_out, [], [
+        "toolkit_meta.json names mp_rank_00_model_states.pt", "outside", "copy the file into"]),
     ("tracker naming ../", "megatron_lm", tracker_dotdot, ["--vocab-size", "500"], [
         "latest_checkpointed_iteration.txt holds '../../../etc', not an iteration number",
         "write the number of the iteration"]),
