@@ -123,8 +123,9 @@ def _check_json_lines(text: str, whole: bool, cfg: DataConfig) -> tuple[str, str
                     'write one JSON object per line, e.g. {"text": "..."}')
         if not any(isinstance(row.get(f), str) for f in fields):
             keys = ", ".join(list(map(str, row))[:8]) or "none"
-            return (f"{label} {n} has no text string under {' or '.join(map(repr, dict.fromkeys(fields)))} "
-                    f"(its keys: {keys})", "set data.text_field to the key that holds the text")
+            under = " or ".join(map(repr, dict.fromkeys(fields)))
+            return (f"{label} {n} has no text string under {under} (its keys: {keys})",
+                    "set data.text_field to the key that holds the text")
     return None
 
 

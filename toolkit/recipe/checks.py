@@ -215,7 +215,7 @@ def check_nvme_path(r: Recipe) -> list[Problem]:
                         f"create it on every node (mkdir -p {p.nvme_path}) on the local NVMe drive, or fix the path")]
     if not os.access(path, os.W_OK | os.X_OK):
         return [Problem("parallel.nvme_path", f"{p.nvme_path} is not writable by this user",
-                        f"chmod/chown it (or pick a folder you own) on the local NVMe drive")]
+                        "chmod/chown it (or pick a folder you own) on the local NVMe drive")]
     return []
 
 
