@@ -407,7 +407,7 @@ def test_extensions_cache_is_per_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     first = run.extensions_dir()
     assert first == run.extensions_dir(), "stable: built once per environment, then reused"
-    assert first.parent == tmp_path / "torch_extensions" and Path(sys.prefix).name in first.name
+    assert first.parent == tmp_path / "torch_extensions" and first.name.startswith(Path(sys.prefix).name.lstrip(".") + "-")
     monkeypatch.setattr(sys, "prefix", "/opt/a/.venv")
     one = run.extensions_dir()
     monkeypatch.setattr(sys, "prefix", "/opt/b/.venv")

@@ -30,7 +30,8 @@ def extensions_dir() -> Path:
     Keyed on the environment, each op is built once per environment and then reused by every run and test."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     key = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
-    return cache / "torch_extensions" / f"{Path(sys.prefix).name}-{key}"
+    name = Path(sys.prefix).name.lstrip(".") or "env"  # `.venv` would make a hidden folder
+    return cache / "torch_extensions" / f"{name}-{key}"
 
 
 def use_own_extensions_cache() -> None:
