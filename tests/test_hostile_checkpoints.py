@@ -97,7 +97,7 @@ def st_gap(src: Path) -> None:
 
 def st_out_of_range(src: Path) -> None:
     header, body = _header(src / "model.safetensors")
-    name, info = _tensors(header)[0]
+    _, info = _tensors(header)[0]
     size = info["data_offsets"][1] - info["data_offsets"][0]
     info["data_offsets"] = [len(body), len(body) + size]
     _write(src / "model.safetensors", header, body)
@@ -105,7 +105,7 @@ def st_out_of_range(src: Path) -> None:
 
 def st_inverted(src: Path) -> None:
     header, body = _header(src / "model.safetensors")
-    name, info = _tensors(header)[1]
+    _, info = _tensors(header)[1]
     info["data_offsets"] = info["data_offsets"][::-1]
     _write(src / "model.safetensors", header, body)
 
