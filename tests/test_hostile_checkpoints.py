@@ -406,8 +406,18 @@ def test_a_read_only_parent_is_refused_before_anything_is_written(built, tmp_pat
 
 
 # ------------------------------------------------------------------ inspect and convert agree
+def pointer_names_a_damaged_step(src: Path) -> None:
+    shutil.copytree(src / "step_00000000", src / "step_00000001")
+    f = src / "step_00000001" / "model_tp00_pp000.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    (src / "latest_complete").write_text("step_00000001")
+
+
 DISAGREED = [("hf", hf_config_disagrees, "does not match its config.json"),
-             ("megatron", meta_layout_disagrees, "model_tp01_pp000.safetensors")]
+             ("megatron", meta_layout_disagrees, "model_tp01_pp000.safetensors"),
+             ("megatron", pointer_names_a_damaged_step, "model_tp00_pp000.safetensors does not match its sha256")]
 
 
 @pytest.mark.parametrize("source,damage,phrase", DISAGREED, ids=[d[1].__name__ for d in DISAGREED])
@@ -419,7 +429,7 @@ def test_inspect_calls_complete_only_what_convert_reads(source, damage, phrase, 
     src = tmp_path / "src"
     shutil.copytree(built(source), src)
     damage(src)
-    target = src if source == "hf" else src / "step_00000000"
+    target = src if damage is not meta_layout_disagrees else src / "step_00000000"
     before = snapshot(tmp_path)
     code, out, err = run(["convert", str(target), str(tmp_path / "dst"), "--to", "hf"], capsys)
     assert code == 2 and phrase in err and "Traceback" not in err
@@ -427,7 +437,7 @@ def test_inspect_calls_complete_only_what_convert_reads(source, damage, phrase, 
     assert not report["complete"] and any(phrase in p for p in report["problems"]), report["problems"]
     code, out, err = run(["inspect", str(target)], capsys)
     assert code == 1 and "INCOMPLETE" in out.splitlines()[0] and "Traceback" not in out + err
-    if source == "megatron":  # the checkpoint directory too: its newest intact step is the one convert refuses
+    if damage is meta_layout_disagrees:  # the checkpoint directory too: its newest intact step is the one convert refuses
         code, out, err = run(["inspect", str(src)], capsys)
         assert code == 1 and "INCOMPLETE" in out.splitlines()[0] and "Traceback" not in out + err, out
     assert snapshot(tmp_path) == before
