@@ -437,7 +437,7 @@ def test_inspect_calls_complete_only_what_convert_reads(source, damage, phrase, 
     assert not report["complete"] and any(phrase in p for p in report["problems"]), report["problems"]
     code, out, err = run(["inspect", str(target)], capsys)
     assert code == 1 and "INCOMPLETE" in out.splitlines()[0] and "Traceback" not in out + err
-    if damage is meta_layout_disagrees:  # the checkpoint directory too: its newest intact step is the one convert refuses
+    if damage is meta_layout_disagrees:  # the directory too: its newest intact step is the one convert refuses
         code, out, err = run(["inspect", str(src)], capsys)
         assert code == 1 and "INCOMPLETE" in out.splitlines()[0] and "Traceback" not in out + err, out
     assert snapshot(tmp_path) == before
