@@ -386,6 +386,26 @@ def test_a_destination_the_toolkit_wrote_is_replaced_with_overwrite(built, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]  # no scratch or old folder left
 
 
+def test_a_hugging_face_cache_snapshot_converts_but_a_link_out_of_its_repository_does_not(built, tmp_path, capsys):
+    """The hub cache's own layout (snapshots/REV/* are links to ../../blobs/HASH) is read; a link from a snapshot to
+    anywhere else is not."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snap = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in sorted(built("hf").iterdir()):
+        blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, blob)
+        (snap / f.name).symlink_to(Path("../../blobs") / blob.name)
+    code, _, err = run(["convert", str(snap), str(tmp_path / "out"), "--to", "megatron"], capsys)
+    assert code == 0, err
+    (snap / "tokenizer.json").symlink_to(_outside(tmp_path, "secret.json", b"{}"))
+    before = snapshot(tmp_path)
+    code, out, err = run(["convert", str(snap), str(tmp_path / "out2"), "--to", "hf"], capsys)
+    assert_one_line(code, out, err, ["(its tokenizer file) names tokenizer.json", "outside"])
+    assert snapshot(tmp_path) == before
+
+
 def test_a_read_only_parent_is_refused_before_anything_is_written(built, tmp_path):
     from test_bad_inputs import run_subprocess
 

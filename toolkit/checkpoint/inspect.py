@@ -42,7 +42,7 @@ def inspect(path: str | Path) -> dict:
 
 
 def _agree(report: dict, path: Path, vocab_size: int | None = None) -> dict:
-    """`complete` only when `toolkit convert` also reads the checkpoint (sources.refusal: the one check both use);
+    """`complete` only when `toolkit convert` also reads `path` (sources.refusal: the one check both use);
     otherwise its reason is listed with the other problems."""
     if report["complete"]:
         why = refusal(path, vocab_size)
@@ -156,14 +156,15 @@ def _numel(shape) -> int:
 
 
 def inspect_root(root: Path) -> dict:
-    """The newest intact checkpoint of a directory, plus the state of every step_* folder in it."""
+    """The newest intact checkpoint of a directory, plus the state of every step_* folder in it; complete only when
+    convert reads the directory too (it takes the step its latest_complete pointer names, never an older one)."""
 
     steps = {p.name: manifest.verify(p) for p in sorted(root.glob(TAG_GLOB)) if p.is_dir()}
     intact = [name for name, problems in steps.items() if not problems]
     if not intact:
         raise ToolkitError(f"{root} holds no complete checkpoint; incomplete: "
                            + ("; ".join(f"{n}: {p[0]}" for n, p in steps.items()) or "none"))
-    report = _agree(inspect_toolkit(root / intact[-1]), root / intact[-1])
+    report = _agree(_agree(inspect_toolkit(root / intact[-1]), root / intact[-1]), root)
     report["checkpoints"] = {name: "complete" if not p else "incomplete: " + "; ".join(p) for name, p in steps.items()}
     return report
 

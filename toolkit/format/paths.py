@@ -1,6 +1,7 @@
 """Paths a checkpoint names (index entries, pointers, tokenizer files, manifest entries, per-rank files) are read
 only when they resolve, links followed, inside the folder the user named: a checkpoint never makes the toolkit
-open a file elsewhere."""
+open a file elsewhere. One exception, by its layout: a snapshot folder of the Hugging Face hub cache links its
+files into its own repository's blobs folder."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,11 +18,22 @@ def resolve(path: Path) -> Path:
                            "folder") from None
 
 
+def _homes(root: Path) -> list[Path]:
+    """Where the files of `root` may live: root itself, and for a snapshot of the Hugging Face hub cache
+    (<cache>/models--ORG--NAME/snapshots/REVISION, whose files are links to ../../blobs/HASH) that repository's
+    blobs folder."""
+    base = resolve(root)
+    homes = [base]
+    if base.parent.name == "snapshots" and base.parent.parent.name.startswith("models--"):
+        homes.append(base.parent.parent / "blobs")
+    return homes
+
+
 def inside(root: Path, name: str | Path, what: str) -> Path:
     """root / name, refused unless it resolves inside root (`what` says where the name came from)."""
     path = Path(root) / name
-    base, real = resolve(root), resolve(path)
-    if real != base and base not in real.parents:
+    real = resolve(path)
+    if not any(real == home or home in real.parents for home in _homes(root)):
         raise ToolkitError(f"{what} names {name}, which resolves to {real}, outside {root}; a checkpoint may only "
                            f"refer to files inside its own folder: copy the file into {root} (not a link out of it)")
     return path
