@@ -406,6 +406,20 @@ def test_a_hugging_face_cache_snapshot_converts_but_a_link_out_of_its_repository
     assert snapshot(tmp_path) == before
 
 
+def test_training_reads_no_weights_linked_from_outside_the_model_folder(built, tmp_path):
+    """model.hf_path: the weights a run loads come from inside the folder the recipe names."""
+    from toolkit.checkpoint.hf_io import LazyHFState
+    from toolkit.errors import ToolkitError
+
+    src = tmp_path / "src"
+    shutil.copytree(built("hf"), src)
+    with LazyHFState(src) as state:
+        assert "model.embed_tokens.weight" in state
+    weights_symlink_out(src)
+    with pytest.raises(ToolkitError, match=r"names model.safetensors, which resolves to .*outside"), LazyHFState(src):
+        pass
+
+
 def test_a_read_only_parent_is_refused_before_anything_is_written(built, tmp_path):
     from test_bad_inputs import run_subprocess
 

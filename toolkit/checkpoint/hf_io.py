@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from toolkit.errors import ToolkitError
+from toolkit.format import paths
 from toolkit.format import safetensors_stream as st
 
 
@@ -24,7 +25,7 @@ class LazyHFState:
         if not files:
             raise ToolkitError(f"{self.folder} holds no *.safetensors files; save the model with safe_serialization")
         for f in files:
-            reader = st.Reader(f)
+            reader = st.Reader(paths.inside(self.folder, f.name, str(self.folder)))  # never a link out of it
             self._readers.append(reader)
             self._where.update({k: reader for k in reader.keys()})
         return self
