@@ -258,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp32", action="store_true", help="DeepSpeed sources: take the fp32 master weights from the "
                    "optimizer files instead of the model states")
     p.add_argument("--weights-only", action="store_true", help="leave the optimizer state behind")
-    p.add_argument("--overwrite", action="store_true", help="replace DST once the new checkpoint is complete")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace DST, once the new checkpoint is complete, if DST is an earlier output of "
+                   "toolkit convert (its .toolkit_output.json lists every entry) or empty")
     p.add_argument("--verify", action="store_true", help="read every tensor back and compare it bit for bit with "
                    "the source, and for Hugging Face targets compare logits (the default; kept for clarity)")
     p.add_argument("--no-verify", action="store_true", help="skip the read-back check")
@@ -289,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="check this machine and launch environment: versions, GPUs, NCCL, "
                        "DeepSpeed ops, compilers, libaio, network settings, disk for checkpoints")
-    p.add_argument("--recipe", help="also check free disk at this recipe's checkpoint directory")
+    p.add_argument("--recipe", help="judge only what this recipe uses; check its checkpoint directory's free disk "
+                   "and its nvme_path")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe key (repeatable)")
     p.add_argument("--nodes", type=count("the number of nodes, e.g. 2", 65_536), default=None, help="nodes of the job to check the network settings for "

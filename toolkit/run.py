@@ -13,6 +13,7 @@ import torch.distributed as dist
 from toolkit.adapters.megatron import check_megatron
 from toolkit.data import DataStream, build_dataset, check_files, check_fills_a_step
 from toolkit.errors import Problem, RecipeError
+from toolkit.format.names import refuse_foreign
 from toolkit.megatron.backend import MegatronBackend
 from toolkit.megatron.runtime import te_available
 from toolkit.metrics import RunLog, detect_peak_tflops, flops_per_token
@@ -42,7 +43,9 @@ def use_own_extensions_cache() -> None:
 
 def check_before_start(recipe: Recipe) -> None:
     """What can be checked before any process group, model or output folder exists: the files the run reads
-    (data, tokenizer, weights), the head of every data file (empty, binary, wrongly shaped), the NVMe folder."""
+    (data, tokenizer, weights), the head of every data file (empty, binary, wrongly shaped), the NVMe folder, and
+    a checkpoint directory holding step_* entries the toolkit did not write (refused before anything is created)."""
+    refuse_foreign(Path(recipe.checkpoint_dir))
     problems = check_paths(recipe)
     if not any(p.key == "data.paths" for p in problems):
         problems += check_files(recipe.data)
