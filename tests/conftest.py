@@ -11,6 +11,12 @@ import pytest
 
 from toolkit.proc import free_port  # noqa: F401 - the tests import it from here
 from toolkit.proc import signal_tree as signal_process_tree  # noqa: F401
+from toolkit.run import use_own_extensions_cache
+
+# The tests that import DeepSpeed in this process, the benchmarks' hand-written scripts and every training launch
+# then share the environment's one extensions cache: each JIT op is built once per run of the suite, not per kind
+# of caller.
+use_own_extensions_cache()
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(preset="tiny")  # 2 layers, hidden 64, GQA 4 heads / 2 kv heads, vocab 512

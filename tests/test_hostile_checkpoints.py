@@ -420,6 +420,25 @@ def test_training_reads_no_weights_linked_from_outside_the_model_folder(built, t
         pass
 
 
+def test_the_deepspeed_backend_reads_no_weights_linked_from_outside_the_model_folder(built, tmp_path):
+    """The DeepSpeed backend's loader (toolkit.model.load_hf_weights) keeps to the folder too."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.errors import ToolkitError
+    from toolkit.model import load_hf_weights
+
+    src = tmp_path / "src"
+    shutil.copytree(built("hf"), src)
+    config = json.loads((src / "config.json").read_text())
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k not in ("dtype", "torch_dtype")}))
+    load_hf_weights(model, src, zero3=False)
+    weights_symlink_out(src)
+    with pytest.raises(ToolkitError, match=r"model.hf_path names model.safetensors, which resolves to .*outside"):
+        load_hf_weights(model, src, zero3=False)
+
+
 def test_a_read_only_parent_is_refused_before_anything_is_written(built, tmp_path):
     from test_bad_inputs import run_subprocess
 

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
 from toolkit.errors import ToolkitError
+from toolkit.format import paths
+from toolkit.format import safetensors_stream as st
 from toolkit.recipe.schema import ModelConfig
 
 
@@ -76,12 +77,13 @@ def load_hf_weights(model, folder: Path, zero3: bool) -> None:
     params = dict(model.named_parameters())
     seen: set[str] = set()
     for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
+        # the toolkit's own reader: byte ranges checked, and never a file linked from outside the folder
+        with st.Reader(paths.inside(folder, file.name, "model.hf_path")) as f:
             for key in f.keys():
                 if key not in params:
                     raise ToolkitError(f"model.hf_path: {file.name} holds {key!r}, which this model does not have; "
                                        "is model.* (or the preset) the architecture of these weights?")
-                _copy_into(params[key], f.get_tensor(key), key, zero3)
+                _copy_into(params[key], f.get(key), key, zero3)
                 seen.add(key)
     missing = [k for k in params if k not in seen and not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing:
