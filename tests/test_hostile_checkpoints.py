@@ -230,8 +230,21 @@ def meta_layout_disagrees(src: Path) -> None:
     meta_path.write_text(json.dumps(meta))
 
 
+def _config(**fields):
+    def damage(src: Path) -> None:
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, **fields}))
+    return damage
+
+
 # (name, source, damage, extra args, phrases the one line must hold: the problem, then the fix)
 CONVERT_CASES = [
+    ("a family the converter does not know", "hf", _config(model_type="mistral", sliding_window=4096),
+     ["--to", "megatron"], ["model family 'mistral' is not supported; supported: llama", "toolkit/families/"]),
+    ("sliding-window attention", "hf", _config(sliding_window=4096), ["--to", "megatron"],
+     ["sets sliding_window: 4096", "convert a model without sliding-window attention"]),
+    ("an activation the map does not target", "hf", _config(hidden_act="gelu"), ["--to", "megatron"],
+     ["sets hidden_act: gelu", "convert a model whose MLP uses silu"]),
     ("overlapping byte ranges", "hf", st_overlap, [], ["overlaps", "two tensors would share bytes",
                                                        "re-copy or re-save this file"]),
     ("a gap between tensors", "hf", st_gap, [], ["leaves bytes [0, 8) before", "unclaimed by any tensor",

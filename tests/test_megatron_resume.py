@@ -36,7 +36,7 @@ def test_tp2_pp2_trains_and_checkpoints(tmp_path):
     files = sorted(p.name for p in (out / "checkpoints" / "step_00000030").iterdir())
     ranks = ["tp00_pp000", "tp00_pp001", "tp01_pp000", "tp01_pp001"]
     assert files == [*[f"model_{r}.safetensors" for r in ranks], *[f"optim_{r}.safetensors" for r in ranks],
-                     "toolkit_meta.json", *[f"toolkit_rank{r:05d}.pt" for r in range(4)]]
+                     "toolkit_meta.json", *[f"toolkit_rank{r:05d}.pt" for r in range(4)], "toolkit_started.json"]
 
 
 def test_resume_on_another_layout_is_refused(tmp_path):

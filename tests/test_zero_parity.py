@@ -31,6 +31,7 @@ def reference(tiny_hf_checkpoint):
     ("tiny_zero3_nvme", []), ("tiny_zero3", ["training.activation_checkpointing=full"]),
 ], ids=["zero0", "zero1", "zero2", "zero3", "zero3_offload", "zero3_nvme", "zero3_recompute"])
 def test_two_ranks_match_single_process(recipe, extra, reference, tiny_hf_checkpoint, tmp_path):
+    (tmp_path / "nvme").mkdir()  # a run checks its NVMe folder exists before it starts
     overrides = [*extra, "model.preset=null", f"model.hf_path={tiny_hf_checkpoint}", "model.pretrained=true",
                  f"training.steps={STEPS}", *SCHEDULE, "logging.interval=1", "checkpoint.interval=1000",
                  f"parallel.nvme_path={tmp_path / 'nvme'}"]
