@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from toolkit.proc import free_port  # noqa: F401 - the tests import it from here
+from toolkit.proc import (
+    free_port,  # noqa: F401 - the tests import it from here
+    use_own_extensions_cache,
+)
 from toolkit.proc import signal_tree as signal_process_tree  # noqa: F401
-from toolkit.run import use_own_extensions_cache
 
 # The tests that import DeepSpeed in this process, the benchmarks' hand-written scripts and every training launch
 # then share the environment's one extensions cache: each JIT op is built once per run of the suite, not per kind
@@ -78,6 +81,31 @@ def pytest_collection_modifyitems(config, items):
         if os.environ.get("TOOLKIT_REQUIRE_SLURM") == "1":
             raise pytest.UsageError(f"TOOLKIT_REQUIRE_SLURM=1 but Slurm cannot run here: {why}")
         _deselect(config, items, "slurm")
+
+
+_op_builder: subprocess.Popen | None = None
+
+
+def pytest_collection_finish(session):
+    """With slow tests selected, build DeepSpeed's JIT ops in the background at the lowest CPU priority
+    (tests/build_ops.py): the compile uses the time single-process tests leave a core idle."""
+    global _op_builder
+    if os.environ.get("TOOLKIT_NO_OP_PREBUILD") != "1" and any(i.get_closest_marker("slow") for i in session.items):
+        _op_builder = subprocess.Popen([sys.executable, str(REPO / "tests" / "build_ops.py")], cwd=REPO,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                       preexec_fn=lambda: os.nice(19),
+                                       env={**os.environ, "MAX_JOBS": str(os.cpu_count() or 1)})
+
+
+def pytest_sessionfinish(session):
+    if _op_builder is not None and _op_builder.poll() is None:
+        # the builder (its handler raises SystemExit, so torch's finally removes the lock), ninja and the compilers,
+        # which ninja starts in process groups of their own
+        signal_process_tree(_op_builder.pid, signal.SIGTERM)
+        try:
+            _op_builder.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            signal_process_tree(_op_builder.pid, signal.SIGKILL)
 
 
 @pytest.fixture(autouse=True)

@@ -100,9 +100,9 @@ def test_hostile_recipe_is_refused_quickly(case, text, needles, tmp_path, capsys
     path = tmp_path / "recipe.yaml"
     path.write_bytes(text)
     before = snapshot(tmp_path)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: what the input costs, whatever else the machine runs
     code, out, err = run_cli(capsys, "validate", "--recipe", str(path))
-    assert time.perf_counter() - start < 1.0, "hostile recipes must be refused in well under a second"
+    assert time.process_time() - start < 1.0, "hostile recipes must be refused in well under a CPU second"
     assert_refused(code, err, *needles, block=True)
     assert out == "" and snapshot(tmp_path) == before
 
@@ -402,7 +402,7 @@ def test_doctor_fails_only_for_what_the_recipe_uses(recipe, fails):
 # ------------------------------------------------------------------ the torch extensions cache
 
 def test_extensions_cache_is_per_environment(monkeypatch, tmp_path):
-    from toolkit import run
+    from toolkit import proc as run
 
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

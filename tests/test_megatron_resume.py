@@ -19,24 +19,16 @@ def test_resume_reproduces_uninterrupted_run(recipe, nproc, tmp_path):
     tag = tmp_path / "split" / "checkpoints" / "step_00000003"
     meta = json.loads((tag / "toolkit_meta.json").read_text())
     assert meta["backend"] == "megatron" and meta["layout"]["world_size"] == nproc
+    if recipe == "tiny_tp2_pp2":  # one weights file and one optimizer file per (tp, pp) rank
+        ranks = ["tp00_pp000", "tp00_pp001", "tp01_pp000", "tp01_pp001"]
+        assert sorted(p.name for p in tag.iterdir()) == [
+            *[f"model_{r}.safetensors" for r in ranks], *[f"optim_{r}.safetensors" for r in ranks],
+            "toolkit_meta.json", *[f"toolkit_rank{r:05d}.pt" for r in range(4)], "toolkit_started.json"]
     proc = launch(recipe, COMMON, nproc=nproc, out_dir=tmp_path / "split")
     assert "resumed from" in proc.stdout
     split = read_metrics(tmp_path / "split")
     assert [m["step"] for m in split] == [1, 2, 3, 4, 5, 6]
     assert [m["loss"] for m in split] == [m["loss"] for m in straight]  # bit-identical on CPU
-
-
-@pytest.mark.slow
-def test_tp2_pp2_trains_and_checkpoints(tmp_path):
-    out = tmp_path / "run"
-    launch("tiny_tp2_pp2", ["training.steps=30", "training.schedule.warmup_steps=5", "checkpoint.interval=15"],
-           nproc=4, out_dir=out)
-    losses = [m["loss"] for m in read_metrics(out)]
-    assert losses[-1] < losses[0] - 1.0, losses
-    files = sorted(p.name for p in (out / "checkpoints" / "step_00000030").iterdir())
-    ranks = ["tp00_pp000", "tp00_pp001", "tp01_pp000", "tp01_pp001"]
-    assert files == [*[f"model_{r}.safetensors" for r in ranks], *[f"optim_{r}.safetensors" for r in ranks],
-                     "toolkit_meta.json", *[f"toolkit_rank{r:05d}.pt" for r in range(4)], "toolkit_started.json"]
 
 
 def test_resume_on_another_layout_is_refused(tmp_path):
@@ -53,9 +45,9 @@ def test_resume_on_another_layout_is_refused(tmp_path):
 def test_export_after_tp2_pp2_training_equals_single_process_weights(tiny4l_hf_checkpoint, tmp_path):
     """Weights in, TP2xPP2 training, weights out: the exported Hugging Face model equals the single-process
     reference after the same 3 steps, tensor by tensor."""
+    from reference import reference_losses
     from safetensors.torch import load_file
 
-    from reference import reference_losses
     from toolkit.checkpoint.convert import convert_to_hf
 
     schedule = ["training.schedule.warmup_steps=2"]

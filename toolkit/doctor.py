@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from toolkit.metrics import count_params
+from toolkit.proc import abandoned_build_locks, extensions_in_use
 from toolkit.recipe.checks import check_nvme_path
 from toolkit.recipe.loader import REPO_ROOT
 
@@ -121,6 +122,11 @@ def check_deepspeed_ops() -> list[Finding]:
                "fused_adam": "install the CUDA toolkit matching torch's CUDA build"}[op]
         out.append(Finding(f"deepspeed op {op}", OK if ok else WARN,
                            f"{'compatible' if ok else 'not compatible'} ({used_for})", "" if ok else fix))
+    cache = extensions_in_use()
+    locks = abandoned_build_locks(cache)
+    out.append(Finding("op build locks", FAIL, f"{', '.join(map(str, locks))} left by a killed build: DeepSpeed would "
+                       "wait for it forever", "delete " + " ".join(map(str, locks))) if locks else
+               Finding("op build locks", OK, f"none abandoned in {cache}"))
     return out
 
 

@@ -1,10 +1,14 @@
 """Local processes and ports, shared by the launch code, the benchmarks and the tests: a free TCP port, and a
 process with all its descendants (torchrun and the deepspeed launcher start their workers in sessions of their
-own, so a process-group signal would miss them)."""
+own, so a process-group signal would miss them); the torch extensions cache DeepSpeed's JIT ops are built into, and
+the build locks a killed build leaves there."""
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
+import sys
+import time
 from pathlib import Path
 
 
@@ -38,3 +42,54 @@ def signal_tree(root: int, sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+
+def extensions_dir() -> Path:
+    """The torch extensions cache of this Python environment: one folder per sys.prefix (a venv, a conda env).
+    torch's default folder is keyed only by the Python and CUDA versions, so environments with different DeepSpeed
+    or torch builds share it, and each rejects the other's build and recompiles (shm_comm: 45-58 s per launch).
+    Keyed on the environment, each op is built once per environment and then reused by every run and test."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    key = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    name = Path(sys.prefix).name.lstrip(".") or "env"  # `.venv` would make a hidden folder
+    return cache / "torch_extensions" / f"{name}-{key}"
+
+
+def use_own_extensions_cache() -> None:
+    """Point DeepSpeed's JIT builds at extensions_dir(), unless the user chose a TORCH_EXTENSIONS_DIR. torch
+    reads the variable when an op is loaded, so this must run before the backend starts (train() does it)."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+
+
+def extensions_in_use() -> Path:
+    """The extensions cache DeepSpeed's JIT builds go to: the user's TORCH_EXTENSIONS_DIR, else extensions_dir()."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or extensions_dir())
+
+
+def open_by_any_process(path: Path) -> bool:
+    """Whether some process (that this user may inspect) holds `path` open, from /proc/*/fd."""
+    target = os.path.realpath(path)
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            for fd in fd_dir.iterdir():
+                if os.readlink(fd) == target:
+                    return True
+        except OSError:  # the process ended, or it is not ours to read
+            continue
+    return False
+
+
+def abandoned_build_locks(extensions: Path, min_age_s: float = 10.0) -> list[Path]:
+    """`lock` files in a torch extensions cache that no process holds: torch's FileBaton keeps the lock file open
+    while it builds an op and removes it when done, so a lock nobody holds was left by a build that was killed.
+    Every later load of that op waits for it forever."""
+    out = []
+    for lock in sorted(Path(extensions).glob("*/lock")):
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:
+            continue
+        if age >= min_age_s and not open_by_any_process(lock):
+            out.append(lock)
+    return out

@@ -1,9 +1,6 @@
 """One training run from a recipe, on either backend: set up in order, resume, then loop over steps."""
 from __future__ import annotations
 
-import hashlib
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -12,11 +9,12 @@ import torch.distributed as dist
 
 from toolkit.adapters.megatron import check_megatron
 from toolkit.data import DataStream, build_dataset, check_files, check_fills_a_step
-from toolkit.errors import Problem, RecipeError
+from toolkit.errors import Problem, RecipeError, ToolkitError
 from toolkit.format.names import refuse_foreign
 from toolkit.megatron.backend import MegatronBackend
 from toolkit.megatron.runtime import te_available
 from toolkit.metrics import RunLog, detect_peak_tflops, flops_per_token
+from toolkit.proc import abandoned_build_locks, extensions_in_use, use_own_extensions_cache
 from toolkit.recipe import Plan, Recipe, check_paths, resolve
 from toolkit.train import checkpoint as ckpt
 from toolkit.train import faults, preempt
@@ -24,28 +22,15 @@ from toolkit.train.dist import DistInfo, init_distributed, rank_zero_first, shut
 from toolkit.train.ds_backend import DeepSpeedBackend
 
 
-def extensions_dir() -> Path:
-    """The torch extensions cache of this Python environment: one folder per sys.prefix (a venv, a conda env).
-    torch's default folder is keyed only by the Python and CUDA versions, so environments with different DeepSpeed
-    or torch builds share it, and each rejects the other's build and recompiles (shm_comm: 45-58 s per launch).
-    Keyed on the environment, each op is built once per environment and then reused by every run and test."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    key = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
-    name = Path(sys.prefix).name.lstrip(".") or "env"  # `.venv` would make a hidden folder
-    return cache / "torch_extensions" / f"{name}-{key}"
-
-
-def use_own_extensions_cache() -> None:
-    """Point DeepSpeed's JIT builds at extensions_dir(), unless the user chose a TORCH_EXTENSIONS_DIR. torch
-    reads the variable when an op is loaded, so this must run before the backend starts (train() does it)."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
-
-
 def check_before_start(recipe: Recipe) -> None:
     """What can be checked before any process group, model or output folder exists: the files the run reads
     (data, tokenizer, weights), the head of every data file (empty, binary, wrongly shaped), the NVMe folder, and
     a checkpoint directory holding step_* entries the toolkit did not write (refused before anything is created)."""
     refuse_foreign(Path(recipe.checkpoint_dir))
+    if recipe.parallel.backend == "deepspeed":  # a build lock a killed op build left makes DeepSpeed wait forever
+        for lock in abandoned_build_locks(extensions_in_use()):
+            raise ToolkitError(f"{lock} was left by a DeepSpeed op build that was killed (no process holds it), and "
+                               f"DeepSpeed would wait for it forever: delete it (rm {lock}) and start again")
     problems = check_paths(recipe)
     if not any(p.key == "data.paths" for p in problems):
         problems += check_files(recipe.data)
