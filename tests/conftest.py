@@ -48,6 +48,27 @@ def launch(recipe: str, overrides: list[str], nproc: int, out_dir: Path, launche
     return proc
 
 
+# The uninterrupted run that resume, preemption and fault-injection tests compare against: checkpoints, the sample
+# prompt and TensorBoard do not change a loss (the resume tests prove it), so one run per recipe serves them all.
+UNINTERRUPTED = ["training.schedule.warmup_steps=2", "logging.interval=1", "checkpoint.interval=1000",
+                 "logging.sample_prompt=", "logging.tensorboard=false"]
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """uninterrupted(recipe, steps) -> the metrics of `steps` steps on 2 ranks in one go, launched once per session."""
+    runs: dict[tuple[str, int], list[dict]] = {}
+
+    def get(recipe: str, steps: int) -> list[dict]:
+        if (recipe, steps) not in runs:
+            out = tmp_path_factory.mktemp(f"uninterrupted_{recipe}_{steps}")
+            launch(recipe, [f"training.steps={steps}", *UNINTERRUPTED], nproc=2, out_dir=out)
+            runs[recipe, steps] = read_metrics(out)
+        return runs[recipe, steps]
+
+    return get
+
+
 def slurm_available() -> str | None:
     """None when this machine can run a throw-away Slurm cluster, else why not."""
     import shutil

@@ -162,8 +162,9 @@ def draw(rng: random.Random, backend: str, kind: str | None = None) -> Trial:
     return Trial(backend, kind, step, rank)
 
 
-def campaign(trials: list[Trial], work: Path) -> dict:
-    references: dict[str, list[float]] = {}
+def campaign(trials: list[Trial], work: Path, references: dict[str, list[float]] | None = None) -> dict:
+    """Run the trials; `references` (backend -> losses of the uninterrupted STEPS-step run) saves those launches."""
+    references = dict(references or {})
     done = []
     for i, t in enumerate(trials):
         recipe = BACKENDS[t.backend]

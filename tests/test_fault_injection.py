@@ -20,7 +20,7 @@ from toolkit.train.faults import parse
 
 
 @pytest.mark.slow
-def test_kills_and_rot_lose_nothing_and_resume_exactly(tmp_path):
+def test_kills_and_rot_lose_nothing_and_resume_exactly(uninterrupted, tmp_path):
     n = int(os.environ.get("TOOLKIT_FAULT_TRIALS", "0"))
     if n:
         rng = random.Random(int(os.environ.get("TOOLKIT_FAULT_SEED", "0")))
@@ -28,7 +28,8 @@ def test_kills_and_rot_lose_nothing_and_resume_exactly(tmp_path):
     else:
         trials = [fh.Trial("deepspeed", "backward", 3, 1), fh.Trial("deepspeed", "torn", 4, 0),
                   fh.Trial("megatron", "save-meta", 4, 0), fh.Trial("megatron", "corrupt", 5, 1)]
-    result = fh.campaign(trials, tmp_path)
+    references = {b: [m["loss"] for m in uninterrupted(recipe, fh.STEPS)] for b, recipe in fh.BACKENDS.items()}
+    result = fh.campaign(trials, tmp_path, references)
     print(result["summary"])
     for t in result["trials"]:
         assert t["killed"] and not t["note"], t

@@ -19,7 +19,8 @@ import pytest
 
 from conftest import REPO, free_port, launch, read_metrics, signal_process_tree
 
-RUN = ["training.steps=14", "training.schedule.warmup_steps=2", "logging.interval=1", "checkpoint.interval=100",
+STEPS = 8
+RUN = [f"training.steps={STEPS}", "training.schedule.warmup_steps=2", "logging.interval=1", "checkpoint.interval=100",
        "logging.sample_prompt="]
 
 
@@ -67,20 +68,19 @@ def _signal_during_save(out: Path, proc: subprocess.Popen) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe,second_signal", [("tiny_zero2", False), ("tiny_tp2", True)])
-def test_signal_checkpoints_exits_and_resumes_exactly(recipe, second_signal, tmp_path):
-    launch(recipe, RUN, nproc=2, out_dir=tmp_path / "straight")
-    straight = [m["loss"] for m in read_metrics(tmp_path / "straight")]
+def test_signal_checkpoints_exits_and_resumes_exactly(recipe, second_signal, uninterrupted, tmp_path):
+    straight = [m["loss"] for m in uninterrupted(recipe, STEPS)]
 
     out = tmp_path / "preempted"
     proc = _start(recipe, out, nproc=2)
-    _wait_for_step(out, 4, proc)
+    _wait_for_step(out, 3, proc)
     _signal_tree(proc.pid)
     mid_save = _signal_during_save(out, proc) if second_signal else None
     text, _ = proc.communicate(timeout=300)
     assert "preempted by SIGUSR1" in text, text[-4000:]
     marker = json.loads((out / "preempted.json").read_text())
     stopped = marker["step"]
-    assert 4 <= stopped < 14, marker
+    assert 3 <= stopped < STEPS, marker
     tag = out / "checkpoints" / f"step_{stopped:08d}"
     assert (tag / "toolkit_meta.json").is_file() and marker["checkpoint"] == str(tag)
     assert (out / "checkpoints" / "latest_complete").read_text() == tag.name
@@ -90,5 +90,5 @@ def test_signal_checkpoints_exits_and_resumes_exactly(recipe, second_signal, tmp
     assert f"continuing after a preemption at step {stopped}" in proc.stdout
     assert not (out / "preempted.json").exists()
     resumed = read_metrics(out)
-    assert [m["step"] for m in resumed] == list(range(1, 15))
+    assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in resumed] == straight  # bit-identical on CPU

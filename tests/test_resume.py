@@ -7,25 +7,26 @@ import pytest
 
 from conftest import launch, read_metrics
 
-COMMON = ["training.steps=6", "training.schedule.warmup_steps=2", "logging.interval=1", "checkpoint.interval=1000"]
+STEPS = 8
+COMMON = [f"training.steps={STEPS}", "training.schedule.warmup_steps=2", "logging.interval=1",
+          "checkpoint.interval=1000"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tiny_zero2", "tiny_zero3"])
-def test_resume_reproduces_uninterrupted_run(recipe, tmp_path):
-    launch(recipe, COMMON, nproc=2, out_dir=tmp_path / "straight")
-    straight = read_metrics(tmp_path / "straight")
+def test_resume_reproduces_uninterrupted_run(recipe, uninterrupted, tmp_path):
+    straight = uninterrupted(recipe, STEPS)
 
-    launch(recipe, [*COMMON, "training.stop_at_step=3"], nproc=2, out_dir=tmp_path / "split")
+    launch(recipe, [*COMMON, "training.stop_at_step=4"], nproc=2, out_dir=tmp_path / "split")
     ckpt = tmp_path / "split" / "checkpoints"
-    assert (ckpt / "latest_complete").read_text() == "step_00000003"
-    meta = json.loads((ckpt / "step_00000003" / "toolkit_meta.json").read_text())
-    assert meta["step"] == 3 and meta["layout"]["world_size"] == 2
+    assert (ckpt / "latest_complete").read_text() == "step_00000004"
+    meta = json.loads((ckpt / "step_00000004" / "toolkit_meta.json").read_text())
+    assert meta["step"] == 4 and meta["layout"]["world_size"] == 2
     proc = launch(recipe, COMMON, nproc=2, out_dir=tmp_path / "split")
-    assert "resumed from" in proc.stdout and "step 3" in proc.stdout
+    assert "resumed from" in proc.stdout and "step 4" in proc.stdout
     split = read_metrics(tmp_path / "split")
 
-    assert [m["step"] for m in split] == [1, 2, 3, 4, 5, 6]
+    assert [m["step"] for m in split] == list(range(1, STEPS + 1))
     # bit-identical on CPU: same layout, same data position, same RNG, optimizer and scheduler state
     assert [m["loss"] for m in split] == [m["loss"] for m in straight]
     assert [m["lr"] for m in split] == [m["lr"] for m in straight]
