@@ -5,8 +5,9 @@ the engine's own gathered 16-bit weights (`engine.save_16bit_model`).
     deepspeed --num_gpus 3 tests/plain_deepspeed_train.py --out DIR --runs RUNS_JSON
 
 RUNS_JSON is a list of {"name", "model": "llama"|"qwen2", "stage", "dtype": "bf16"|"fp16"|"fp32", "steps",
-"extra_step": bool, "config_beside": bool, "freeze": bool}; the runs train one after another in this one launch
-(one process start for several checkpoints). Each writes DIR/NAME/ (the checkpoint: `latest`, global_stepN/),
+"extra_step": bool, "config_beside": bool, "freeze": bool, "sizes": {config overrides}, "no_16bit": bool}; the
+runs train one after another in this one launch (one process start for several checkpoints). Each writes
+DIR/NAME/ (the checkpoint: `latest`, global_stepN/),
 DIR/NAME.16bit/model16.bin (the engine's gathered 16-bit weights) and DIR/NAME.config/config.json (the model
 config, kept outside the checkpoint unless config_beside: then it is also in DIR/NAME/).
 """
@@ -23,11 +24,11 @@ SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              vocab_size=500, max_position_embeddings=64)
 
 
-def build(model: str, ds_config: dict, freeze: bool):
+def build(model: str, ds_config: dict, freeze: bool, sizes: dict):
     if model == "llama":
-        cls, config = LlamaForCausalLM, LlamaConfig(**SIZES, tie_word_embeddings=False)
+        cls, config = LlamaForCausalLM, LlamaConfig(**sizes, tie_word_embeddings=False)
     else:  # Qwen2: biases on q/k/v, tied embeddings (as Qwen2-0.5B)
-        cls, config = Qwen2ForCausalLM, Qwen2Config(**SIZES, tie_word_embeddings=True)
+        cls, config = Qwen2ForCausalLM, Qwen2Config(**sizes, tie_word_embeddings=True)
     if ds_config["zero_optimization"]["stage"] == 3:
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             net = cls(config)
@@ -48,7 +49,8 @@ def train_one(run: dict, out: Path) -> None:
     elif dtype == "fp16":
         ds_config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     torch.manual_seed(1234)
-    net, config = build(run["model"], ds_config, run.get("freeze", False))
+    sizes = {**SIZES, **run.get("sizes", {})}
+    net, config = build(run["model"], ds_config, run.get("freeze", False), sizes)
     params = [p for p in net.parameters() if p.requires_grad]
     # a torch optimizer, as HF Trainer passes one: no JIT-compiled DeepSpeed op (FusedAdam) to wait for
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
@@ -57,7 +59,7 @@ def train_one(run: dict, out: Path) -> None:
     ckpt = out / run["name"]
 
     def step() -> None:
-        ids = torch.randint(0, SIZES["vocab_size"], (2, 16), generator=gen)
+        ids = torch.randint(0, sizes["vocab_size"], (2, 16), generator=gen)
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
@@ -65,7 +67,8 @@ def train_one(run: dict, out: Path) -> None:
     for _ in range(run["steps"]):
         step()
     engine.save_checkpoint(str(ckpt))
-    engine.save_16bit_model(str(out / f"{run['name']}.16bit"), "model16.bin")
+    if not run.get("no_16bit"):
+        engine.save_16bit_model(str(out / f"{run['name']}.16bit"), "model16.bin")
     if run.get("extra_step"):  # a second, later checkpoint in the same folder (files of another step)
         step()
         engine.save_checkpoint(str(ckpt))

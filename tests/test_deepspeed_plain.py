@@ -130,6 +130,20 @@ def test_inspect_names_stage_dp_dtypes_step_optimizer_and_writer(runs, capsys):
     assert "zero_stage=2, dp=3" in text and "float32" in text and "lm_head.weight" in text
 
 
+@pytest.mark.slow
+def test_optimizer_files_removed_weights_still_convert_and_inspect_says_so(runs, tmp_path, capsys):
+    root = runs(3)
+    copy = tmp_path / "z1"
+    shutil.copytree(root / "qwen_z1_bf16", copy)
+    for f in (copy / "global_step2").glob("*optim_states.pt"):
+        f.unlink()
+    assert cli.main(["inspect", str(copy), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["optimizer_state"] == "missing"
+    assert convert(copy, tmp_path / "hf") == 0  # the 16-bit model states need no optimizer file
+    assert convert(copy, tmp_path / "hf32", "--fp32") != 0  # the fp32 masters live only there
+    assert "lacks bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in capsys.readouterr().err
+
+
 def _fingerprint(folder: Path) -> dict:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}

@@ -98,10 +98,12 @@ class PlainDeepSpeedSource(DeepSpeedSource):
         self.stage, self.dp = _stage_of(states), int(states.get("dp_world_size") or 1)
         self.step = int(states.get("global_steps") or 0)
         self.ds_version = states.get("ds_version")
-        self._check_files(files, states)
         module = states.get("module") or {}
         params = [t for k, t in module.items() if k not in set(states.get("buffer_names") or [])]
         self.dtype = params[0].dtype if params else torch.float32
+        if not files["optim"]:  # none saved (or all removed): DeepSpeed names them bf16_ when training in bf16
+            files["bf16"] = self.dtype == torch.bfloat16
+        self._check_files(files, states)
         bf16 = self.stage > 0 and files["bf16"]
         if self.stage == 0 and fp32 and self.dtype != torch.float32:
             raise ToolkitError(f"{self.tag_dir}: a ZeRO-0 checkpoint records no parameter names for its fp32 master "
