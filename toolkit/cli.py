@@ -243,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert a checkpoint to another format or parallel layout (streaming, "
                        "verified, all-or-nothing)", description="Convert SRC to DST. SRC's format and layout are "
                        "read from its own files: a Hugging Face folder, a toolkit Megatron or DeepSpeed checkpoint "
-                       "(step_* folder or its directory), or a Megatron-LM checkpoint (iter_*/mp_rank_*).")
+                       "(step_* folder or its directory), a plain DeepSpeed checkpoint (the folder engine.save_checkpoint "
+                       "wrote, or a global_step* folder in it; --to hf) or a Megatron-LM checkpoint (iter_*/mp_rank_*).")
     p.add_argument("src", help="the checkpoint to read")
     p.add_argument("dst", help="the folder to write (must not exist unless --overwrite)")
     p.add_argument("--to", choices=["hf", "megatron", "deepspeed"], required=True,

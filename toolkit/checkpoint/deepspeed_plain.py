@@ -180,7 +180,8 @@ class PlainDeepSpeedSource(DeepSpeedSource):
         for name in want_model[1:]:
             other = load_rank_file(self._file(name))
             theirs = tuple(other.get(k) for k in key)
-            same = _stage_of(other) == self.stage and other.get("param_shapes") == states.get("param_shapes")
+            same = other.get("param_shapes") == states.get("param_shapes") and other.get("ds_config") == states.get(
+                "ds_config")
             if theirs != mine or not same:
                 raise ToolkitError(f"{where}: {name} is from another save ({dict(zip(key, theirs))} vs "
                                    f"{dict(zip(key, mine))}, or other parameters): files of two runs are mixed; keep "
