@@ -204,4 +204,7 @@ def test_config_missing_or_of_another_model_is_refused(runs, tmp_path, capsys):
     assert "pass the model's config with --config" in capsys.readouterr().err
     assert convert(root / "llama_z3_bf16", tmp_path / "b", "--config", root / "qwen_z2_fp32.config") != 0
     assert "does not describe the model" in capsys.readouterr().err
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert cli.main(["convert", str(root / "qwen_z1_bf16"), str(tmp_path / "c"), "--to", "megatron"]) != 0
+    assert "is a plain DeepSpeed checkpoint (engine.save_checkpoint, no toolkit files): it converts --to hf" in (
+        capsys.readouterr().err)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()

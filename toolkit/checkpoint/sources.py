@@ -329,7 +329,7 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
     paths.resolve(src)  # a link that loops: one line, not a traceback
     if not src.exists():
         raise ToolkitError(f"{src} does not exist")
-    if (src / "config.json").is_file():
+    if (src / "config.json").is_file() and not is_plain(src):
         return HFSource(src)
     src = follow_pointer(src)
     if (src / META).is_file() or src.name.startswith("step_"):
