@@ -172,7 +172,8 @@ def cmd_convert(args) -> int:
 
     out = convert(args.src, args.dst, args.to, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=args.dtype,
                   vocab_size=args.vocab_size, fp32=args.fp32, weights_only=args.weights_only,
-                  overwrite=args.overwrite, verify=not args.no_verify, dp=args.dp, progress=not args.quiet)
+                  overwrite=args.overwrite, verify=not args.no_verify, dp=args.dp, progress=not args.quiet,
+                  config=args.config)
     print(f"wrote {out}")
     return 0
 
@@ -242,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert a checkpoint to another format or parallel layout (streaming, "
                        "verified, all-or-nothing)", description="Convert SRC to DST. SRC's format and layout are "
                        "read from its own files: a Hugging Face folder, a toolkit Megatron or DeepSpeed checkpoint "
-                       "(step_* folder or its directory), or a Megatron-LM checkpoint (iter_*/mp_rank_*).")
+                       "(step_* folder or its directory), a plain DeepSpeed checkpoint (the folder engine.save_checkpoint "
+                       "wrote, or a global_step* folder in it; --to hf) or a Megatron-LM checkpoint (iter_*/mp_rank_*).")
     p.add_argument("src", help="the checkpoint to read")
     p.add_argument("dst", help="the folder to write (must not exist unless --overwrite)")
     p.add_argument("--to", choices=["hf", "megatron", "deepspeed"], required=True,
@@ -257,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="cast the weights")
     p.add_argument("--fp32", action="store_true", help="DeepSpeed sources: take the fp32 master weights from the "
                    "optimizer files instead of the model states")
+    p.add_argument("--config", default=None, help="plain DeepSpeed checkpoints (engine.save_checkpoint without "
+                   "the toolkit): the model's Hugging Face folder or config.json, when the checkpoint holds none")
     p.add_argument("--weights-only", action="store_true", help="leave the optimizer state behind")
     p.add_argument("--overwrite", action="store_true",
                    help="replace DST, once the new checkpoint is complete, if DST is an earlier output of "

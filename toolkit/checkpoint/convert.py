@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 
 from toolkit.checkpoint import output
+from toolkit.checkpoint.deepspeed_plain import is_plain
 from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed
+from toolkit.checkpoint.plain_to_hf import convert_plain_to_hf
 from toolkit.checkpoint.sources import TOKENIZER_FILES, WEIGHT, Source, follow_pointer, meta_shards, open_source
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
@@ -222,9 +224,14 @@ class MegatronTarget:
 def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1, vpp: int = 1,
             dtype: str | None = None, vocab_size: int | None = None, fp32: bool = False, weights_only: bool = False,
             overwrite: bool = False, verify: bool = True, dp: int | None = None, progress: bool = True,
-            log=print) -> Path:
-    """Convert SRC into DST (see the module docstring). Returns DST."""
+            log=print, config: str | Path | None = None) -> Path:
+    """Convert SRC into DST (see the module docstring). Returns DST. `config`: the Hugging Face config of a plain
+    DeepSpeed checkpoint (toolkit/checkpoint/plain_to_hf.py)."""
     src, dst = Path(src), Path(dst)
+    if to == "hf" and is_plain(src):
+        if dtype is not None and dtype not in DTYPES:
+            raise ToolkitError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        return convert_plain_to_hf(src, dst, config, fp32, DTYPES[dtype] if dtype else None, overwrite, verify, log)
     output.check_destination(src, dst, overwrite)
     if dtype is not None and dtype not in DTYPES:
         raise ToolkitError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")

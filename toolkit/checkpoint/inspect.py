@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from toolkit.checkpoint import megatron_lm
+from toolkit.checkpoint.deepspeed_plain import inspect_plain, is_plain
 from toolkit.checkpoint.sources import refusal
 from toolkit.errors import ToolkitError
 from toolkit.families import dims_from_hf, iter_entries
@@ -36,6 +37,8 @@ def inspect(path: str | Path) -> dict:
     if (path / "latest_checkpointed_iteration.txt").is_file() or path.name.startswith("iter_"):
         report = inspect_megatron_lm(path)
         return _agree(report, path, report.pop("padded_vocab"))
+    if is_plain(path):  # engine.save_checkpoint in a user's own script: DeepSpeed's records only
+        return inspect_plain(path)
     raise ToolkitError(f"{path} is not a checkpoint this toolkit reads: expected a Hugging Face folder (config.json + "
                        "*.safetensors), a step_* folder with toolkit_meta.json, or a checkpoint directory of step_* "
                        "folders")
@@ -180,6 +183,9 @@ def render(report: dict) -> str:
     lines += [f"  problem: {p}" for p in report["problems"]]
     if report["step"] is not None:
         lines.append(f"  step: {report['step']}")
+    for key in ("tag", "written_by", "optimizer_state"):  # plain DeepSpeed checkpoints (deepspeed_plain.py)
+        if report.get(key):
+            lines.append(f"  {key.replace('_', ' ')}: {report[key]}")
     if report["layout"]:
         lines.append("  layout: " + ", ".join(f"{k}={v}" for k, v in report["layout"].items()))
     if report["parameters"] is not None:

@@ -15,6 +15,7 @@ import torch
 
 from toolkit.checkpoint import megatron_lm
 from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
+from toolkit.checkpoint.deepspeed_plain import is_plain
 from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import check_megatron_shards, iter_entries, raise_problems
 from toolkit.families.mapping import Dims, check_dims
@@ -328,7 +329,7 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
     paths.resolve(src)  # a link that loops: one line, not a traceback
     if not src.exists():
         raise ToolkitError(f"{src} does not exist")
-    if (src / "config.json").is_file():
+    if (src / "config.json").is_file() and not is_plain(src):
         return HFSource(src)
     src = follow_pointer(src)
     if (src / META).is_file() or src.name.startswith("step_"):
@@ -344,6 +345,9 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
         raise ToolkitError(f"{src / META} names backend {backend!r}; expected megatron or deepspeed")
     if (src / "latest_checkpointed_iteration.txt").is_file() or src.name.startswith("iter_"):
         return MegatronLMSource(src, vocab_size)
+    if is_plain(src):
+        raise ToolkitError(f"{src} is a plain DeepSpeed checkpoint (engine.save_checkpoint, no toolkit files): it "
+                           "converts --to hf (with --config HF_FOLDER_OR_config.json when it holds no config.json)")
     raise ToolkitError(f"{src} is not a checkpoint this toolkit reads: expected a Hugging Face folder (config.json + "
                        "*.safetensors), a toolkit checkpoint (step_* folder with toolkit_meta.json, or its directory) "
                        "or a Megatron-LM checkpoint (latest_checkpointed_iteration.txt + iter_*/mp_rank_*)")

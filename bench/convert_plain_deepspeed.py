@@ -1,0 +1,112 @@
+"""A plain DeepSpeed ZeRO-3 checkpoint to Hugging Face: `toolkit convert --fp32` against DeepSpeed's own
+`zero_to_fp32.py` (the copy `engine.save_checkpoint` leaves beside the checkpoint) and `cp -r`, measured in the same
+run.
+
+    python bench/convert_plain_deepspeed.py                  # a 0.13B Llama, ZeRO-3 bf16 on 2 CPU ranks
+    python bench/convert_plain_deepspeed.py --size 0.7b      # 0.76B (needs ~20 GB RAM to train the checkpoint)
+    python bench/convert_plain_deepspeed.py --size tiny      # seconds; the test suite's smoke run
+
+The checkpoint is written by tests/plain_deepspeed_train.py (plain `deepspeed.initialize` + `engine.save_checkpoint`,
+no toolkit code; one training step). Then, each in a fresh process whose peak resident memory is read from the
+kernel (wait4; it counts the rank files' memory-mapped pages the converter touches, which the kernel can drop):
+  cp             cp -r of the checkpoint's tag folder, then sync
+  zero_to_fp32   python CKPT/zero_to_fp32.py CKPT OUT --safe_serialization
+  toolkit        toolkit convert CKPT OUT --to hf --fp32 --no-verify --quiet
+and both outputs are compared tensor by tensor (they must be equal bit for bit).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from convert import REPO, folder_bytes, measure  # noqa: E402
+
+SIZES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=500),
+    "0.1b": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=4, vocab_size=32000),
+    "0.7b": dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                 num_key_value_heads=4, vocab_size=32000),
+}
+
+
+def train(work: Path, size: str) -> Path:
+    run = dict(name="ckpt", model="llama", stage=3, dtype="bf16", steps=1, no_16bit=True,
+               sizes={**SIZES[size], "max_position_embeddings": 64})
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
+           str(29500 + os.getpid() % 1000), "tests/plain_deepspeed_train.py", "--out", str(work),
+           "--runs", json.dumps([run])]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode:
+        raise SystemExit(f"training the checkpoint failed:\n{proc.stderr[-3000:]}")
+    return work / "ckpt"
+
+
+def compare(ours: Path, theirs: Path) -> int:
+    """Run in a child: every tensor of zero_to_fp32's output equals ours (a tied alias is in theirs only)."""
+    import torch
+    from safetensors.torch import load_file
+
+    mine = {k: v for f in sorted(ours.glob("*.safetensors")) for k, v in load_file(f).items()}
+    ref = {k: v for f in sorted(theirs.glob("*.safetensors")) for k, v in load_file(f).items()}
+    bad = [k for k in ref if k not in mine or mine[k].dtype != ref[k].dtype or not torch.equal(mine[k], ref[k])]
+    if bad or set(mine) - set(ref):
+        print(f"outputs differ: {bad[:5]} {sorted(set(mine) - set(ref))[:5]}")
+        return 1
+    print(f"outputs equal: {len(ref)} tensors")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=list(SIZES), default="0.1b")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--compare", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.compare:
+        return compare(Path(args.compare[0]), Path(args.compare[1]))
+    with tempfile.TemporaryDirectory(dir=args.workdir, prefix="bench_plain_ds_") as work:
+        work = Path(work)
+        t0 = time.perf_counter()
+        ckpt = train(work, args.size)
+        tag = ckpt / (ckpt / "latest").read_text().strip()
+        print(f"{args.size}: ZeRO-3 bf16 checkpoint on 2 ranks, {folder_bytes(tag) / 2**30:.2f} GiB, trained and "
+              f"saved in {time.perf_counter() - t0:.0f} s", flush=True)
+        steps = [
+            ("cp", ["bash", "-c", f"cp -r {tag} {work / 'copy'} && sync {work / 'copy'}/*"], work / "copy"),
+            ("zero_to_fp32.py", [sys.executable, str(ckpt / "zero_to_fp32.py"), str(ckpt), str(work / "z2f"),
+                                 "--safe_serialization"], work / "z2f"),
+            ("toolkit convert", [sys.executable, "-m", "toolkit", "convert", str(ckpt), str(work / "hf"), "--to",
+                                 "hf", "--fp32", "--no-verify", "--quiet", "--config", str(work / "ckpt.config")],
+             work / "hf"),
+        ]
+        rows = []
+        for label, cmd, out in steps:
+            os.sync()
+            r = measure(cmd)
+            r.update(step=label, size=args.size, gib=folder_bytes(out) / 2**30)
+            rows.append(r)
+            print(f"  {label:<16} {r['gib']:6.2f} GiB written  wall {r['wall_s']:6.1f} s  "
+                  f"peak RSS {r['peak_rss_mib']:6.0f} MiB", flush=True)
+        z2f, ours = rows[1]["wall_s"], rows[2]["wall_s"]
+        print(f"  toolkit is x{z2f / ours:.2f} the speed of zero_to_fp32.py, peak RSS "
+              f"{rows[2]['peak_rss_mib'] / rows[1]['peak_rss_mib']:.2f} of its", flush=True)
+        same = subprocess.run([sys.executable, __file__, "--compare", str(work / "hf"), str(work / "z2f")],
+                              capture_output=True, text=True)
+        print("  " + (same.stdout.strip() or same.stderr[-500:]))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return same.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

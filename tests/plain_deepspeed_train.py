@@ -1,0 +1,95 @@
+"""A user's own DeepSpeed training script (no toolkit code): tiny Hugging Face models trained with plain
+`deepspeed.initialize`, saved with `engine.save_checkpoint`, plus what the tests compare the toolkit against:
+the engine's own gathered 16-bit weights (`engine.save_16bit_model`).
+
+    deepspeed --num_gpus 3 tests/plain_deepspeed_train.py --out DIR --runs RUNS_JSON
+
+RUNS_JSON is a list of {"name", "model": "llama"|"qwen2", "stage", "dtype": "bf16"|"fp16"|"fp32", "steps",
+"extra_step": bool, "config_beside": bool, "freeze": bool, "sizes": {config overrides}, "no_16bit": bool}; the
+runs train one after another in this one launch (one process start for several checkpoints). Each writes
+DIR/NAME/ (the checkpoint: `latest`, global_stepN/),
+DIR/NAME.16bit/model16.bin (the engine's gathered 16-bit weights) and DIR/NAME.config/config.json (the model
+config, kept outside the checkpoint unless config_beside: then it is also in DIR/NAME/).
+"""
+import argparse
+import json
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=500, max_position_embeddings=64)
+
+
+def build(model: str, ds_config: dict, freeze: bool, sizes: dict):
+    if model == "llama":
+        cls, config = LlamaForCausalLM, LlamaConfig(**sizes, tie_word_embeddings=False)
+    else:  # Qwen2: biases on q/k/v, tied embeddings (as Qwen2-0.5B)
+        cls, config = Qwen2ForCausalLM, Qwen2Config(**sizes, tie_word_embeddings=True)
+    if ds_config["zero_optimization"]["stage"] == 3:
+        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+            net = cls(config)
+    else:
+        net = cls(config)
+    if freeze:  # a frozen parameter: DeepSpeed records it apart (frozen_param_shapes), with no fp32 master
+        net.model.layers[0].post_attention_layernorm.weight.requires_grad_(False)
+    return net, config
+
+
+def train_one(run: dict, out: Path) -> None:
+    stage, dtype = run["stage"], run["dtype"]
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
+                 "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
+                 "gradient_clipping": 1.0}
+    if dtype == "bf16":
+        ds_config["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        ds_config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    torch.manual_seed(1234)
+    sizes = {**SIZES, **run.get("sizes", {})}
+    net, config = build(run["model"], ds_config, run.get("freeze", False), sizes)
+    params = [p for p in net.parameters() if p.requires_grad]
+    # a torch optimizer, as HF Trainer passes one: no JIT-compiled DeepSpeed op (FusedAdam) to wait for
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=optimizer, config=ds_config)
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    ckpt = out / run["name"]
+
+    def step() -> None:
+        ids = torch.randint(0, sizes["vocab_size"], (2, 16), generator=gen)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+
+    for _ in range(run["steps"]):
+        step()
+    engine.save_checkpoint(str(ckpt))
+    if not run.get("no_16bit"):
+        engine.save_16bit_model(str(out / f"{run['name']}.16bit"), "model16.bin")
+    if run.get("extra_step"):  # a second, later checkpoint in the same folder (files of another step)
+        step()
+        engine.save_checkpoint(str(ckpt))
+    if dist.get_rank() == 0:
+        config.save_pretrained(out / f"{run['name']}.config")
+        if run.get("config_beside"):
+            config.save_pretrained(ckpt)
+    dist.barrier()
+    engine.destroy()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--runs", required=True)
+    ap.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
+    args = ap.parse_args()
+    deepspeed.init_distributed()
+    for run in json.loads(args.runs):
+        train_one(run, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

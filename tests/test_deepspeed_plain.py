@@ -1,0 +1,210 @@
+"""Plain DeepSpeed checkpoints, written by a user's own script (tests/plain_deepspeed_train.py: plain
+`deepspeed.initialize` + `engine.save_checkpoint`, no toolkit code) on 2 and 3 gloo ranks, read by `toolkit
+convert --to hf` and `toolkit inspect`.
+
+Two launches (one per world size, module-scoped) train and save six checkpoints: Llama and Qwen2 (QKV biases, tied
+embeddings, one frozen parameter) at ZeRO-1, 2 and 3 in bf16 and fp32, and a Llama at ZeRO-0. The converted
+weights must equal bit for bit DeepSpeed's own `zero_to_fp32` (--fp32) and the engine's own gathered 16-bit
+weights (`engine.save_16bit_model`; the default), and load with `from_pretrained`. Broken folders (a missing rank
+file, mixed stages, files of two saves, a `latest` naming a missing tag, a planted pickle) are refused with one
+line, and nothing is written.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, free_port
+from safetensors.torch import load_file
+
+from toolkit import cli
+
+RUNS = {
+    3: [dict(name="llama_z3_bf16", model="llama", stage=3, dtype="bf16", steps=2, extra_step=True),
+        dict(name="qwen_z2_fp32", model="qwen2", stage=2, dtype="fp32", steps=2, freeze=True),
+        dict(name="qwen_z1_bf16", model="qwen2", stage=1, dtype="bf16", steps=2, config_beside=True)],
+    2: [dict(name="llama_z1_fp32", model="llama", stage=1, dtype="fp32", steps=2),
+        dict(name="llama_z2_bf16", model="llama", stage=2, dtype="bf16", steps=2),
+        dict(name="qwen_z3_fp32", model="qwen2", stage=3, dtype="fp32", steps=2, freeze=True),
+        dict(name="llama_z0_bf16", model="llama", stage=0, dtype="bf16", steps=1)],
+}
+CASES = [(world, run["name"]) for world, runs in RUNS.items() for run in runs]
+TIED = {"qwen_z2_fp32", "qwen_z1_bf16", "qwen_z3_fp32"}
+
+
+def _train(world: int, out: Path) -> Path:
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(world), "--master_port",
+           str(free_port()), "tests/plain_deepspeed_train.py", "--out", str(out), "--runs", json.dumps(RUNS[world])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd[:6])} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    made: dict[int, Path] = {}
+
+    def get(world: int) -> Path:
+        if world not in made:
+            made[world] = _train(world, tmp_path_factory.mktemp(f"plain_dp{world}"))
+        return made[world]
+
+    return get
+
+
+def convert(*args: str) -> int:
+    return cli.main(["convert", *map(str, args), "--to", "hf", "--quiet"])
+
+
+def _src(root: Path, name: str) -> Path:
+    """The save the 16-bit reference belongs to: llama_z3_bf16 saved twice; its first tag is global_step2."""
+    return root / name / "global_step2" if name == "llama_z3_bf16" else root / name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,name", CASES)
+def test_default_equals_engine_16bit_weights(world, name, runs, tmp_path):
+    root = runs(world)
+    extra = [] if name == "qwen_z1_bf16" else ["--config", root / f"{name}.config"]  # its config lies beside it
+    assert convert(_src(root, name), tmp_path / "hf", *extra) == 0
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    engine = torch.load(root / f"{name}.16bit" / "model16.bin", weights_only=True)
+    aliases = {"lm_head.weight": "model.embed_tokens.weight"} if name in TIED else {}
+    assert set(got) <= set(engine) <= set(got) | set(aliases)  # a tied alias is not written: HF ties it on load
+    for key, tensor in engine.items():
+        mine = got[aliases.get(key, key)]
+        assert mine.dtype == tensor.dtype and torch.equal(mine, tensor), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,name", [c for c in CASES if c[1] != "llama_z0_bf16"])
+def test_fp32_equals_deepspeeds_zero_to_fp32(world, name, runs, tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    root = runs(world)
+    assert convert(root / name, tmp_path / "hf", "--fp32", "--config", root / f"{name}.config") == 0  # via `latest`
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    ref = get_fp32_state_dict_from_zero_checkpoint(str(root / name))
+    aliases = {"lm_head.weight": "model.embed_tokens.weight"} if name in TIED else {}
+    assert set(ref) == set(got) | set(aliases)
+    for key, tensor in ref.items():
+        mine = got[aliases.get(key, key)]
+        assert mine.dtype == tensor.dtype and torch.equal(mine, tensor), key
+
+
+@pytest.mark.slow
+def test_output_loads_with_from_pretrained_and_gives_engine_logits(runs, tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    root = runs(3)
+    assert convert(root / "qwen_z2_fp32", tmp_path / "hf", "--config", root / "qwen_z2_fp32.config") == 0
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert isinstance(loaded, Qwen2ForCausalLM) and loaded.model.layers[0].self_attn.q_proj.bias is not None
+    reference = Qwen2ForCausalLM(Qwen2Config.from_pretrained(root / "qwen_z2_fp32.config"))
+    reference.load_state_dict(torch.load(root / "qwen_z2_fp32.16bit" / "model16.bin", weights_only=True), strict=False)
+    reference.tie_weights()
+    ids = torch.arange(32).view(2, 16)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)
+
+
+@pytest.mark.slow
+def test_inspect_names_stage_dp_dtypes_step_optimizer_and_writer(runs, capsys):
+    root = runs(3)
+    assert cli.main(["inspect", str(root / "llama_z3_bf16"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layout"] == {"zero_stage": 3, "dp": 3} and report["step"] == 3 and report["tag"] == "global_step3"
+    assert report["written_by"] == "DeepSpeed 0.19.8 (engine.save_checkpoint)"
+    assert report["optimizer_state"] == "complete" and report["complete"]
+    assert any(k.startswith("bfloat16") for k in report["dtypes"]) and report["parameters"] == 138048
+    assert cli.main(["inspect", str(root / "qwen_z2_fp32" / "global_step2")]) == 0
+    text = capsys.readouterr().out
+    assert "zero_stage=2, dp=3" in text and "float32" in text and "lm_head.weight" in text
+
+
+@pytest.mark.slow
+def test_optimizer_files_removed_weights_still_convert_and_inspect_says_so(runs, tmp_path, capsys):
+    root = runs(3)
+    copy = tmp_path / "z1"
+    shutil.copytree(root / "qwen_z1_bf16", copy)
+    for f in (copy / "global_step2").glob("*optim_states.pt"):
+        f.unlink()
+    assert cli.main(["inspect", str(copy), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["optimizer_state"] == "missing"
+    assert convert(copy, tmp_path / "hf") == 0  # the 16-bit model states need no optimizer file
+    assert convert(copy, tmp_path / "hf32", "--fp32") != 0  # the fp32 masters live only there
+    assert "lacks bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in capsys.readouterr().err
+
+
+def _fingerprint(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+class RunsShell:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _plant(path: Path, marker: Path) -> None:
+    state = torch.load(path, weights_only=False)
+    state["optimizer_state_dict"]["note"] = RunsShell(marker)
+    torch.save(state, path)
+
+
+OPT = "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+BAD = {  # name: (damage to a copy of llama_z3_bf16, the start of the one line)
+    "missing rank file": (lambda c, m: (c / "global_step3" / OPT.format(2)).unlink(),
+                          "lacks bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"),
+    "mixed stages": (lambda c, m: shutil.copy(c.parent / "qwen_z1_bf16/global_step2/mp_rank_00_model_states.pt",
+                                              c / "global_step3"), "mixes ZeRO-3 files"),
+    "two runs": (lambda c, m: shutil.copy(c / "global_step2" / OPT.format(1), c / "global_step3"),
+                 "the optimizer files are at different steps"),
+    "latest names a missing tag": (lambda c, m: (c / "latest").write_text("global_step9"),
+                                   "names tag 'global_step9', but"),
+    "planted pickle": (lambda c, m: _plant(c / "global_step3" / OPT.format(1), m),
+                       "holds a pickled posix.system, which is neither a tensor nor a known checkpoint record"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_checkpoint_is_refused_with_one_line_and_nothing_written(case, runs, tmp_path, capsys):
+    root = runs(3)
+    work = tmp_path / "in"
+    shutil.copytree(root, work, ignore=shutil.ignore_patterns("qwen_z2*", "*.16bit"))
+    copy, marker = work / "llama_z3_bf16", tmp_path / "payload_ran"
+    damage, message = BAD[case]
+    damage(copy, marker)
+    before = _fingerprint(work)
+    capsys.readouterr()
+    assert convert(copy, tmp_path / "out", "--config", work / "llama_z3_bf16.config") != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and message in err, err
+    assert not (tmp_path / "out").exists() and not marker.exists() and _fingerprint(work) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]  # no hidden scratch folder left behind
+    assert cli.main(["inspect", str(copy)]) != 0 and not marker.exists()
+
+
+@pytest.mark.slow
+def test_config_missing_or_of_another_model_is_refused(runs, tmp_path, capsys):
+    root = runs(3)
+    assert convert(root / "llama_z3_bf16", tmp_path / "a") != 0
+    assert "pass the model's config with --config" in capsys.readouterr().err
+    assert convert(root / "llama_z3_bf16", tmp_path / "b", "--config", root / "qwen_z2_fp32.config") != 0
+    assert "does not describe the model" in capsys.readouterr().err
+    assert cli.main(["convert", str(root / "qwen_z1_bf16"), str(tmp_path / "c"), "--to", "megatron"]) != 0
+    assert "is a plain DeepSpeed checkpoint (engine.save_checkpoint, no toolkit files): it converts --to hf" in (
+        capsys.readouterr().err)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()

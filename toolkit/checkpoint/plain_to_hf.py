@@ -1,0 +1,182 @@
+"""`toolkit convert SRC DST --to hf` for a plain DeepSpeed checkpoint (deepspeed_plain.py): a Hugging Face folder
+with the model's own tensor names, so any architecture converts, not only the families toolkit/families maps.
+
+The config comes from `--config` (a Hugging Face folder or its config.json), else from a config.json in the
+checkpoint folder or its tag folder. Before anything is written, the checkpoint's names and shapes are checked
+against the model that config builds (on the meta device: no memory). Then one tensor at a time is read (memory-
+mapped rank files, only its slices), written at its offset into sharded safetensors (5 GiB, index), read back and
+compared bit for bit, and the folder is loaded with `from_pretrained` and every tensor compared again. The output
+is built in a hidden folder beside DST and moved into place only when all of that passed (output.py).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from toolkit.checkpoint import output
+from toolkit.checkpoint.deepspeed_plain import PlainDeepSpeedSource, resolve_tag
+from toolkit.checkpoint.sources import TOKENIZER_FILES
+from toolkit.errors import ToolkitError
+from toolkit.format import manifest, paths
+from toolkit.format import safetensors_stream as st
+
+SHARD_BYTES = 5 * 2**30  # what save_pretrained uses by default
+LOAD_CHECK_MAX_BYTES = 8 * 2**30  # from_pretrained re-loads outputs this small to check them
+
+
+def find_config(src: Path, tag: Path, config: str | Path | None) -> Path:
+    """The config.json to use: --config (a folder holding one, or the file), else one beside the checkpoint."""
+    if config is not None:
+        config = Path(config)
+        file = config / "config.json" if config.is_dir() else config
+        if not file.is_file():
+            raise ToolkitError(f"--config {config}: no config.json there; pass a Hugging Face model folder or its "
+                               "config.json")
+        return file
+    for folder in (tag, Path(src)):
+        if (folder / "config.json").is_file():
+            return paths.inside(folder, "config.json", str(folder))
+    raise ToolkitError(f"{src} is a DeepSpeed checkpoint without a config.json: pass the model's config with "
+                       "--config HF_FOLDER_OR_config.json (the folder the training script loaded the model from)")
+
+
+def _model_on_meta(config_file: Path):
+    """(model class, config, {name: (shape, tied-to or None)}) of the model the config describes."""
+    import transformers  # lazy: heavy; model paths only
+
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(str(config_file))
+    except (ValueError, OSError, KeyError) as e:
+        raise ToolkitError(f"{config_file} is not a Hugging Face config transformers reads ({str(e).splitlines()[0]})"
+                           "; pass the model's own config.json with --config") from None
+    arch = (getattr(cfg, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    cls = cls or transformers.AutoModelForCausalLM._model_mapping.get(type(cfg), None)
+    if cls is None:
+        raise ToolkitError(f"{config_file} names no model class transformers knows (architectures: {arch!r}); add "
+                           "\"architectures\" to it")
+    with torch.device("meta"):
+        model = cls(cfg)
+    first: dict[int, str] = {}
+    tensors = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(p), name)  # a tied weight: every later name points at the first
+        tensors[name] = (tuple(p.shape), owner if owner != name else None)
+    for name, b in model.named_buffers():
+        if name in model.state_dict():
+            tensors[name] = (tuple(b.shape), None)
+    return cls, cfg, tensors
+
+
+def check_against_config(source: PlainDeepSpeedSource, config_file: Path):
+    """Refuse (one line) a config whose model does not hold exactly the checkpoint's tensors."""
+    cls, cfg, want = _model_on_meta(config_file)
+    have = {n: source.shape(n) for n in source.names()}
+    tied = set(source.shared()) | {n for n, (_, to) in want.items() if to is not None}
+    missing = [n for n in want if n not in have and n not in tied]
+    extra = [n for n in have if n not in want]
+    bad = [f"{n} {have[n]} vs {want[n][0]}" for n in have if n in want and tuple(have[n]) != want[n][0]]
+    if missing or extra or bad:
+        raise ToolkitError(f"{config_file} does not describe the model in {source.tag_dir}: "
+                           + "; ".join(x for x in (missing and f"missing {missing[:3]}", extra and f"unexpected "
+                                                   f"{extra[:3]}", bad and f"shapes {bad[:3]}") if x)
+                           + ": pass the config the model was trained with (--config)")
+    return cls
+
+
+def convert_plain_to_hf(src: str | Path, dst: str | Path, config: str | Path | None = None, fp32: bool = False,
+                        dtype: torch.dtype | None = None, overwrite: bool = False, verify: bool = True,
+                        log=print) -> Path:
+    """Convert a plain DeepSpeed checkpoint (folder with `latest`, or a global_stepN folder) to a Hugging Face
+    folder; see the module docstring."""
+    src, dst = Path(src), Path(dst)
+    output.check_destination(src, dst, overwrite)
+    tag = resolve_tag(src)
+    config_file = find_config(src, tag, config)
+    source = PlainDeepSpeedSource(tag, fp32=fp32)
+    try:
+        cls = check_against_config(source, config_file)
+        names = source.names()
+        cast = {n: dtype if dtype is not None and source.out_dtype(n).is_floating_point else source.out_dtype(n)
+                for n in names}
+        shards: list[dict] = [{}]
+        size = 0
+        for name in names:
+            n = st.nbytes(source.shape(name), cast[name])
+            if shards[-1] and size + n > SHARD_BYTES:
+                shards.append({})
+                size = 0
+            shards[-1][name] = (source.shape(name), cast[name])
+            size += n
+        total = sum(st.nbytes(s, d) for spec in shards for s, d in spec.values())
+        with output.scratch_folder(dst, "partial") as tmp:
+            manifest.require_space(dst.parent, total, manifest.free_bytes(tmp), str(dst), "the tensors to write")
+            what = "fp32 master" if fp32 else "model states"
+            kind = f"DeepSpeed ZeRO-{source.stage} dp={source.dp} step {source.step} ({what})"
+            log(f"converting plain {kind} at {tag} -> hf ({len(names)} tensors; {total / 2**30:.2f} GiB to write)")
+            t0 = time.monotonic()
+            files = (["model.safetensors"] if len(shards) == 1 else
+                     [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+            for file, spec in zip(files, shards):
+                writer = st.Writer(tmp / file, spec, {"format": "pt"})
+                for name in spec:
+                    writer.write(name, source.get(name).to(cast[name]))
+                writer.close()
+            if len(files) > 1:
+                weight_map = {name: f for f, spec in zip(files, shards) for name in spec}
+                (tmp / "model.safetensors.index.json").write_text(json.dumps(
+                    {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            _write_config(config_file, tmp, cast)
+            log(f"wrote {total / 2**30:.2f} GiB in {time.monotonic() - t0:.1f} s")
+            if verify:
+                _verify(source, tmp, files, shards, cast, cls, total, log)
+            output.replace(tmp, dst)
+    finally:
+        source.close()
+    return dst
+
+
+def _write_config(config_file: Path, folder: Path, cast: dict) -> None:
+    config = json.loads(config_file.read_text())
+    dtypes = {d for d in cast.values() if d.is_floating_point}
+    main = max(dtypes, key=lambda d: sum(1 for v in cast.values() if v == d)) if dtypes else torch.float32
+    config["dtype" if "dtype" in config else "torch_dtype"] = str(main).replace("torch.", "")
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    where = config_file.parent
+    for name in TOKENIZER_FILES:  # the tokenizer beside the config, when there is one
+        if (where / name).is_file():
+            shutil.copy2(paths.inside(where, name, f"{where} (its tokenizer file)"), folder / name)
+
+
+def _verify(source, folder: Path, files: list[str], shards: list[dict], cast: dict, cls, total: int, log) -> None:
+    """Every tensor read back equals the source's bit for bit; then from_pretrained loads the folder and holds the
+    same tensors (models up to LOAD_CHECK_MAX_BYTES)."""
+    t0 = time.monotonic()
+    for file, spec in zip(files, shards):
+        with st.Reader(folder / file) as r:
+            for name in spec:
+                if not torch.equal(r.get(name), source.get(name).to(cast[name])):
+                    raise ToolkitError(f"verification failed: {name} reads back different from the source; nothing "
+                                       "was written")
+    log(f"verified: {len(cast)} tensors read back bit-exactly ({time.monotonic() - t0:.1f} s)")
+    if total > LOAD_CHECK_MAX_BYTES:
+        log(f"from_pretrained check skipped: {total / 2**30:.1f} GiB is more than it loads here")
+        return
+    main = json.loads((folder / "config.json").read_text())
+    main = getattr(torch, main.get("dtype") or main.get("torch_dtype") or "float32")
+    model, info = cls.from_pretrained(folder, dtype=main, output_loading_info=True)
+    if info.get("missing_keys") or info.get("unexpected_keys") or info.get("mismatched_keys"):
+        raise ToolkitError(f"verification failed: from_pretrained reports {info}; nothing was written")
+    state = model.state_dict()
+    for file, spec in zip(files, shards):
+        with st.Reader(folder / file) as r:
+            for name in spec:
+                t = r.get(name)
+                if name not in state or not torch.equal(state[name], t.to(state[name].dtype)):
+                    raise ToolkitError(f"verification failed: from_pretrained gives a different {name}; nothing "
+                                       "was written")
+    log(f"verified: {cls.__name__}.from_pretrained loads the folder with the same tensors")
