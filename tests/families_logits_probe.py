@@ -1,8 +1,9 @@
-"""Run under torchrun: for each Hugging Face folder given, build the Megatron model at (tp, pp) from it through its
-family's map, run one forward pass through Megatron's pipeline schedule, gather the full logits and save them (with
-the input ids) as OUT_DIR/<folder name>.pt. Several families share one launch (process groups are set up once).
+"""Run under torchrun: for each layout (TPxPP, each using all N ranks) and each Hugging Face folder given, build the
+Megatron model from the folder through its family's map, run one forward pass through Megatron's pipeline schedule,
+gather the full logits and save them (with the input ids) as OUT_DIR/<folder name>_tp<TP>_pp<PP>.pt. Several
+families and layouts share one launch: the process groups are rebuilt for each layout.
 
-    torchrun --nproc_per_node N tests/families_logits_probe.py TP PP OUT_DIR HF_DIR [HF_DIR ...]
+    torchrun --nproc_per_node N tests/families_logits_probe.py 2x1,1x2 OUT_DIR HF_DIR [HF_DIR ...]
 """
 import sys
 from pathlib import Path
@@ -48,16 +49,20 @@ def logits(r, layout, hf: str, out: Path) -> None:
     dist.barrier()
 
 
-def main(tp: int, pp: int, out_dir: str, folders: list[str]) -> None:
+def main(layouts: str, out_dir: str, folders: list[str]) -> None:
+    from megatron.core import parallel_state as ps
+
     from toolkit.megatron import runtime
 
     info = init_distributed()
-    first = recipe(folders[0], tp, pp)
-    layout = resolve(first, info.world_size).layout
-    runtime.init_parallel(first, layout, on_gpu=False)
-    for hf in folders:
-        logits(recipe(hf, tp, pp), layout, hf, Path(out_dir) / f"{Path(hf).name}.pt")
+    for tp, pp in (map(int, item.split("x")) for item in layouts.split(",")):
+        first = recipe(folders[0], tp, pp)
+        layout = resolve(first, info.world_size).layout
+        ps.destroy_model_parallel()
+        runtime.init_parallel(first, layout, on_gpu=False)
+        for hf in folders:
+            logits(recipe(hf, tp, pp), layout, hf, Path(out_dir) / f"{Path(hf).name}_tp{tp}_pp{pp}.pt")
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])

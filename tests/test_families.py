@@ -59,14 +59,18 @@ def models(tmp_path_factory):
     return out
 
 
-def probe(models, tp: int, pp: int, out_dir) -> dict:
-    """Megatron's logits for every family, from one torchrun launch of tp x pp processes."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp * pp), "--master_port",
-           str(free_port()), str(PROBE), str(tp), str(pp), str(out_dir), *(str(f) for f, _ in models.values())]
+def probe(models, layouts: list[tuple[int, int]], out_dir) -> dict:
+    """Megatron's logits for every family at every layout ({(tp, pp): {family: result}}), from one torchrun launch
+    (all layouts use the same number of ranks)."""
+    nproc = {tp * pp for tp, pp in layouts}.pop()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), str(PROBE), ",".join(f"{tp}x{pp}" for tp, pp in layouts), str(out_dir),
+           *(str(f) for f, _ in models.values())]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-5000:]
-    return {family: torch.load(out_dir / f"{family}.pt", weights_only=True) for family in models}
+    return {(tp, pp): {family: torch.load(out_dir / f"{family}_tp{tp}_pp{pp}.pt", weights_only=True)
+                       for family in models} for tp, pp in layouts}
 
 
 def assert_logits_match(models, got: dict, where: str) -> None:
@@ -80,13 +84,15 @@ def assert_logits_match(models, got: dict, where: str) -> None:
 
 
 def test_megatron_core_logits_equal_transformers_tp1(models, tmp_path):
-    assert_logits_match(models, probe(models, 1, 1, tmp_path), "TP1")
+    assert_logits_match(models, probe(models, [(1, 1)], tmp_path)[(1, 1)], "TP1")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_megatron_core_logits_equal_transformers_tp2_pp2(models, tp, pp, tmp_path):
-    assert_logits_match(models, probe(models, tp, pp, tmp_path), f"TP{tp} x PP{pp}")
+def test_megatron_core_logits_equal_transformers_tp2_and_pp2(models, tmp_path):
+    """TP2, then PP2, on the same two ranks of one launch."""
+    got = probe(models, [(2, 1), (1, 2)], tmp_path)
+    for (tp, pp), per_family in got.items():
+        assert_logits_match(models, per_family, f"TP{tp} x PP{pp}")
 
 
 def test_hf_to_megatron_tp2_pp2_and_back_is_bit_exact(models, tmp_path):
