@@ -45,7 +45,9 @@ def logits(r, layout, hf: str, out: Path) -> None:
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         full = gather_from_tensor_model_parallel_region(torch.cat([x["logits"] for x in res], dim=0))
         if ps.get_tensor_model_parallel_rank() == 0:
-            torch.save({"ids": ids, "logits": full[..., :r.model.vocab_size], "family": r.model.family}, out)
+            params = [(n, p.numel()) for n, p in chunk.named_parameters()]  # the planner's arithmetic is pinned to it
+            torch.save({"ids": ids, "logits": full[..., :r.model.vocab_size], "family": r.model.family,
+                        "params": params}, out)
     dist.barrier()
 
 

@@ -7,6 +7,7 @@ HF -> Megatron TP2xPP2 -> HF must be bit-exact; the planner's counts must be the
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import typing
@@ -76,9 +77,16 @@ def probe(models, layouts: list[tuple[int, int]], out_dir) -> dict:
                        for family in models} for tp, pp in layouts}
 
 
-def assert_logits_match(models, got: dict, where: str) -> None:
-    for family, (_, model) in models.items():
+def assert_logits_match(models, got: dict, where: str, tp: int = 1, pp: int = 1) -> None:
+    from toolkit.plan.megatron_states import chunk_params
+
+    for family, (folder, model) in models.items():
         assert got[family]["family"] == family  # the recipe took the family from config.json's model_type
+        # the planner's per-rank parameters (q/k/v bias, q/k norms) are what Megatron built on the last stage
+        r = load_recipe("tiny_zero0", ["model.preset=null", f"model.hf_path={folder}", "parallel.backend=megatron"])
+        planned = [(re.sub(r"layers\.\d+\.", "layers.N.", n), k) for n, k, _ in chunk_params(r, tp, pp, 1, pp - 1, 0)]
+        built = [(re.sub(r"layers\.\d+\.", "layers.N.", n), k) for n, k in got[family]["params"]]
+        assert planned == built, f"{family} at {where}: the planner's parameters differ from Megatron's"
         with torch.no_grad():
             want = model(got[family]["ids"]).logits
         diff = (got[family]["logits"] - want).abs().max().item()
@@ -95,7 +103,7 @@ def test_megatron_core_logits_equal_transformers_tp2_and_pp2(models, tmp_path):
     """TP2, then PP2, on the same two ranks of one launch."""
     got = probe(models, [(2, 1), (1, 2)], tmp_path)
     for (tp, pp), per_family in got.items():
-        assert_logits_match(models, per_family, f"TP{tp} x PP{pp}")
+        assert_logits_match(models, per_family, f"TP{tp} x PP{pp}", tp, pp)
 
 
 def test_hf_to_megatron_tp2_pp2_and_back_is_bit_exact(models, tmp_path):
