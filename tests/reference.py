@@ -1,6 +1,6 @@
 """The single-process reference every parallel layout is compared with: a plain PyTorch training loop.
 
-Hugging Face LlamaForCausalLM from one checkpoint, torch AdamW (no weight decay on norms, as both backends
+Hugging Face's causal LM of the checkpoint's family (LlamaForCausalLM, Qwen2ForCausalLM, ...) from one checkpoint, torch AdamW (no weight decay on norms, as both backends
 do), the toolkit's LR schedule, global-norm clipping, and the toolkit's data stream at dp=1 with the recipe's
 global batch. No DeepSpeed, no Megatron.
 """
@@ -11,7 +11,7 @@ import torch
 
 def reference_losses(hf_path, steps: int, schedule: list[str], model_out: dict | None = None) -> list[float]:
     """Losses of `steps` optimizer steps; with `model_out`, the trained weights are put in model_out["state"]."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from toolkit.data import DataStream, build_dataset
     from toolkit.model import param_groups
@@ -22,7 +22,7 @@ def reference_losses(hf_path, steps: int, schedule: list[str], model_out: dict |
                                    f"training.steps={steps}", *schedule])
     plan = resolve(r, world_size=1)
     torch.manual_seed(0)
-    model = LlamaForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
     opt = torch.optim.AdamW(param_groups(model, r.training.optimizer.weight_decay), lr=r.training.optimizer.lr,
                             betas=r.training.optimizer.betas,
                             eps=r.training.optimizer.eps, weight_decay=r.training.optimizer.weight_decay)

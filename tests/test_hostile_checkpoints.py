@@ -239,8 +239,9 @@ def _config(**fields):
 
 # (name, source, damage, extra args, phrases the one line must hold: the problem, then the fix)
 CONVERT_CASES = [
-    ("a family the converter does not know", "hf", _config(model_type="mistral", sliding_window=4096),
-     ["--to", "megatron"], ["model family 'mistral' is not supported; supported: llama", "toolkit/families/"]),
+    ("a family the converter does not know", "hf", _config(model_type="gpt2"),
+     ["--to", "megatron"], ["model family 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3",
+                            "toolkit/families/"]),
     ("sliding-window attention", "hf", _config(sliding_window=4096), ["--to", "megatron"],
      ["sets sliding_window: 4096", "convert a model without sliding-window attention"]),
     ("an activation the map does not target", "hf", _config(hidden_act="gelu"), ["--to", "megatron"],

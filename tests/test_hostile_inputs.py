@@ -148,12 +148,12 @@ LLAMA = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermedi
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "max_position_embeddings": 256, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 HF = [
-    ("mistral", {"model_type": "mistral", "sliding_window": 4096}, "has model_type 'mistral'; only 'llama'"),
+    ("gpt2", {"model_type": "gpt2"}, "has model_type 'gpt2'; supported: llama, mistral, qwen2, qwen3"),
+    ("mistral_window", {"model_type": "mistral", "sliding_window": 4096}, "sets sliding_window: 4096"),
     ("sliding_window", {"sliding_window": 4096}, "sets sliding_window: 4096, which needs sliding-window attention"),
     ("attention_bias", {"attention_bias": True}, "sets attention_bias: true, which needs biases on the q/k/v/o"),
     ("mlp_bias", {"mlp_bias": True}, "sets mlp_bias: true"),
     ("gelu", {"hidden_act": "gelu"}, 'sets hidden_act: "gelu"'),
-    ("head_dim", {"head_dim": 32}, "sets head_dim 32, not hidden_size / num_attention_heads = 64 / 4"),
 ]
 
 
@@ -170,7 +170,7 @@ def test_hf_config_the_toolkit_cannot_honour_is_refused(case, change, needle, tm
             if problems:
                 raise RecipeError(r.name, problems)
         text = err.value.render()
-        assert needle in text and "use a Llama checkpoint (model_type: llama)" in text, text
+        assert needle in text and "use a checkpoint of a supported family (model_type: llama, mistral" in text, text
     code, _, err = run_cli(capsys, "plan", "--recipe", "tiny_zero0", "--gpus", "2", "--set", "model.preset=null",
                            "--set", f"model.hf_path={tmp_path}")
     assert_refused(code, err, needle, block=True)

@@ -5,6 +5,8 @@ import json
 import time
 from pathlib import Path
 
+from toolkit.families import family_named
+from toolkit.families.mapping import param_count, recipe_dims
 from toolkit.recipe.schema import ModelConfig
 
 # Dense bf16/fp16 peak TFLOP/s of one device, by a substring of its name (vendor data sheets, no sparsity).
@@ -13,16 +15,9 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A800": 312.0, "H800
 
 
 def count_params(m: ModelConfig) -> dict:
-    """Parameter counts of the Llama architecture, from the recipe alone."""
-    h, kv = m.hidden_size, m.num_kv_heads or m.num_attention_heads
-    head = h // m.num_attention_heads
-    attn = h * h * 2 + 2 * h * kv * head  # q and o, plus k and v
-    mlp = 3 * h * m.intermediate_size
-    layer = attn + mlp + 2 * h
-    embed = m.vocab_size * h
-    body = m.num_layers * layer + h
-    lm_head = 0 if m.tie_word_embeddings else embed
-    return {"total": body + embed + lm_head, "embedding": embed, "non_embedding": body + lm_head}
+    """Parameter counts of the recipe's model, from the recipe alone: its family's map, summed
+    (toolkit.families.mapping.param_count)."""
+    return param_count(family_named(m.family), recipe_dims(m))
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:

@@ -1,4 +1,5 @@
-"""The Llama model from a recipe: a Hugging Face LlamaForCausalLM, random or from local pretrained weights."""
+"""The model from a recipe: the Hugging Face causal LM of its family (LlamaForCausalLM, Qwen2ForCausalLM, ...),
+random or from local pretrained weights."""
 from __future__ import annotations
 
 from contextlib import ExitStack
@@ -8,20 +9,24 @@ import torch
 import torch.distributed as dist
 
 from toolkit.errors import ToolkitError
+from toolkit.families import family_named
 from toolkit.format import paths
 from toolkit.format import safetensors_stream as st
 from toolkit.recipe.schema import ModelConfig
 
 
 def to_hf_config(m: ModelConfig, tokenizer=None):
-    """The transformers LlamaConfig equivalent to the recipe's model section."""
-    from transformers import LlamaConfig  # lazy: heavy; model paths only
+    """The transformers config (LlamaConfig, Qwen2Config, ...) equivalent to the recipe's model section."""
+    import transformers  # lazy: heavy; model paths only
+
+    family = family_named(m.family)
 
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.rope_scaling:
         rope.update(m.rope_scaling)
         rope["rope_theta"] = m.rope_theta
-    return LlamaConfig(
+    return getattr(transformers, family.hf_config_class)(
+        **family.hf_config_fields, head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
         vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
         num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_kv_heads or m.num_attention_heads,
@@ -34,14 +39,14 @@ def to_hf_config(m: ModelConfig, tokenizer=None):
 
 
 def build_model(m: ModelConfig, seed: int, tokenizer=None, zero3_config: dict | None = None):
-    """A LlamaForCausalLM in fp32 (DeepSpeed casts for mixed precision).
+    """The family's causal LM (e.g. LlamaForCausalLM) in fp32 (DeepSpeed casts for mixed precision).
 
     With `zero3_config` it is built inside deepspeed.zero.Init, so each parameter is partitioned as it is created
     and the whole model never materialises on one rank. Random initialisation runs after construction, through
     transformers' own init functions in the same module order with and without ZeRO-3 (gathered per module,
     filled on rank 0), so a seed gives the same initial weights at every ZeRO stage and world size.
     """
-    from transformers import LlamaForCausalLM  # lazy: heavy; model paths only
+    import transformers  # lazy: heavy; model paths only
     from transformers.initialization import no_init_weights  # lazy: heavy; model paths only
 
     cfg = to_hf_config(m, tokenizer)
@@ -55,7 +60,7 @@ def build_model(m: ModelConfig, seed: int, tokenizer=None, zero3_config: dict | 
     with ExitStack() as stack:
         for c in contexts:
             stack.enter_context(c)
-        model = LlamaForCausalLM(cfg)
+        model = getattr(transformers, family_named(m.family).hf_architecture)(cfg)
     if m.pretrained:
         load_hf_weights(model, Path(m.hf_path), zero3=zero3_config is not None)
     else:

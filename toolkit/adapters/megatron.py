@@ -3,11 +3,13 @@
 The runtime turns these dicts into `initialize_model_parallel(**...)`, `TransformerConfig(**...)`,
 `DistributedDataParallelConfig(**...)`, `OptimizerConfig(**...)` and `GPTModel(**...)` calls; tests check them
 as data. The Llama architecture in Megatron terms: RMSNorm, SwiGLU (gated linear unit with SiLU), RoPE, grouped
-query attention through query groups, no biases, untied embeddings unless the recipe ties them.
+query attention through query groups, no biases, untied embeddings unless the recipe ties them; each model family
+adds its own TransformerConfig fields (toolkit/families/: Qwen2's add_qkv_bias, Qwen3's qk_layernorm).
 """
 from __future__ import annotations
 
 from toolkit.errors import Problem
+from toolkit.families import family_named
 from toolkit.layout import Layout, padded_vocab_size
 from toolkit.recipe.schema import Recipe
 
@@ -38,15 +40,17 @@ def _recompute(mode: str) -> dict:
 
 
 def to_architecture_kwargs(r: Recipe) -> dict:
-    """The TransformerConfig fields that fix the shapes (torch-free: the planner reads them)."""
+    """The TransformerConfig fields that fix the shapes (torch-free: the planner reads them), the family's own
+    fields (add_qkv_bias, qk_layernorm) included."""
     m = r.model
     return {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.intermediate_size,
             "num_attention_heads": m.num_attention_heads, "num_query_groups": m.num_kv_heads or m.num_attention_heads,
-            "kv_channels": m.hidden_size // m.num_attention_heads}
+            "kv_channels": m.head_dim or m.hidden_size // m.num_attention_heads, "add_qkv_bias": False,
+            **family_named(m.family).megatron_fields}
 
 
 def to_transformer_config_kwargs(r: Recipe, layout: Layout, on_gpu: bool) -> dict:
-    """TransformerConfig fields for the recipe's Llama. Fusions that need GPU kernels are on only on GPUs."""
+    """TransformerConfig fields for the recipe's model. Fusions that need GPU kernels are on only on GPUs."""
     m, precision = r.model, r.training.precision
     import torch.nn.functional as F  # lazy: keeps validate/render free of torch
 
@@ -54,7 +58,7 @@ def to_transformer_config_kwargs(r: Recipe, layout: Layout, on_gpu: bool) -> dic
     return {
         **to_architecture_kwargs(r),
         "normalization": "RMSNorm", "layernorm_epsilon": m.rms_norm_eps,
-        "gated_linear_unit": True, "activation_func": F.silu, "add_bias_linear": False, "add_qkv_bias": False,
+        "gated_linear_unit": True, "activation_func": F.silu, "add_bias_linear": False,
         "hidden_dropout": 0.0, "attention_dropout": 0.0, "init_method_std": m.initializer_range,
         "tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
         "virtual_pipeline_model_parallel_size": layout.vpp if layout.vpp > 1 else None,

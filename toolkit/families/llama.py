@@ -14,6 +14,7 @@ from toolkit.families.mapping import (
     gated_mlp,
     qkv,
     read_dims,
+    refuse_unhonoured,
     replicated,
     row_parallel,
     vocab_parallel,
@@ -28,12 +29,7 @@ def dims(config: Any, tp: int = 1, divisible_by: int = 128) -> Dims:
         raise ToolkitError(f"Llama config sets {', '.join(biased)}; only bias-free Llama weights are mapped: "
                            "add bias entries to toolkit/families/llama.py to support them")
     # fields the Megatron-Core layers this map targets cannot honour: refused, not silently dropped
-    if get("sliding_window"):
-        raise ToolkitError(f"Llama config sets sliding_window: {get('sliding_window')}; the Megatron-Core layers this "
-                           "map targets attend to the whole sequence: convert a model without sliding-window attention")
-    if get("hidden_act", "silu") != "silu":
-        raise ToolkitError(f"Llama config sets hidden_act: {get('hidden_act')}; the map targets SwiGLU (silu): convert "
-                           "a model whose MLP uses silu")
+    refuse_unhonoured("Llama", config, sliding=True)
     # LlamaConfig defaults to untied weights; a config.json that omits the key means the same
     return read_dims("llama", config, tp, divisible_by, tied_default=False)
 

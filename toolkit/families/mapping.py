@@ -3,8 +3,9 @@ Hugging Face tensors it is made of (`qkv(q=..., k=..., v=...)`, `gated_mlp(gate=
 that splits and merges it. A family file (llama.py) is a list of these; nothing in it depends on argument order."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from toolkit.errors import Problem, ToolkitError
@@ -91,6 +92,13 @@ def qkv(megatron: str, dims: Dims, *, q: str, k: str, v: str) -> ParamMap:
                    q=(q, (q_rows, h)), k=(k, (kv_rows, h)), v=(v, (kv_rows, h)))
 
 
+def qkv_bias(megatron: str, dims: Dims, *, q: str, k: str, v: str) -> ParamMap:
+    """Megatron's linear_qkv.bias from HF's q, k and v biases: grouped per query group exactly like the weight."""
+    q_rows, kv_rows = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
+    return mapping(megatron, QKV(dims.heads, dims.kv_heads, dims.head_dim),
+                   q=(q, (q_rows,)), k=(k, (kv_rows,)), v=(v, (kv_rows,)))
+
+
 def gated_mlp(megatron: str, dims: Dims, *, gate: str, up: str) -> ParamMap:
     """Megatron's fused linear_fc1 from HF's gate and up projections."""
     return mapping(megatron, GatedMLP(), gate=(gate, (dims.ffn, dims.hidden)), up=(up, (dims.ffn, dims.hidden)))
@@ -112,6 +120,59 @@ class Family:
     final_norm: Callable[[Dims], ParamMap]
     output: Callable[[Dims], ParamMap]
     """The output layer; tied models take it from the embeddings (HF has no lm_head then)."""
+    hf_config_class: str = "LlamaConfig"
+    """The transformers config class a recipe's model section becomes (toolkit/model.py)."""
+    hf_config_fields: Mapping[str, Any] = field(default_factory=dict)
+    """Fixed fields of that config beyond the recipe's (e.g. Mistral's sliding_window: None)."""
+    megatron_fields: Mapping[str, Any] = field(default_factory=dict)
+    """Megatron-Core TransformerConfig fields beyond Llama's (add_qkv_bias, qk_layernorm); the adapter, the local
+    layer spec and the planner's parameter arithmetic all read them here."""
+
+    @property
+    def qkv_bias(self) -> bool:
+        return bool(self.megatron_fields.get("add_qkv_bias"))
+
+    @property
+    def qk_norm(self) -> bool:
+        return bool(self.megatron_fields.get("qk_layernorm"))
+
+
+def refuse_unhonoured(family: str, config: Any, sliding: bool = False) -> None:
+    """Raise on HF config fields that change the maths in ways the Megatron-Core layers we target do not follow:
+    an MLP bias or another activation than SwiGLU's silu, and (`sliding`) an active sliding attention window."""
+    get = config_getter(config)
+    if get("mlp_bias", False):
+        raise ToolkitError(f"{family} config sets mlp_bias; only bias-free MLP weights are mapped: add bias entries to "
+                           f"toolkit/families/{family}.py to support them")
+    if get("hidden_act", "silu") != "silu":
+        raise ToolkitError(f"{family} config sets hidden_act: {get('hidden_act')}; the map targets SwiGLU (silu): "
+                           "convert a model whose MLP uses silu")
+    # Qwen configs keep a sliding_window number that is off unless use_sliding_window is true
+    if sliding and get("sliding_window") and get("use_sliding_window", True):
+        raise ToolkitError(f"{family} config sets sliding_window: {get('sliding_window')}; the Megatron-Core layers "
+                           "this map targets attend to the whole sequence: convert a model without sliding-window "
+                           "attention (sliding_window: null, or use_sliding_window: false)")
+
+
+def recipe_dims(m: Any, tp: int = 1, divisible_by: int = 128) -> Dims:
+    """The dims of a recipe's model section (toolkit.recipe.schema.ModelConfig, read by attribute)."""
+    heads = m.num_attention_heads
+    return Dims(family=m.family, hidden=m.hidden_size, heads=heads, kv_heads=m.num_kv_heads or heads,
+                head_dim=m.head_dim or m.hidden_size // heads, ffn=m.intermediate_size, layers=m.num_layers,
+                vocab=m.vocab_size, padded_vocab=padded_vocab_size(m.vocab_size, tp, divisible_by),
+                tied=m.tie_word_embeddings)
+
+
+def param_count(family: Family, d: Dims) -> dict[str, int]:
+    """Parameters of the Hugging Face model, summed over the family's own map (so a family's count is its map):
+    total, embedding (the input embeddings) and non_embedding (everything else, an untied output layer included)."""
+    def numel(pm: ParamMap) -> int:
+        return sum(math.prod(shape) for shape in pm.hf_shapes)
+
+    embed = numel(family.embedding(d))
+    body = d.layers * sum(numel(pm) for pm in family.layer(d)) + numel(family.final_norm(d))
+    lm_head = 0 if d.tied else numel(family.output(d))
+    return {"total": embed + body + lm_head, "embedding": embed, "non_embedding": body + lm_head}
 
 
 def check_dims(dims: Dims, tp: int, pp: int, vpp: int) -> list[Problem]:

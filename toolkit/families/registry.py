@@ -1,11 +1,11 @@
 """The model families the converters know, by name and by Hugging Face `model_type`. Adding one: write its file
-next to llama.py and list its FAMILY here."""
+next to llama.py and list its FAMILY here (and its name in the recipe schema's `model.family`)."""
 from __future__ import annotations
 
 from typing import Any
 
 from toolkit.errors import ToolkitError
-from toolkit.families import llama
+from toolkit.families import llama, mistral, qwen2, qwen3
 from toolkit.families.mapping import Dims, Family, config_getter
 
 
@@ -19,7 +19,7 @@ def _index(families: list[Family]) -> dict[str, Family]:
     return out
 
 
-FAMILIES = _index([llama.FAMILY])
+FAMILIES = _index([llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY])
 
 
 def family_named(name: str) -> Family:

@@ -4,14 +4,20 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Protocol, Sequence, Union
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from toolkit.errors import ToolkitError
 
-HFTensors = Union[Tensor, tuple[Tensor, ...]]  # one HF tensor, or several fused into one Megatron parameter
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    HFTensors = Tensor | tuple[Tensor, ...]  # one HF tensor, or several fused into one Megatron parameter
+
+
+def _torch():
+    import torch  # lazy: the families load torch-free, so `toolkit plan` and `validate` can read them
+
+    return torch
 
 
 class Rule(Protocol):
@@ -54,7 +60,7 @@ def views():
 def _own(t: Tensor) -> Tensor:
     # Slices are views of the whole tensor, and torch.save writes a view's entire storage, so by default every
     # shard or merged tensor we hand out gets its own compact storage.
-    return t.clone(memory_format=torch.contiguous_format) if _COMPACT.get() else t
+    return t.clone(memory_format=_torch().contiguous_format) if _COMPACT.get() else t
 
 
 def _split_dim(full: Tensor, tp: int, dim: int, what: str) -> list[Tensor]:
@@ -62,7 +68,7 @@ def _split_dim(full: Tensor, tp: int, dim: int, what: str) -> list[Tensor]:
         raise ToolkitError(f"{what}: cannot split dim {dim} of a tensor of shape {tuple(full.shape)} into tp = {tp} "
                            f"equal shards ({full.shape[dim]} is not divisible by {tp}); "
                            f"choose a tensor-parallel size that divides {full.shape[dim]}")
-    return [_own(piece) for piece in torch.chunk(full, tp, dim)]
+    return [_own(piece) for piece in _torch().chunk(full, tp, dim)]
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,7 @@ class Replicated:
 
     def merge(self, shards: Sequence[Tensor]) -> Tensor:
         for rank, shard in enumerate(shards[1:], 1):
-            if not torch.equal(shard, shards[0]):
+            if not _torch().equal(shard, shards[0]):
                 raise ToolkitError(f"replicated tensor differs between tp rank 0 and tp rank {rank}; the ranks of "
                                    "this checkpoint are out of sync: check it was saved from one consistent step")
         return shards[0]
@@ -98,7 +104,7 @@ class ColumnParallel:
         return _divided(tuple(hf_shapes[0]), 0, tp, "column-parallel weight")
 
     def merge(self, shards: Sequence[Tensor]) -> Tensor:
-        return torch.cat(list(shards), 0)
+        return _torch().cat(list(shards), 0)
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,7 @@ class RowParallel:
         return _divided(tuple(hf_shapes[0]), 1, tp, "row-parallel weight")
 
     def merge(self, shards: Sequence[Tensor]) -> Tensor:
-        return torch.cat(list(shards), 1)
+        return _torch().cat(list(shards), 1)
 
 
 @dataclass(frozen=True)
@@ -131,13 +137,13 @@ class VocabParallel:
             raise ToolkitError(f"vocab-parallel weight has {full.shape[0]} rows; expected vocab {self.true_vocab} "
                                f"padded to {self.padded_vocab}: make the model's vocab_size match the checkpoint")
         padding = full.new_zeros(self.padded_vocab - self.true_vocab, *full.shape[1:])
-        return _split_dim(torch.cat([full, padding], 0), tp, 0, "vocab-parallel weight")
+        return _split_dim(_torch().cat([full, padding], 0), tp, 0, "vocab-parallel weight")
 
     def shard_shape(self, hf_shapes, tp: int) -> tuple[int, ...]:
         return _divided((self.padded_vocab, *hf_shapes[0][1:]), 0, tp, "vocab-parallel weight")
 
     def merge(self, shards: Sequence[Tensor]) -> Tensor:
-        full = torch.cat(list(shards), 0)
+        full = _torch().cat(list(shards), 0)
         if full.shape[0] != self.padded_vocab:
             raise ToolkitError(f"vocab-parallel shards add up to {full.shape[0]} rows, expected padded vocab "
                                f"{self.padded_vocab}: the checkpoint was saved with another vocab padding "
@@ -175,7 +181,7 @@ class QKV:
             raise ToolkitError(f"q/k/v have {[t.shape[0] for t in full]} rows, expected {[e[0] for e in expected]} "
                                f"for {self.num_heads} heads, {g} kv heads of size {d}: check the model config")
         tail = q.shape[1:]
-        grouped = torch.cat([q.reshape(g, -1, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], 1)
+        grouped = _torch().cat([q.reshape(g, -1, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], 1)
         return _split_dim(grouped.reshape(-1, *tail), tp, 0, "linear_qkv weight")
 
     def shard_shape(self, hf_shapes, tp: int) -> tuple[int, ...]:
@@ -185,13 +191,13 @@ class QKV:
 
     def merge(self, shards: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         self._check(len(shards))
-        full = torch.cat(list(shards), 0)
+        full = _torch().cat(list(shards), 0)
         g, d, per_group = self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
         if full.shape[0] != (per_group + 2) * g * d:
             raise ToolkitError(f"linear_qkv shards add up to {full.shape[0]} rows, expected "
                                f"({self.num_heads} + 2 x {g}) x {d} = {(per_group + 2) * g * d}: check the dims")
         tail = full.shape[1:]
-        q, k, v = torch.split(full.reshape(g, (per_group + 2) * d, *tail), [per_group * d, d, d], 1)
+        q, k, v = _torch().split(full.reshape(g, (per_group + 2) * d, *tail), [per_group * d, d, d], 1)
         return tuple(_own(t.reshape(-1, *tail)) for t in (q, k, v))
 
 
@@ -204,7 +210,7 @@ class GatedMLP:
     def split(self, full: tuple[Tensor, Tensor], tp: int) -> list[Tensor]:
         gate, up = full
         gates, ups = _split_dim(gate, tp, 0, "gate_proj weight"), _split_dim(up, tp, 0, "up_proj weight")
-        return [torch.cat([g, u], 0) for g, u in zip(gates, ups)]
+        return [_torch().cat([g, u], 0) for g, u in zip(gates, ups)]
 
     def shard_shape(self, hf_shapes, tp: int) -> tuple[int, ...]:
         gate = _divided(tuple(hf_shapes[0]), 0, tp, "gate_proj weight")
@@ -214,5 +220,5 @@ class GatedMLP:
         if any(shard.shape[0] % 2 for shard in shards):
             raise ToolkitError(f"linear_fc1 shards have {[s.shape[0] for s in shards]} rows; each must hold equal "
                                "gate and up halves: this is not a gated-MLP (SwiGLU) checkpoint")
-        halves = [torch.chunk(shard, 2, 0) for shard in shards]
-        return torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)
+        halves = [_torch().chunk(shard, 2, 0) for shard in shards]
+        return _torch().cat([h[0] for h in halves], 0), _torch().cat([h[1] for h in halves], 0)

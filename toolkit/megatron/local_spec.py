@@ -20,15 +20,19 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 def local_block_spec(config, vp_stage: int | None):
-    """TransformerBlockSubmodules: the local layer spec with RMSNorm above for the two per-layer norms and the
-    final norm (Megatron's default block would use its torch-norm wrapper for the final one)."""
+    """TransformerBlockSubmodules: the local layer spec with RMSNorm above for the two per-layer norms, the final
+    norm (Megatron's default block would use its torch-norm wrapper for the final one) and, when the config has
+    qk_layernorm (Qwen3), the per-head query and key norms."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # lazy: Megatron runs only
 
     # lazy: Megatron runs only
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
+    if config.qk_layernorm:  # built by Megatron with hidden_size = head_dim; never sequence-split, like HF's
+        layer.submodules.self_attention.submodules.q_layernorm = RMSNorm
+        layer.submodules.self_attention.submodules.k_layernorm = RMSNorm
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
                                       layer_norm=RMSNorm)

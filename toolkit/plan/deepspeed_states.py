@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, replace
 
 from toolkit.errors import ToolkitError
+from toolkit.families import family_named
 from toolkit.layout import derive_batch
 from toolkit.plan.types import CPU, GPU, KINDS, NVME, StateBytes
 from toolkit.recipe.schema import ModelConfig, Recipe
@@ -27,16 +28,22 @@ ALLREDUCE_ELEMENTS = 500_000_000  # engine.py MEMORY_OPT_ALLREDUCE_SIZE: ZeRO-0 
 
 
 def llama_params(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every parameter of Hugging Face's LlamaForCausalLM, in registration order (the order
-    model.parameters() yields and DeepSpeed flattens). A tied lm_head is the embedding, listed once."""
+    """(name, shape) of every parameter of Hugging Face's LlamaForCausalLM (or the family's causal LM: Qwen2 adds
+    q/k/v biases, Qwen3 per-head q/k norms), in registration order (the order model.parameters() yields and
+    DeepSpeed flattens). A tied lm_head is the embedding, listed once."""
     h, heads, inter = m.hidden_size, m.num_attention_heads, m.intermediate_size
-    kv = (m.num_kv_heads or heads) * (h // heads)
+    d = m.head_dim or h // heads
+    q, kv = heads * d, (m.num_kv_heads or heads) * d
+    family = family_named(m.family)
     out = [("model.embed_tokens.weight", (m.vocab_size, h))]
     for i in range(m.num_layers):
         p = f"model.layers.{i}."
-        out += [(p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
-                (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+        for name, rows in (("q", q), ("k", kv), ("v", kv)):
+            out += [(p + f"self_attn.{name}_proj.weight", (rows, h))]
+            out += [(p + f"self_attn.{name}_proj.bias", (rows,))] if family.qkv_bias else []
+        out += [(p + "self_attn.o_proj.weight", (h, q))]
+        out += [(p + f"self_attn.{n}_norm.weight", (d,)) for n in ("q", "k") if family.qk_norm]
+        out += [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
                 (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
                 (p + "post_attention_layernorm.weight", (h,))]
     out.append(("model.norm.weight", (h,)))

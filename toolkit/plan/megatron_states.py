@@ -44,7 +44,8 @@ def _dims(r: Recipe, tp: int) -> dict:
         raise ToolkitError(f"Megatron cannot split this model at tp={tp}: {'; '.join(problems)}; choose a tp that "
                            "divides all of them")
     return {"h": t["hidden_size"], "ffn": t["ffn_hidden_size"], "d": t["kv_channels"], "heads": heads,
-            "groups": groups, "vocab": g["vocab_size"], "tied": g["share_embeddings_and_output_weights"]}
+            "groups": groups, "vocab": g["vocab_size"], "tied": g["share_embeddings_and_output_weights"],
+            "qkv_bias": t.get("add_qkv_bias", False), "qk_norm": t.get("qk_layernorm", False)}
 
 
 def layers_of_chunk(num_layers: int, pp: int, vpp: int, pp_rank: int, vp: int) -> range:
@@ -66,11 +67,15 @@ def chunk_params(r: Recipe, tp: int, pp: int, vpp: int, pp_rank: int, vp: int) -
     shared = m["tied"] and pp > 1  # the tied copy on the last stage and its source each get their own bucket
     out = [("embedding.word_embeddings.weight", m["vocab"] // tp * h, shared)] if first else []
     for i in layers_of_chunk(r.model.num_layers, pp, vpp, pp_rank, vp):
+        qkv_rows = (m["heads"] + 2 * m["groups"]) * d // tp
+        # registration order: SelfAttention makes linear_proj, then linear_qkv (weight, bias), then the q/k norms
         out += [(f"decoder.layers.{i}.input_layernorm.weight", h, False),
                 (f"decoder.layers.{i}.self_attention.linear_proj.weight", h * m["heads"] * d // tp, False),
-                (f"decoder.layers.{i}.self_attention.linear_qkv.weight",
-                 (m["heads"] + 2 * m["groups"]) * d // tp * h, False),
-                (f"decoder.layers.{i}.pre_mlp_layernorm.weight", h, False),
+                (f"decoder.layers.{i}.self_attention.linear_qkv.weight", qkv_rows * h, False)]
+        out += [(f"decoder.layers.{i}.self_attention.linear_qkv.bias", qkv_rows, False)] if m["qkv_bias"] else []
+        out += [(f"decoder.layers.{i}.self_attention.{n}_layernorm.weight", d, False)
+                for n in ("q", "k") if m["qk_norm"]]
+        out += [(f"decoder.layers.{i}.pre_mlp_layernorm.weight", h, False),
                 (f"decoder.layers.{i}.mlp.linear_fc1.weight", 2 * m["ffn"] // tp * h, False),
                 (f"decoder.layers.{i}.mlp.linear_fc2.weight", h * m["ffn"] // tp, False)]
     if last:

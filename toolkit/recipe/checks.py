@@ -187,8 +187,10 @@ def _check_hf_config(r: Recipe) -> list[Problem]:
         return problems
     theirs = model_keys_from_hf_config(hf)
     ours = r.model.model_dump()
+    head_dim = ours["hidden_size"] // ours["num_attention_heads"]  # what a recipe's head_dim: null means
     diff = [f"{k}: {ours[k]} in the recipe, {v} in config.json" for k, v in theirs.items()
-            if k in ours and k != "rope_scaling" and ours[k] != v and not (k == "num_kv_heads" and ours[k] is None)]
+            if k in ours and k != "rope_scaling" and ours[k] != v and not (k == "num_kv_heads" and ours[k] is None)
+            and not (k == "head_dim" and ours[k] is None and v == head_dim)]
     if not diff:
         return []
     return [Problem("model.preset", f"{r.model.preset} does not match {cfg}: " + "; ".join(diff),

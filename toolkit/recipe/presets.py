@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+import typing
 from pathlib import Path
 
 from toolkit.errors import Problem
+from toolkit.recipe.schema import ModelConfig
 
 _LLAMA2 = dict(vocab_size=32000, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5)
 _LLAMA3 = dict(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
@@ -30,6 +32,16 @@ PRESETS: dict[str, dict] = {
     "llama3.1-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_layers=32,
                         num_attention_heads=32, num_kv_heads=8, max_position_embeddings=131072,
                         rope_scaling=_LLAMA31_ROPE),
+    # Other families, at their published config.json numbers (Hugging Face, model cards of the same names).
+    "mistral-7b-v0.3": dict(family="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                            num_layers=32, num_attention_heads=32, num_kv_heads=8, max_position_embeddings=32768,
+                            rope_theta=1000000.0, rms_norm_eps=1e-5),
+    "qwen2.5-7b": dict(family="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+                       num_attention_heads=28, num_kv_heads=4, max_position_embeddings=131072,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen3-8b": dict(family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                     num_attention_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
+                     rope_theta=1000000.0, rms_norm_eps=1e-6),
 }
 
 # Hugging Face config.json key -> recipe model key, for `model.hf_path`.
@@ -38,7 +50,7 @@ HF_TO_RECIPE = {
     "num_hidden_layers": "num_layers", "num_attention_heads": "num_attention_heads",
     "num_key_value_heads": "num_kv_heads", "max_position_embeddings": "max_position_embeddings",
     "rms_norm_eps": "rms_norm_eps", "tie_word_embeddings": "tie_word_embeddings",
-    "initializer_range": "initializer_range",
+    "initializer_range": "initializer_range", "head_dim": "head_dim", "model_type": "family",
 }
 
 
@@ -55,36 +67,42 @@ def model_keys_from_hf_config(cfg: dict) -> dict:
     return out
 
 
-# Hugging Face config.json fields whose non-default values change the architecture in ways the toolkit's Llama
-# model (and its converters) do not implement: (field, the value Llama has, what the other value would need).
-_LLAMA_ONLY = (
-    ("sliding_window", None, "sliding-window attention (Mistral and others)"),
+# The model types the recipe schema's model.family accepts (each is a file in toolkit/families/, whose tests
+# check this list against the families' registry).
+MODEL_TYPES = typing.get_args(ModelConfig.model_fields["family"].annotation)
+
+# Hugging Face config.json fields whose non-default values change the architecture in ways no family the toolkit
+# knows implements: (field, the value the families have, what the other value would need). Family-specific fields
+# (Qwen2's q/k/v biases, Qwen3's q/k norms) are the families' own and need no entry here.
+_UNSUPPORTED = (
     ("attention_bias", False, "biases on the q/k/v/o projections"),
     ("mlp_bias", False, "biases on the MLP projections"),
     ("hidden_act", "silu", "a SwiGLU MLP with another activation"),
-    ("use_sliding_window", False, "sliding-window attention"),
     ("qk_norm", False, "normalised queries and keys"),
 )
 
 
 def unsupported_hf_config(cfg: dict, where: str) -> list[Problem]:
-    """What in a Hugging Face config.json the toolkit cannot honour: another model_type, or a Llama-shaped
-    config with a field (sliding_window, attention biases, another activation, ...) that changes the maths."""
-    fix = "use a Llama checkpoint (model_type: llama); other families are not supported yet"
+    """What in a Hugging Face config.json the toolkit cannot honour: a model_type of no known family, or a config
+    with a field (an active sliding window, attention biases, another activation, ...) that changes the maths."""
+    fix = f"use a checkpoint of a supported family (model_type: {', '.join(MODEL_TYPES)})"
     kind = cfg.get("model_type", "llama")  # absent in hand-written test configs; every saved HF config has it
-    if kind != "llama":
-        return [Problem("model.hf_path", f"{where} has model_type {kind!r}; only 'llama' is supported", fix)]
+    if kind not in MODEL_TYPES:
+        return [Problem("model.hf_path", f"{where} has model_type {kind!r}; supported: {', '.join(MODEL_TYPES)}",
+                        fix)]
     out = []
-    for key, llama, needs in _LLAMA_ONLY:
-        value = cfg.get(key, llama)
-        if value is not None and value != llama:
+    # Qwen configs keep a window size that is off unless use_sliding_window is true
+    window = cfg.get("sliding_window")
+    if window is not None and cfg.get("use_sliding_window", True):
+        out.append(Problem("model.hf_path", f"{where} sets sliding_window: {json.dumps(window)}, which needs "
+                           "sliding-window attention; the toolkit's models attend to the whole sequence", fix))
+    for key, plain, needs in _UNSUPPORTED:
+        if key == "attention_bias" and kind == "qwen2":
+            continue  # Qwen2's q/k/v biases are always there (the family maps them); the key is not Qwen2's
+        value = cfg.get(key, plain)
+        if value is not None and value != plain:
             out.append(Problem("model.hf_path", f"{where} sets {key}: {json.dumps(value)}, which needs {needs}; "
-                               f"the toolkit's Llama has {key}: {json.dumps(llama)}", fix))
-    head_dim = cfg.get("head_dim")
-    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
-    if head_dim and isinstance(hidden, int) and isinstance(heads, int) and heads and head_dim * heads != hidden:
-        out.append(Problem("model.hf_path", f"{where} sets head_dim {head_dim}, not hidden_size / "
-                           f"num_attention_heads = {hidden} / {heads}", fix))
+                               f"the toolkit's {kind} has {key}: {json.dumps(plain)}", fix))
     return out
 
 

@@ -20,8 +20,9 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    family: Literal["llama"] = "llama"
-    """Architecture family; Llama (2, 3 and tiny test sizes) is the one supported so far."""
+    family: Literal["llama", "mistral", "qwen2", "qwen3"] = "llama"
+    """Architecture family (toolkit/families/): llama (2, 3), mistral, qwen2 (Qwen2 and Qwen2.5: q/k/v biases), qwen3
+    (dense Qwen3: per-head q/k RMSNorm). With model.hf_path and no family set, config.json's model_type gives it."""
     preset: Optional[str] = None
     """Named size (see `toolkit show --presets`); its values sit under any key you set yourself."""
     hf_path: Optional[str] = None
@@ -40,6 +41,8 @@ class ModelConfig(_Section):
     """Query heads per layer."""
     num_kv_heads: Optional[int] = Field(None, gt=0)
     """Key/value heads (grouped-query attention); null means as many as query heads."""
+    head_dim: Optional[int] = Field(None, gt=0)
+    """Width of one attention head; null means hidden_size / num_attention_heads (Qwen3 sets it explicitly)."""
     max_position_embeddings: int = Field(4096, gt=0)
     """Longest sequence the position encoding is set up for."""
     rope_theta: float = Field(10000.0, gt=0)

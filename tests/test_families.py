@@ -1,0 +1,198 @@
+"""The Mistral, Qwen2 and Qwen3 families against the real libraries. Tiny random models are built with transformers'
+own config classes (GQA: 4 heads, 2 kv heads; vocab 500, which every TP size pads; Qwen2 with q/k/v biases and
+tied embeddings; Qwen3 with q/k norms and head_dim 32 != hidden 64 / 4 heads), with every bias and norm weight
+randomised so that a mis-grouped bias or a swapped norm shows. Megatron-Core's GPTModel, filled through each family's
+keyword map, must give transformers' logits at TP1 (fast: one launch for all three families), TP2 and PP2 (slow);
+HF -> Megatron TP2xPP2 -> HF must be bit-exact; the planner's counts must be the models' own."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import typing
+
+import pytest
+import torch
+from conftest import REPO, free_port, launch, read_metrics
+from reference import reference_losses
+from safetensors.torch import load_file
+from test_megatron_parity import LOSS_RTOL, SCHEDULE, STEPS
+
+from toolkit.checkpoint.convert import convert
+from toolkit.errors import ToolkitError
+from toolkit.families import FAMILIES, dims_from_hf, hf_to_megatron
+from toolkit.model import to_hf_config
+from toolkit.recipe import load_recipe
+from toolkit.recipe.schema import ModelConfig
+
+PROBE = REPO / "tests" / "families_logits_probe.py"
+LOGITS_ATOL = 1e-5  # fp32, as in test_family_logits.py; a wrong split, permutation or bias gives order 1
+SHAPE = dict(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+CONFIGS = {  # family -> (transformers config class, causal LM class, its own fields)
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, rms_norm_eps=1e-6)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rms_norm_eps=1e-6)),
+}
+
+
+def tiny_model(family: str, seed: int = 7, **change):
+    import transformers
+
+    config_cls, model_cls, own = CONFIGS[family]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**SHAPE, **own, **change})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:  # biases start at 0 and norms at 1: make every element tell where it went
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.5 * torch.randn_like(p))
+            elif "q_proj" in name or "k_proj" in name:
+                p.mul_(10)  # sharper attention than a random init gives, so that positions and heads matter
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for family in CONFIGS:
+        model = tiny_model(family)
+        model.save_pretrained(root / family)
+        out[family] = (root / family, model)
+    return out
+
+
+def probe(models, layouts: list[tuple[int, int]], out_dir) -> dict:
+    """Megatron's logits for every family at every layout ({(tp, pp): {family: result}}), from one torchrun launch
+    (all layouts use the same number of ranks)."""
+    nproc = {tp * pp for tp, pp in layouts}.pop()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), str(PROBE), ",".join(f"{tp}x{pp}" for tp, pp in layouts), str(out_dir),
+           *(str(f) for f, _ in models.values())]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return {(tp, pp): {family: torch.load(out_dir / f"{family}_tp{tp}_pp{pp}.pt", weights_only=True)
+                       for family in models} for tp, pp in layouts}
+
+
+def assert_logits_match(models, got: dict, where: str, tp: int = 1, pp: int = 1) -> None:
+    from toolkit.plan.megatron_states import chunk_params
+
+    for family, (folder, model) in models.items():
+        assert got[family]["family"] == family  # the recipe took the family from config.json's model_type
+        # the planner's per-rank parameters (q/k/v bias, q/k norms) are what Megatron built on the last stage
+        r = load_recipe("tiny_zero0", ["model.preset=null", f"model.hf_path={folder}", "parallel.backend=megatron"])
+        planned = [(re.sub(r"layers\.\d+\.", "layers.N.", n), k) for n, k, _ in chunk_params(r, tp, pp, 1, pp - 1, 0)]
+        built = [(re.sub(r"layers\.\d+\.", "layers.N.", n), k) for n, k in got[family]["params"]]
+        assert planned == built, f"{family} at {where}: the planner's parameters differ from Megatron's"
+        with torch.no_grad():
+            want = model(got[family]["ids"]).logits
+        diff = (got[family]["logits"] - want).abs().max().item()
+        print(f"{family} {where}: max |logit difference| to transformers: {diff:.2e}")
+        assert diff < LOGITS_ATOL, f"{family} at {where}: Megatron-Core logits differ from transformers by {diff:.2e}"
+
+
+def test_megatron_core_logits_equal_transformers_tp1(models, tmp_path):
+    assert_logits_match(models, probe(models, [(1, 1)], tmp_path)[(1, 1)], "TP1")
+
+
+@pytest.mark.slow
+def test_megatron_core_logits_equal_transformers_tp2_and_pp2(models, tmp_path):
+    """TP2, then PP2, on the same two ranks of one launch."""
+    got = probe(models, [(2, 1), (1, 2)], tmp_path)
+    for (tp, pp), per_family in got.items():
+        assert_logits_match(models, per_family, f"TP{tp} x PP{pp}", tp, pp)
+
+
+def test_hf_to_megatron_tp2_pp2_and_back_is_bit_exact(models, tmp_path):
+    for family, (folder, model) in models.items():
+        mega = convert(folder, tmp_path / f"{family}_tp2pp2", "megatron", 2, 2, progress=False, log=lambda *_: None)
+        back = convert(mega, tmp_path / f"{family}_back", "hf", progress=False, log=lambda *_: None)
+        got, want = load_file(str(back / "model.safetensors")), model.state_dict()
+        if model.config.tie_word_embeddings:
+            want.pop("lm_head.weight")
+        assert set(got) == set(want), family
+        assert all(torch.equal(got[n], want[n]) for n in got), family
+        config = json.loads((back / "config.json").read_text())
+        assert config["model_type"] == family and config["architectures"] == [CONFIGS[family][1]]
+
+
+def test_qkv_bias_is_grouped_per_query_group_like_the_weight(models):
+    """Tag each q/k/v row: column 0 of the weight equals the bias. Megatron adds linear_qkv.bias to the rows of
+    linear_qkv.weight, so on every TP rank the two must still agree row by row (a bias split as a plain column,
+    or grouped differently from the weight, breaks it)."""
+    folder, model = models["qwen2"]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for i in range(2):
+        for p in "qkv":
+            state[f"model.layers.{i}.self_attn.{p}_proj.weight"][:, 0] = state[f"model.layers.{i}.self_attn.{p}_proj.bias"]
+    dims = dims_from_hf(model.config, tp=2)
+    shards = hf_to_megatron(state, dims, tp=2, pp=1)
+    for tp_rank in range(2):
+        chunk = shards[(0, tp_rank)][0]
+        for j in range(2):
+            w, b = (chunk[f"decoder.layers.{j}.self_attention.linear_qkv.{x}"] for x in ("weight", "bias"))
+            assert torch.equal(w[:, 0], b), (tp_rank, j)
+    q3 = hf_to_megatron(models["qwen3"][1].state_dict(), dims_from_hf(models["qwen3"][1].config, tp=2), tp=2, pp=1)
+    norm = models["qwen3"][1].model.layers[1].self_attn.k_norm.weight
+    assert all(torch.equal(q3[(0, r)][0]["decoder.layers.1.self_attention.k_layernorm.weight"], norm) for r in (0, 1))
+
+
+def test_recipe_takes_family_from_hf_config_and_plans_its_exact_parameters(models):
+    from toolkit.metrics import count_params
+    from toolkit.plan.deepspeed_states import llama_params
+
+    for family, (folder, model) in models.items():
+        r = load_recipe("tiny_zero0", ["model.preset=null", f"model.hf_path={folder}"])
+        assert r.model.family == family
+        assert count_params(r.model)["total"] == sum(p.numel() for p in model.parameters())
+        # the DeepSpeed planner's parameter list is the model's, in registration order (biases, q/k norms included)
+        assert llama_params(r.model) == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert load_recipe("tiny_zero0", ["model.preset=null", f"model.hf_path={models['qwen3'][0]}"]).model.head_dim == 32
+
+
+def test_the_schema_accepts_exactly_the_registered_families():
+    assert set(typing.get_args(ModelConfig.model_fields["family"].annotation)) == {f.name for f in FAMILIES.values()}
+
+
+@pytest.mark.parametrize("family,change,needle", [
+    ("mistral", dict(sliding_window=4096), "sets sliding_window: 4096"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=64), "sets sliding_window: 64"),
+    ("qwen3", dict(hidden_act="gelu"), "sets hidden_act: gelu"),
+])
+def test_what_megatron_cannot_honour_is_refused(family, change, needle, tmp_path):
+    model = tiny_model(family, **change)
+    model.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ToolkitError, match=needle):
+        convert(tmp_path / "hf", tmp_path / "out", "megatron", 2, progress=False, log=lambda *_: None)
+    assert not (tmp_path / "out").exists()
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    from toolkit.recipe.presets import unsupported_hf_config
+
+    problems = unsupported_hf_config(config, "config.json")
+    assert problems and needle.split(":")[0] in problems[0].render(), [p.render() for p in problems]
+
+
+@pytest.mark.slow
+def test_qwen2_tp2_pp2_training_reproduces_single_process_losses(tmp_path):
+    """Qwen2 (biases, tied embeddings: the output layer is a stored copy on the last stage) trained at TP2 x PP2 on
+    4 ranks from the same initial weights gives the plain single-process loop's losses."""
+    import transformers
+
+    torch.manual_seed(7)
+    model = transformers.Qwen2ForCausalLM(to_hf_config(load_recipe("tiny_qwen2").model))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(tmp_path / "hf")
+    want = reference_losses(tmp_path / "hf", STEPS, SCHEDULE)
+    launch("tiny_tp2_pp2", ["model.preset=null", f"model.hf_path={tmp_path / 'hf'}", "model.pretrained=true",
+                            f"training.steps={STEPS}", *SCHEDULE, "logging.interval=1", "checkpoint.interval=1000"],
+           nproc=4, out_dir=tmp_path / "run")
+    got = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    print("qwen2 TP2xPP2:", got, "single process:", want)
+    assert len(got) == STEPS and want[-1] < want[0] - 0.05
+    assert got == pytest.approx(want, rel=LOSS_RTOL)
