@@ -3,7 +3,9 @@
 One 2-rank launch of tests/megatron_native_writer.py builds real GPTModels (local spec, CPU shim) from two tiny
 Hugging Face Llamas and saves (a) a Megatron-LM legacy checkpoint at TP1 x PP2 x VPP2 with tied embeddings, whose
 `args` holds what a real run's args hold (AttnBackend, signal.Signals, numpy RNG state), and (b) a torch_dist
-checkpoint at TP2 through Megatron-Core's own `dist_checkpointing.save`. Both must convert to the Hugging Face
+checkpoint at TP2 through Megatron-Core's own `dist_checkpointing.save`; the same launch loads a torch_dist checkpoint
+that `toolkit convert --to torch_dist` wrote with Megatron-Core's own `dist_checkpointing.load` at TP2 and at
+TP1 x PP2. Both Megatron-written checkpoints must convert to the Hugging Face
 weights they were built from, bit for bit; planted pickles must never run; damaged folders give one line and write
 nothing.
 """
@@ -48,12 +50,15 @@ def native(tmp_path_factory):
     """{"tied", "untied": HF folders, "legacy", "torch_dist": checkpoint roots written by Megatron-Core's code}."""
     root = tmp_path_factory.mktemp("native")
     tied, untied = _hf(root / "hf_tied", True, 4, 11), _hf(root / "hf_untied", False, 2, 12)
+    ours = convert(untied, root / "ours", "torch_dist", tp=2, vocab_size=VOCAB, progress=False, log=lambda *_: None)
     cmd = [str(os.path.join(os.path.dirname(sys.executable), "torchrun")), "--nproc_per_node", "2", "--master_port",
-           str(free_port()), str(WRITER), str(tied), str(untied), str(root / "out")]
+           str(free_port()), str(WRITER), str(tied), str(untied), str(root / "out"),
+           str(ours / "iter_0000000")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {"tied": tied, "untied": untied, "legacy": root / "out" / "legacy", "torch_dist": root / "out" / "torch_dist"}
+    return {"tied": tied, "untied": untied, "legacy": root / "out" / "legacy", "torch_dist": root / "out" / "torch_dist",
+            "ours": ours, "stdout": proc.stdout}
 
 
 def _copy(native, kind, tmp_path):
@@ -119,6 +124,11 @@ def test_planted_pickle_in_a_real_legacy_file_never_runs(native, tmp_path):
 @pytest.mark.slow
 def test_torch_dist_converts_bit_exact_to_hf_and_any_layout(native, tmp_path):
     """dist_checkpointing.save at TP2 -> HF equals the HF weights bit for bit; -> toolkit TP1 x PP2 -> HF too."""
+    from toolkit.checkpoint.inspect import inspect
+
+    report = inspect(native["torch_dist"])
+    assert report["format"] == "megatron torch_dist" and report["complete"] and report["step"] == 5
+    assert report["layout"] == {"tp": 2, "pp": 1, "vpp": 1}
     it = native["torch_dist"] / "iter_0000005"
     assert sorted(p.name for p in it.iterdir()) == [".metadata", "__0_0.distcp", "__0_1.distcp", "__1_0.distcp",
                                                     "__1_1.distcp", "common.pt", "metadata.json"]
@@ -183,3 +193,15 @@ def test_damaged_torch_dist_gives_one_line_and_writes_nothing(native, tmp_path, 
                            "--vocab-size", str(VOCAB)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_torch_dist_written_by_the_toolkit_loads_in_megatron_core_at_any_layout(native, tmp_path):
+    """`toolkit convert HF --to torch_dist --tp 2`: Megatron-Core's dist_checkpointing.load fills real GPTModels at
+    TP2 and at TP1 x PP2 with exactly the weights the HF mapping gives (the probe checks every rank); the toolkit
+    reads it back, and re-writes Megatron's own torch_dist checkpoint at another TP, bit-exactly."""
+    assert "loaded 2x1x1" in native["stdout"] and "loaded 1x2x1" in native["stdout"]
+    _equal_to(convert_to_hf(native["ours"], tmp_path / "hf", vocab_size=VOCAB), native["untied"])
+    again = convert(native["torch_dist"], tmp_path / "td1", "torch_dist", tp=1, vocab_size=VOCAB, progress=False,
+                    log=lambda *_: None)
+    _equal_to(convert_to_hf(again, tmp_path / "hf1", vocab_size=VOCAB), native["untied"])

@@ -308,6 +308,8 @@ class TorchDistSource(Source):
             elif self._r.shape(fqn) != want:
                 problems.append(Problem(fqn, f"has shape {self._r.shape(fqn)}, its args give {want}",
                                         "the tensors and common.pt are of different models"))
+        if dims.tied:  # Megatron keeps a copy of the embeddings at pp > 1: ignored, as HF has no lm_head then
+            wanted.add("output_layer.weight")
         extra = sorted(fqn for n, fqn in self._r.names.items() if n not in wanted and not n.startswith("optimizer."))
         if extra:
             problems.append(Problem("tensors", f"{len(extra)} the {dims.family} map does not know: {', '.join(extra[:6])}",
