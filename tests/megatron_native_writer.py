@@ -1,7 +1,8 @@
 """Run under torchrun with 2 ranks: checkpoints written by Megatron-Core's own code from real GPTModels, laid out as
 Megatron-LM 0.16 lays them out, in one launch.
 
-    torchrun --nproc_per_node 2 tests/megatron_native_writer.py HF_TIED HF_UNTIED OUT [TOOLKIT_TORCH_DIST_ITER]
+    torchrun --nproc_per_node 2 tests/megatron_native_writer.py HF_TIED HF_UNTIED OUT [TORCH_DIST_ITER LEGACY_TIED
+        LEGACY_UNTIED]
 
 OUT/legacy: the legacy layout (`--ckpt-format torch`, `--no-save-optim`) at TP1 x PP2 x VPP2 from HF_TIED (4 layers,
 tied embeddings): iter_0000003/mp_rank_00_00{0,1}/model_optim_rng.pt holding args (an argparse.Namespace with the
@@ -11,7 +12,9 @@ OUT/torch_dist: `dist_checkpointing.save` at TP2 from HF_UNTIED of the state dic
 (args, checkpoint_version, iteration, and `model` = the GPTModel's sharded_state_dict()).
 With TOOLKIT_TORCH_DIST_ITER (a torch_dist iter folder `toolkit convert --to torch_dist` wrote from HF_UNTIED), the
 same launch then loads it with Megatron-Core's own `dist_checkpointing.load` at TP2 and at TP1 x PP2
-(tests/megatron_dist_load_probe.py) and prints "loaded 2x1x1" and "loaded 1x2x1" when every weight matched.
+(tests/megatron_dist_load_probe.py) and prints "loaded 2x1x1" and "loaded 1x2x1" when every weight matched; and
+loads the legacy checkpoints `toolkit convert --to megatron_lm` wrote (from HF_TIED at TP1 x PP2 x VPP2, from
+HF_UNTIED at TP2) into GPTModels with strict=True ("loaded legacy 1x2x2", "loaded legacy 2x1x1").
 Megatron-LM itself (megatron.training) is not installed here; its save_checkpoint's layout is reproduced around
 Megatron-Core's objects. The __main__ guard matters: dist_checkpointing's writer spawns a process that re-imports it.
 """
@@ -111,17 +114,20 @@ def torch_dist(hf: str, out: Path) -> None:
     ps.destroy_model_parallel()
 
 
-def main(hf_tied: str, hf_untied: str, out: str, toolkit_written: str | None = None) -> None:
+def main(hf_tied: str, hf_untied: str, out: str, torch_dist_iter: str | None = None, legacy_tied: str | None = None,
+         legacy_untied: str | None = None) -> None:
     init_distributed(with_deepspeed=False)
     legacy(hf_tied, Path(out) / "legacy")
     torch_dist(hf_untied, Path(out) / "torch_dist")
-    if toolkit_written:
-        from megatron_dist_load_probe import check
+    if torch_dist_iter:
+        from megatron_dist_load_probe import check, check_legacy
 
         for tp, pp in ((2, 1), (1, 2)):
-            check(hf_untied, toolkit_written, tp, pp, 1)
+            check(hf_untied, torch_dist_iter, tp, pp, 1)
+        check_legacy(hf_tied, legacy_tied, 1, 2, 2)
+        check_legacy(hf_untied, legacy_untied, 2, 1, 1)
     dist.barrier()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:7])

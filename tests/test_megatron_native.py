@@ -5,7 +5,8 @@ Hugging Face Llamas and saves (a) a Megatron-LM legacy checkpoint at TP1 x PP2 x
 `args` holds what a real run's args hold (AttnBackend, signal.Signals, numpy RNG state), and (b) a torch_dist
 checkpoint at TP2 through Megatron-Core's own `dist_checkpointing.save`; the same launch loads a torch_dist checkpoint
 that `toolkit convert --to torch_dist` wrote with Megatron-Core's own `dist_checkpointing.load` at TP2 and at
-TP1 x PP2. Both Megatron-written checkpoints must convert to the Hugging Face
+TP1 x PP2, and loads the Megatron-LM legacy checkpoints `toolkit convert --to megatron_lm` wrote into GPTModels with
+strict=True. Both Megatron-written checkpoints must convert to the Hugging Face
 weights they were built from, bit for bit; planted pickles must never run; damaged folders give one line and write
 nothing.
 """
@@ -50,15 +51,18 @@ def native(tmp_path_factory):
     """{"tied", "untied": HF folders, "legacy", "torch_dist": checkpoint roots written by Megatron-Core's code}."""
     root = tmp_path_factory.mktemp("native")
     tied, untied = _hf(root / "hf_tied", True, 4, 11), _hf(root / "hf_untied", False, 2, 12)
-    ours = convert(untied, root / "ours", "torch_dist", tp=2, vocab_size=VOCAB, progress=False, log=lambda *_: None)
+    quiet = dict(vocab_size=VOCAB, progress=False, log=lambda *_: None)
+    ours = convert(untied, root / "ours", "torch_dist", tp=2, **quiet)
+    lm_tied = convert(tied, root / "lm_tied", "megatron_lm", tp=1, pp=2, vpp=2, **quiet)
+    lm_untied = convert(untied, root / "lm_untied", "megatron_lm", tp=2, **quiet)
     cmd = [str(os.path.join(os.path.dirname(sys.executable), "torchrun")), "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(WRITER), str(tied), str(untied), str(root / "out"),
-           str(ours / "iter_0000000")]
+           str(ours / "iter_0000000"), str(lm_tied), str(lm_untied)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {"tied": tied, "untied": untied, "legacy": root / "out" / "legacy", "torch_dist": root / "out" / "torch_dist",
-            "ours": ours, "stdout": proc.stdout}
+            "ours": ours, "lm_tied": lm_tied, "lm_untied": lm_untied, "stdout": proc.stdout}
 
 
 def _copy(native, kind, tmp_path):
@@ -205,3 +209,20 @@ def test_torch_dist_written_by_the_toolkit_loads_in_megatron_core_at_any_layout(
     again = convert(native["torch_dist"], tmp_path / "td1", "torch_dist", tp=1, vocab_size=VOCAB, progress=False,
                     log=lambda *_: None)
     _equal_to(convert_to_hf(again, tmp_path / "hf1", vocab_size=VOCAB), native["untied"])
+
+
+@pytest.mark.slow
+def test_megatron_lm_legacy_written_by_the_toolkit_loads_into_gptmodel_chunks(native, tmp_path):
+    """`--to megatron_lm` at TP1 x PP2 x VPP2 (tied) and TP2 (untied): every rank file holds exactly the keys of its
+    GPTModel chunks' state_dict_for_save_checkpoint() (model0/model1 with virtual chunks, _extra_state entries) and
+    loads into them with strict=True, giving the HF mapping's weights; args describe the new layout; and a Megatron-
+    written legacy checkpoint re-laid out this way converts back to HF bit-exactly."""
+    from toolkit.format.safe_load import load
+
+    assert "loaded legacy 1x2x2" in native["stdout"] and "loaded legacy 2x1x1" in native["stdout"]
+    args = load(native["lm_tied"] / "iter_0000000" / "mp_rank_00_001" / "model_optim_rng.pt")["args"]
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.virtual_pipeline_model_parallel_size, args.untie_embeddings_and_output_weights) == (1, 2, 2, False)
+    out = convert(native["legacy"], tmp_path / "lm", "megatron_lm", tp=2, pp=2, vocab_size=VOCAB, progress=False,
+                  log=lambda *_: None)
+    _equal_to(convert_to_hf(out, tmp_path / "hf", vocab_size=VOCAB), native["tied"])

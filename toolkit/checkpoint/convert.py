@@ -1,5 +1,5 @@
-"""`toolkit convert SRC DST --to {hf,megatron,torch_dist,deepspeed}`: any supported checkpoint to any supported layout,
-streaming, verified, and all-or-nothing.
+"""`toolkit convert SRC DST --to {hf,megatron,torch_dist,megatron_lm,deepspeed}`: any supported checkpoint to any
+supported layout, streaming, verified, and all-or-nothing.
 
 Sources (toolkit/checkpoint/sources.py) read their layout from their own files: Hugging Face folders, the
 toolkit's Megatron checkpoints (any TP x PP x VPP, with optimizer state), Megatron-LM's legacy layout, Megatron-Core
@@ -7,7 +7,8 @@ torch_dist checkpoints (toolkit/checkpoint/torch_dist.py) and the toolkit's Deep
 the model states or with fp32=True the fp32 master weights).
 Targets: a Hugging Face folder (sharded safetensors + index, config, tokenizer files), or a toolkit Megatron
 checkpoint directory at a new TP x PP x VPP that the Megatron backend resumes from when the source carried
-optimizer state, or a Megatron-Core torch_dist checkpoint (toolkit/checkpoint/torch_dist_write.py). DeepSpeed
+optimizer state, a Megatron-Core torch_dist checkpoint (toolkit/checkpoint/torch_dist_write.py) or Megatron-LM's
+legacy layout (toolkit/checkpoint/megatron_lm_write.py). DeepSpeed
 targets change the data-parallel size of a DeepSpeed checkpoint
 (toolkit/checkpoint/deepspeed_io.py).
 
@@ -30,6 +31,7 @@ import torch
 
 from toolkit.checkpoint import output
 from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed
+from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.sources import TOKENIZER_FILES, WEIGHT, Source, follow_pointer, meta_shards, open_source
 from toolkit.checkpoint.torch_dist_write import TorchDistTarget
 from toolkit.errors import ToolkitError
@@ -233,8 +235,8 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
         raise ToolkitError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if to == "deepspeed":
         return _to_deepspeed(src, dst, dp, overwrite)
-    if to not in ("hf", "megatron", "torch_dist"):
-        raise ToolkitError(f"--to {to!r} is not one of hf, megatron, torch_dist, deepspeed")
+    if to not in ("hf", "megatron", "torch_dist", "megatron_lm"):
+        raise ToolkitError(f"--to {to!r} is not one of hf, megatron, torch_dist, megatron_lm, deepspeed")
     if to == "hf" and (tp, pp, vpp) != (1, 1, 1):
         raise ToolkitError("--tp/--pp/--vpp describe a Megatron target; a Hugging Face folder is not sharded")
     source = open_source(src, vocab_size, fp32, weights_only)
@@ -243,6 +245,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
             cast = DTYPES[dtype] if dtype else None
             target = (HFTarget(tmp, source, cast) if to == "hf"
                       else TorchDistTarget(tmp, source, tp, pp, vpp, cast) if to == "torch_dist"
+                      else MegatronLMTarget(tmp, source, tp, pp, vpp, cast) if to == "megatron_lm"
                       else MegatronTarget(tmp, source, tp, pp, vpp, cast, weights_only))
             manifest.require_space(dst.parent, target.total, manifest.free_bytes(tmp), str(dst),
                                    "the tensors to write")

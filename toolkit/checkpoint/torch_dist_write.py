@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from toolkit.checkpoint import torch_dist
+from toolkit.checkpoint.megatron_lm_write import model_args
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries, raise_problems
 from toolkit.families.mapping import TE_NORM_NAMES, check_dims
@@ -130,15 +131,5 @@ class TorchDistTarget:
 
     def _args(self) -> argparse.Namespace:
         """Megatron-LM's model arguments for this model at the target layout (what --use-checkpoint-args reads)."""
-        d, c = self.dims, self.source.config
-        tp, pp, vpp = self.layout
-        return argparse.Namespace(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, num_layers=d.layers, hidden_size=d.hidden,
-            ffn_hidden_size=d.ffn, num_attention_heads=d.heads, group_query_attention=d.kv_heads != d.heads,
-            num_query_groups=d.kv_heads, kv_channels=d.head_dim,
-            max_position_embeddings=c.get("max_position_embeddings"), norm_epsilon=c.get("rms_norm_eps", 1e-5),
-            rotary_base=int(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000)), untie_embeddings_and_output_weights=not d.tied,
-            padded_vocab_size=d.padded_vocab, make_vocab_size_divisible_by=self.source.divisible_by,
-            normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
-            params_dtype=self.out_dtype, ckpt_format="torch_dist")
+        return model_args(self.dims, self.source.config, *self.layout, self.source.divisible_by, self.out_dtype,
+                          "torch_dist")
