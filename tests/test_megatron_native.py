@@ -209,6 +209,9 @@ def test_torch_dist_written_by_the_toolkit_loads_in_megatron_core_at_any_layout(
     again = convert(native["torch_dist"], tmp_path / "td1", "torch_dist", tp=1, vocab_size=VOCAB, progress=False,
                     log=lambda *_: None)
     _equal_to(convert_to_hf(again, tmp_path / "hf1", vocab_size=VOCAB), native["untied"])
+    tied = convert(native["legacy"], tmp_path / "td_tied", "torch_dist", tp=1, pp=2, vpp=2, vocab_size=VOCAB,
+                   progress=False, log=lambda *_: None)  # keeps output_layer.weight, as Megatron does at pp > 1
+    _equal_to(convert_to_hf(tied, tmp_path / "hf_tied", vocab_size=VOCAB), native["tied"])
 
 
 @pytest.mark.slow
