@@ -9,6 +9,8 @@ times, each in a fresh process whose peak resident memory is read from the kerne
   cp        cp -r of the Hugging Face folder, then sync of the copied files (the converter fsyncs what it
             writes); run first and last, and the ratio is taken against the mean of the two
   hf->tp2pp2, tp2pp2->tp4pp1, tp4pp1->hf   `toolkit convert --no-verify --quiet`
+  hf->torch_dist, torch_dist->megatron_lm, megatron_lm->hf   Megatron-Core's torch_dist (written at TP2 x PP2),
+            read into Megatron-LM's legacy layout at TP2 x PP2, read back to Hugging Face
 and prints wall time, GiB/s, the throughput ratio to cp (higher is better; 1.0 = as fast as cp), and peak RSS.
 The ratio in brackets is the streaming phase's alone (GiB / stream s against cp), leaving out start-up.
 Wall time includes Python start-up and imports (about 3 s here); `stream s` is the converter's own streaming phase.
@@ -102,6 +104,12 @@ def bench_size(name: str, work: Path, dtype: str) -> list[dict]:
         ("tp2pp2->tp4pp1", [*convert, str(root / "tp2pp2"), str(root / "tp4pp1"), "--to", "megatron", "--tp", "4"],
          root / "tp4pp1"),
         ("tp4pp1->hf", [*convert, str(root / "tp4pp1"), str(root / "back"), "--to", "hf"], root / "back"),
+        ("hf->torch_dist", [*convert, str(root / "hf"), str(root / "td"), "--to", "torch_dist", "--tp", "2", "--pp",
+                            "2"], root / "td"),
+        ("torch_dist->megatron_lm", [*convert, str(root / "td"), str(root / "mlm"), "--to", "megatron_lm", "--tp", "2",
+                                     "--pp", "2", "--vocab-size", str(SIZES[name]["vocab_size"])], root / "mlm"),
+        ("megatron_lm->hf", [*convert, str(root / "mlm"), str(root / "back2"), "--to", "hf", "--vocab-size",
+                             str(SIZES[name]["vocab_size"])], root / "back2"),
         ("cp (again)", ["bash", "-c", cp.format(out=root / "copy2")], root / "copy2"),
     ]
     rows = []
@@ -118,7 +126,7 @@ def bench_size(name: str, work: Path, dtype: str) -> list[dict]:
         r["stream_vs_cp"] = r["gib"] / max(r["stream_s"], 1e-3) / cp_rate if r["stream_s"] is not None else None
         stream = (f"stream {r['stream_s']:5.1f} s (x{r['stream_vs_cp']:.2f})" if r["stream_s"] is not None
                   else "stream     -          ")
-        print(f"  {r['step']:<16} {r['gib']:6.2f} GiB  wall {r['wall_s']:6.1f} s  {r['gib_per_s']:5.2f} GiB/s  "
+        print(f"  {r['step']:<23} {r['gib']:6.2f} GiB  wall {r['wall_s']:6.1f} s  {r['gib_per_s']:5.2f} GiB/s  "
               f"x{r['vs_cp']:.2f} of cp  {stream}  peak RSS {r['peak_rss_mib']:6.0f} MiB", flush=True)
     shutil.rmtree(root)
     return rows

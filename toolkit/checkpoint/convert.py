@@ -1,12 +1,15 @@
-"""`toolkit convert SRC DST --to {hf,megatron,deepspeed}`: any supported checkpoint to any supported layout,
-streaming, verified, and all-or-nothing.
+"""`toolkit convert SRC DST --to {hf,megatron,torch_dist,megatron_lm,deepspeed}`: any supported checkpoint to any
+supported layout, streaming, verified, and all-or-nothing.
 
 Sources (toolkit/checkpoint/sources.py) read their layout from their own files: Hugging Face folders, the
-toolkit's Megatron checkpoints (any TP x PP x VPP, with optimizer state), Megatron-LM's legacy layout and the
-toolkit's DeepSpeed checkpoints (ZeRO 0-3, from the model states or with fp32=True the fp32 master weights).
+toolkit's Megatron checkpoints (any TP x PP x VPP, with optimizer state), Megatron-LM's legacy layout, Megatron-Core
+torch_dist checkpoints (toolkit/checkpoint/torch_dist.py) and the toolkit's DeepSpeed checkpoints (ZeRO 0-3, from
+the model states or with fp32=True the fp32 master weights).
 Targets: a Hugging Face folder (sharded safetensors + index, config, tokenizer files), or a toolkit Megatron
 checkpoint directory at a new TP x PP x VPP that the Megatron backend resumes from when the source carried
-optimizer state. DeepSpeed targets change the data-parallel size of a DeepSpeed checkpoint
+optimizer state, a Megatron-Core torch_dist checkpoint (toolkit/checkpoint/torch_dist_write.py) or Megatron-LM's
+legacy layout (toolkit/checkpoint/megatron_lm_write.py). DeepSpeed
+targets change the data-parallel size of a DeepSpeed checkpoint
 (toolkit/checkpoint/deepspeed_io.py).
 
 Streaming: one Megatron parameter at a time is read (positioned reads of safetensors, or memory-mapped legacy
@@ -29,8 +32,10 @@ import torch
 from toolkit.checkpoint import output
 from toolkit.checkpoint.deepspeed_plain import is_plain
 from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed
+from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.plain_to_hf import convert_plain_to_hf
 from toolkit.checkpoint.sources import TOKENIZER_FILES, WEIGHT, Source, follow_pointer, meta_shards, open_source
+from toolkit.checkpoint.torch_dist_write import TorchDistTarget
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
 from toolkit.families.registry import family_of_config
@@ -237,8 +242,8 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
         raise ToolkitError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if to == "deepspeed":
         return _to_deepspeed(src, dst, dp, overwrite)
-    if to not in ("hf", "megatron"):
-        raise ToolkitError(f"--to {to!r} is not one of hf, megatron, deepspeed")
+    if to not in ("hf", "megatron", "torch_dist", "megatron_lm"):
+        raise ToolkitError(f"--to {to!r} is not one of hf, megatron, torch_dist, megatron_lm, deepspeed")
     if to == "hf" and (tp, pp, vpp) != (1, 1, 1):
         raise ToolkitError("--tp/--pp/--vpp describe a Megatron target; a Hugging Face folder is not sharded")
     source = open_source(src, vocab_size, fp32, weights_only)
@@ -246,11 +251,13 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
         with output.scratch_folder(dst, "partial") as tmp:
             cast = DTYPES[dtype] if dtype else None
             target = (HFTarget(tmp, source, cast) if to == "hf"
+                      else TorchDistTarget(tmp, source, tp, pp, vpp, cast) if to == "torch_dist"
+                      else MegatronLMTarget(tmp, source, tp, pp, vpp, cast) if to == "megatron_lm"
                       else MegatronTarget(tmp, source, tp, pp, vpp, cast, weights_only))
             manifest.require_space(dst.parent, target.total, manifest.free_bytes(tmp), str(dst),
                                    "the tensors to write")
             log(f"converting {source.describe()} at {src} -> {to}"
-                + (f" tp={tp} pp={pp} vpp={vpp}" if to == "megatron" else "")
+                + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "")
                 + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write)")
             _write(source, target, cast, pp, vpp, progress, log)
             if verify:
@@ -279,7 +286,7 @@ def _verify(source: Source, written: Path, fields: tuple[str, ...], cast, log, l
     requested cast). For Hugging Face outputs of models that fit, transformers also loads the folder and its logits
     on fixed tokens must equal those of the source weights."""
     t0 = time.monotonic()
-    again = open_source(written)
+    again = open_source(written, source.dims().vocab)  # the true vocabulary, for Megatron-LM-style outputs
     try:
         count = 0
         for entry in iter_entries(source.dims(), 1, 1):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from toolkit.checkpoint import megatron_lm
+from toolkit.checkpoint import megatron_lm, torch_dist
 from toolkit.checkpoint.deepspeed_plain import inspect_plain, is_plain
 from toolkit.checkpoint.sources import refusal
 from toolkit.errors import ToolkitError
@@ -129,7 +129,8 @@ def inspect_megatron_lm(path: Path) -> dict:
     """Megatron-LM's legacy layout, from its arguments (read safely, memory-mapped) and file list."""
 
     it_dir = megatron_lm.iteration_dir(path)
-
+    if torch_dist.is_torch_dist(it_dir):
+        return _inspect_torch_dist(path, it_dir)
     files = sorted(it_dir.glob("mp_rank_*/model_optim_rng.pt"))
     paths.check_tree(path, files, f"Megatron-LM checkpoint {path}")
     if not files:
@@ -149,6 +150,27 @@ def inspect_megatron_lm(path: Path) -> dict:
             "architecture": {**_hf_architecture(config), "vocab_size": f"{args.padded_vocab_size} (padded)"},
             "parameters": sum(_numel(s) for e in iter_entries(dims, 1, 1) if e.reads_back for s in e.hf_shapes),
             "dtypes": None, "bytes": _bytes(it_dir), "padded_vocab": args.padded_vocab_size}
+
+
+def _inspect_torch_dist(path: Path, it_dir: Path) -> dict:
+    """A torch_dist iteration, from common.pt's args and the DCP metadata (a damaged folder raises its one line)."""
+    reader = torch_dist.Reader(it_dir)
+    args = reader.common.get("args")
+    if args is None or not hasattr(args, "padded_vocab_size"):
+        raise ToolkitError(f"{it_dir / 'common.pt'} holds no Megatron-LM args; the model's shape is unknown")
+    config = megatron_lm.hf_config(args, args.padded_vocab_size)
+    dtypes: dict[str, int] = {}
+    for fqn in reader.names.values():
+        key = st.dtype_name(reader.dtype(fqn))
+        dtypes[key] = dtypes.get(key, 0) + _numel(reader.shape(fqn))
+    return {"path": str(path), "format": "megatron torch_dist", "complete": True, "problems": [],
+            "step": reader.common.get("iteration"),
+            "layout": {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
+                       "vpp": getattr(args, "virtual_pipeline_model_parallel_size", None) or 1},
+            "architecture": {**_hf_architecture(config), "vocab_size": f"{args.padded_vocab_size} (padded)"},
+            "parameters": sum(_numel(s) for e in iter_entries(dims_from_hf(config), 1, 1) if e.reads_back
+                              for s in e.hf_shapes),
+            "dtypes": dtypes, "bytes": _bytes(it_dir), "padded_vocab": args.padded_vocab_size}
 
 
 def _numel(shape) -> int:

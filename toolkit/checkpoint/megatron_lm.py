@@ -68,6 +68,23 @@ def read(path: Path, mmap: bool = False) -> tuple[argparse.Namespace, dict, int]
     return args, shards, iteration
 
 
+LLAMA_ARGS = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "add_bias_linear": False,
+              "add_qkv_bias": False, "rotary_percent": 1.0, "num_experts": None, "multi_latent_attention": False}
+"""Megatron-LM arguments (when present) that a Llama-style model has; anything else is another architecture."""
+
+
+def check_llama(args: argparse.Namespace, where: Path) -> None:
+    """One line when Megatron-LM's args describe a model the Llama map cannot convert exactly."""
+    wrong = [f"{k}={getattr(args, k)!r}" for k, v in LLAMA_ARGS.items() if hasattr(args, k) and getattr(args, k) != v]
+    heads = getattr(args, "num_attention_heads", None)
+    kv = getattr(args, "kv_channels", None)
+    if heads and kv and kv * heads != args.hidden_size:
+        wrong.append(f"kv_channels={kv} (not hidden_size / num_attention_heads)")
+    if wrong:
+        raise ToolkitError(f"{where}: the model is not Llama-shaped ({', '.join(wrong)}); only Llama-style GPT models "
+                           "(RMSNorm, SwiGLU, RoPE, no biases) convert")
+
+
 def hf_config(args: argparse.Namespace, vocab_size: int) -> dict:
     """A Hugging Face Llama config.json built from Megatron-LM's arguments and the true vocabulary size."""
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else args.num_attention_heads

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint import megatron_lm
+from toolkit.checkpoint import megatron_lm, torch_dist
 from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
 from toolkit.checkpoint.deepspeed_plain import is_plain
 from toolkit.errors import Problem, ToolkitError
@@ -241,6 +241,7 @@ class MegatronLMSource(_ShardedSource):
     def __init__(self, path: Path, vocab_size: int | None):
 
         args, self._shards, self.step = megatron_lm.read(path, mmap=True)
+        megatron_lm.check_llama(args, path)
         if vocab_size is None:
             raise ToolkitError(f"{path} stores the vocabulary padded to {args.padded_vocab_size} rows; pass the true "
                                "vocabulary size with --vocab-size (the tokenizer's, e.g. 32000 for Llama 2) so the "
@@ -265,6 +266,64 @@ class MegatronLMSource(_ShardedSource):
 
     def dtype(self) -> torch.dtype:
         return self._shards[(0, 0)][0]["embedding.word_embeddings.weight"].dtype
+
+
+class TorchDistSource(Source):
+    """Megatron-Core's torch_dist checkpoint (toolkit/checkpoint/torch_dist.py): each parameter's full tensor (one
+    layer of it for layer parameters) is read from its chunks and split into Hugging Face tensors by the family's
+    rules at TP = 1, which is the layout Megatron's sharded keys hold, whatever TP x PP x VPP it was saved at."""
+
+    kind = "Megatron torch_dist"
+
+    def __init__(self, it_dir: Path, vocab_size: int | None):
+        self._r = torch_dist.Reader(it_dir)
+        args = self._r.common.get("args")
+        if args is None or not hasattr(args, "padded_vocab_size"):
+            raise ToolkitError(f"{it_dir / 'common.pt'} holds no Megatron-LM args (with padded_vocab_size), so the "
+                               "model's shape is unknown; convert a checkpoint saved by Megatron-LM's save_checkpoint")
+        if vocab_size is None:
+            raise ToolkitError(f"{it_dir} stores the vocabulary padded to {args.padded_vocab_size} rows; pass the true "
+                               "vocabulary size with --vocab-size (the tokenizer's, e.g. 32000 for Llama 2) so the "
+                               "padding rows are dropped")
+        megatron_lm.check_llama(args, it_dir / "common.pt")
+        self.step = self._r.common.get("iteration")
+        self.config = megatron_lm.hf_config(args, vocab_size)
+        self.divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
+        self.layout = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                       getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+        dims = self.dims(self.layout[0])
+        if dims.padded_vocab != args.padded_vocab_size:
+            raise ToolkitError(f"--vocab-size {vocab_size} pads to {dims.padded_vocab} rows at tp={self.layout[0]}, "
+                               f"but the checkpoint has {args.padded_vocab_size}; check the vocabulary size")
+        self._entries = {e.hf_names: e for e in iter_entries(dims, 1, 1) if e.reads_back}
+        problems, wanted = [], set()
+        for e in iter_entries(dims, 1, 1):
+            name, layer = torch_dist.sharded_name(e.megatron_name)
+            wanted.add(name)
+            want = e.rule.shard_shape(e.hf_shapes, 1)
+            want = (dims.layers, *want) if layer is not None else want
+            fqn = self._r.names.get(name)
+            if fqn is None:
+                problems.append(Problem(name, "is missing", "convert a complete checkpoint of the model its args "
+                                        "describe"))
+            elif self._r.shape(fqn) != want:
+                problems.append(Problem(fqn, f"has shape {self._r.shape(fqn)}, its args give {want}",
+                                        "the tensors and common.pt are of different models"))
+        if dims.tied:  # Megatron keeps a copy of the embeddings at pp > 1: ignored, as HF has no lm_head then
+            wanted.add("output_layer.weight")
+        extra = sorted(fqn for n, fqn in self._r.names.items() if n not in wanted and not n.startswith("optimizer."))
+        if extra:
+            problems.append(Problem("tensors", f"{len(extra)} the {dims.family} map does not know: {', '.join(extra[:6])}",
+                                    f"convert a {dims.family} model (local or Transformer Engine spec)"))
+        raise_problems(f"{it_dir} does not match its own arguments", problems)
+
+    def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
+        entry = self._entries[tuple(hf_names)]
+        name, layer = torch_dist.sharded_name(entry.megatron_name)
+        return list(entry.to_hf([self._r.get(self._r.names[name], layer)]).values())
+
+    def dtype(self) -> torch.dtype:
+        return self._r.dtype(self._r.names["embedding.word_embeddings.weight"])
 
 
 class DeepSpeedHFSource(Source):
@@ -344,10 +403,13 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
             return DeepSpeedHFSource(src, meta, fp32)
         raise ToolkitError(f"{src / META} names backend {backend!r}; expected megatron or deepspeed")
     if (src / "latest_checkpointed_iteration.txt").is_file() or src.name.startswith("iter_"):
+        it_dir = megatron_lm.iteration_dir(src)
+        if torch_dist.is_torch_dist(it_dir):
+            return TorchDistSource(it_dir, vocab_size)
         return MegatronLMSource(src, vocab_size)
     if is_plain(src):
         raise ToolkitError(f"{src} is a plain DeepSpeed checkpoint (engine.save_checkpoint, no toolkit files): it "
                            "converts --to hf (with --config HF_FOLDER_OR_config.json when it holds no config.json)")
     raise ToolkitError(f"{src} is not a checkpoint this toolkit reads: expected a Hugging Face folder (config.json + "
                        "*.safetensors), a toolkit checkpoint (step_* folder with toolkit_meta.json, or its directory) "
-                       "or a Megatron-LM checkpoint (latest_checkpointed_iteration.txt + iter_*/mp_rank_*)")
+                       "or a Megatron-LM checkpoint (latest_checkpointed_iteration.txt + iter_*/mp_rank_* or a torch_dist iter_*)")

@@ -2,19 +2,24 @@
 
 Every .pt file the toolkit reads goes through torch.load(weights_only=True): torch's restricted unpickler, which
 builds tensors and plain containers and refuses any other class or function. The only other objects allowed are
-the records DeepSpeed and Megatron-LM store (ALLOWED below). DeepSpeed's engine and Megatron's distributed
+the records DeepSpeed and Megatron-LM store (`allowed()` below). Megatron's own classes that a real Megatron-LM run
+pickles into `args` (enums such as AttnBackend, configs) are never imported: each name is mapped to an inert
+stand-in (`Record`) that only keeps the values it is given, so loading runs no Megatron code either. DeepSpeed's engine and Megatron's distributed
 optimizer call torch.load themselves (DeepSpeed with weights_only=False); `weights_only_everywhere` forces those
 calls through the same unpickler while a checkpoint is loaded (TORCH_FORCE_WEIGHTS_ONLY_LOAD).
 """
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import pickle
 import re
+import signal
 import sys
+import types
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PosixPath
 
 import numpy as np
 import torch
@@ -24,12 +29,62 @@ from toolkit.errors import ToolkitError
 REFUSED = "refused rather than unpickled"
 
 
+class Record:
+    """An inert stand-in for a Megatron class named in a pickle (an enum member such as AttnBackend.auto, or a config
+    object): it keeps the constructor arguments (`args`, `value`) and the pickled state (`state`) and runs nothing."""
+
+    name = "?"
+
+    def __new__(cls, *args):
+        self = object.__new__(cls)
+        self.args, self.state = args, None
+        return self
+
+    def __setstate__(self, state) -> None:
+        self.state = state
+
+    @property
+    def value(self):
+        return self.args[0] if len(self.args) == 1 else self.args
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and (other.args, other.state) == (self.args, self.state)
+
+    def __hash__(self) -> int:
+        return hash((self.name, repr(self.args)))
+
+    def __repr__(self) -> str:
+        return f"<{self.name} {self.value!r}>"
+
+
+MEGATRON_RECORDS = ("megatron.core.transformer.enums.AttnBackend", "megatron.core.transformer.enums.CudaGraphScope",
+                    "megatron.core.transformer.enums.AttnMaskType", "megatron.core.transformer.enums.ModelType",
+                    "megatron.core.transformer.enums.LayerType", "megatron.core.enums.ModelType",
+                    "megatron.core.enums.Fp8Recipe", "megatron.core.enums.Fp4Recipe",
+                    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+                    "megatron.core.rerun_state_machine.RerunDiagnostic", "megatron.core.rerun_state_machine.RerunMode",
+                    "megatron.core.rerun_state_machine.RerunState")
+"""The Megatron-Core 0.16 classes that Megatron-LM checkpoints pickle (Megatron's own list of checkpoint classes,
+megatron/core/safe_globals.py), each read as a Record."""
+_RECORDS = {name: type(name.rsplit(".", 1)[1], (Record,), {"name": name, "__module__": __name__})
+            for name in MEGATRON_RECORDS}
+
+
+def _megatron_lm_records() -> list:
+    """What Megatron-LM's `args` and common state hold besides tensors: stdlib records (Signals is an enum, BytesIO
+    and PosixPath hold bytes and a path) and the Megatron classes above as Records."""
+
+    return [signal.Signals, io.BytesIO, PosixPath, types.SimpleNamespace,
+            *[(cls, name) for name, cls in _RECORDS.items()]]
+
+
 def _numpy_records() -> list:
     """numpy's RNG state (Megatron-LM stores np.random.get_state() as arrays)."""
 
     reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
-    dtypes = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32)]
-    return [reconstruct, np.ndarray, np.dtype, *dtypes]
+    dtypes = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32, np.int32, np.float16, np.uint8, np.int8, np.bool_)]
+    # numpy 1.x wrote the same function under its old module name
+    return [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, *dtypes]
 
 
 def _deepspeed_records() -> list:
@@ -42,11 +97,11 @@ def _deepspeed_records() -> list:
 
 
 def allowed(deepspeed: bool | None = None) -> list:
-    """The allow-list: Megatron-LM's arguments (argparse.Namespace), numpy RNG state, and with `deepspeed` (default:
-    when DeepSpeed is already imported) DeepSpeed's records."""
+    """The allow-list: Megatron-LM's arguments (argparse.Namespace and the records it holds), numpy RNG state and
+    dtypes, and with `deepspeed` (default: when DeepSpeed is already imported) DeepSpeed's records."""
     if deepspeed is None:  # a file naming DeepSpeed's records makes load() import DeepSpeed and retry
         deepspeed = "deepspeed" in sys.modules
-    return [argparse.Namespace, *_numpy_records(), *(_deepspeed_records() if deepspeed else [])]
+    return [argparse.Namespace, *_megatron_lm_records(), *_numpy_records(), *(_deepspeed_records() if deepspeed else [])]
 
 
 def refusal(path: Path, error: BaseException) -> ToolkitError:
@@ -113,3 +168,59 @@ def weights_only_everywhere(folder: Path, names: list[str] | None = None):
             os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
         else:
             os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = old
+
+
+def load_buffer(data: bytes, where: str):
+    """torch.load of an in-memory torch.save file (one tensor item of a torch DCP `.distcp` file) as weights only,
+    with the allow-list; `where` names the item in errors."""
+    try:
+        with torch.serialization.safe_globals(allowed(False)):
+            return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ... here
+        raise refusal(where, e) from None
+
+
+def _dcp_classes() -> dict[tuple[str, str], object]:
+    """What torch DCP's `.metadata` pickle names: its own dataclasses and enums (records: construction sets fields
+    and runs nothing else), torch.Size, dtypes and layouts."""
+    import torch.distributed.checkpoint.filesystem as fs  # lazy: torch_dist checkpoints only
+    import torch.distributed.checkpoint.metadata as md  # lazy: torch_dist checkpoints only
+    import torch.distributed.checkpoint.planner as pl  # lazy: torch_dist checkpoints only
+
+    names = {md: ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                  "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"),
+             pl: ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"), fs: ("_StorageInfo",)}
+    out = {(m.__name__, n): getattr(m, n) for m, ns in names.items() for n in ns if hasattr(m, n)}
+    out[("torch", "Size")] = torch.Size
+    out[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    out.update({("torch", n): getattr(torch, n) for n in dir(torch)
+                if isinstance(getattr(torch, n, None), (torch.dtype, torch.layout, torch.memory_format))})
+    return out
+
+
+class _DCPUnpickler(pickle.Unpickler):
+    def __init__(self, file, classes: dict):
+        super().__init__(file)
+        self.classes = classes
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.classes:
+            raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed")
+        return self.classes[(module, name)]
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("persistent ids are not allowed")
+
+
+def load_dcp_metadata(path: Path):
+    """A torch DCP `.metadata` file (a plain pickle), unpickled with only DCP's own record classes allowed: any other
+    global is refused before anything is called."""
+    path = Path(path)
+    if not path.is_file():
+        raise ToolkitError(f"{path} is missing: the torch_dist checkpoint is incomplete (its save did not finish)")
+    try:
+        with open(path, "rb") as f:
+            return _DCPUnpickler(f, _dcp_classes()).load()
+    except Exception as e:  # noqa: BLE001 - pickle raises many kinds of error on damaged input
+        raise refusal(path, e if isinstance(e, pickle.UnpicklingError) else EOFError(str(e) or type(e).__name__)) \
+            from None

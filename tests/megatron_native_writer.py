@@ -1,0 +1,133 @@
+"""Run under torchrun with 2 ranks: checkpoints written by Megatron-Core's own code from real GPTModels, laid out as
+Megatron-LM 0.16 lays them out, in one launch.
+
+    torchrun --nproc_per_node 2 tests/megatron_native_writer.py HF_TIED HF_UNTIED OUT [TORCH_DIST_ITER LEGACY_TIED
+        LEGACY_UNTIED]
+
+OUT/legacy: the legacy layout (`--ckpt-format torch`, `--no-save-optim`) at TP1 x PP2 x VPP2 from HF_TIED (4 layers,
+tied embeddings): iter_0000003/mp_rank_00_00{0,1}/model_optim_rng.pt holding args (an argparse.Namespace with the
+objects a real run's args hold: AttnBackend, signal.Signals, torch dtypes), checkpoint_version, iteration, model0 and
+model1 (each chunk's state_dict_for_save_checkpoint()) and rng_state (numpy arrays and dtypes, torch RNG bytes).
+OUT/torch_dist: `dist_checkpointing.save` at TP2 from HF_UNTIED of the state dict Megatron-LM's save_checkpoint builds
+(args, checkpoint_version, iteration, and `model` = the GPTModel's sharded_state_dict()).
+With TOOLKIT_TORCH_DIST_ITER (a torch_dist iter folder `toolkit convert --to torch_dist` wrote from HF_UNTIED), the
+same launch then loads it with Megatron-Core's own `dist_checkpointing.load` at TP2 and at TP1 x PP2
+(tests/megatron_dist_load_probe.py) and prints "loaded 2x1x1" and "loaded 1x2x1" when every weight matched; and
+loads the legacy checkpoints `toolkit convert --to megatron_lm` wrote (from HF_TIED at TP1 x PP2 x VPP2, from
+HF_UNTIED at TP2) into GPTModels with strict=True ("loaded legacy 1x2x2", "loaded legacy 2x1x1").
+Megatron-LM itself (megatron.training) is not installed here; its save_checkpoint's layout is reproduced around
+Megatron-Core's objects. The __main__ guard matters: dist_checkpointing's writer spawns a process that re-imports it.
+"""
+import argparse
+import random
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from toolkit.recipe import load_recipe, resolve  # noqa: E402
+from toolkit.train.dist import init_distributed  # noqa: E402
+
+
+def recipe(hf: str, tp: int, pp: int, vpp: int):
+    return load_recipe("tiny_zero0", ["model.preset=null", f"model.hf_path={hf}", "model.pretrained=true",
+                                      "parallel.backend=megatron", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                                      f"parallel.vpp={vpp}", "training.global_batch_size=2",
+                                      "training.micro_batch_size=1"])
+
+
+def megatron_lm_args(r, layout) -> argparse.Namespace:
+    """The model-defining subset of pretrain_gpt.py's args, plus the non-tensor objects every real run's args hold."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from toolkit.families import dims_from_hf
+    from toolkit.model import to_hf_config
+
+    m = r.model
+    dims = dims_from_hf(to_hf_config(m), layout.tp, 128)
+    return argparse.Namespace(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None, num_layers=m.num_layers,
+        hidden_size=m.hidden_size, ffn_hidden_size=m.intermediate_size, num_attention_heads=m.num_attention_heads,
+        group_query_attention=True, num_query_groups=m.num_kv_heads, kv_channels=m.hidden_size // m.num_attention_heads,
+        max_position_embeddings=m.max_position_embeddings, norm_epsilon=m.rms_norm_eps, rotary_base=int(m.rope_theta),
+        untie_embeddings_and_output_weights=not m.tie_word_embeddings, padded_vocab_size=dims.padded_vocab,
+        make_vocab_size_divisible_by=128, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+        add_bias_linear=False, params_dtype=torch.float32, main_grads_dtype=torch.float32, bf16=False,
+        attention_backend=AttnBackend.auto, exit_signal=signal.SIGTERM, ckpt_format="torch", seed=1234,
+        data_path=["/data/corpus_text_document"], tokenizer_type="HuggingFaceTokenizer")
+
+
+def build(hf: str, tp: int, pp: int, vpp: int):
+    from toolkit.megatron import runtime
+
+    r = recipe(hf, tp, pp, vpp)
+    layout = resolve(r, dist.get_world_size()).layout
+    runtime.init_parallel(r, layout, on_gpu=False)
+    chunks = runtime.build_chunks(r, layout, on_gpu=False)
+    runtime.load_hf_weights(chunks, hf, r, layout)
+    return r, layout, chunks
+
+
+def legacy(hf: str, out: Path) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    r, layout, chunks = build(hf, 1, 2, 2)
+    state = {"args": megatron_lm_args(r, layout), "checkpoint_version": 3.0, "iteration": 3,
+             "num_floating_point_operations_so_far": 0}
+    for i, chunk in enumerate(chunks):
+        state[f"model{i}"] = chunk.state_dict_for_save_checkpoint()
+    state["rng_state"] = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                           "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.get_rng_state(),
+                           "rng_tracker_states": get_cuda_rng_tracker().get_states()}]
+    folder = out / "iter_0000003" / f"mp_rank_00_{ps.get_pipeline_model_parallel_rank():03d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(state, folder / "model_optim_rng.pt")
+    if dist.get_rank() == 0:
+        (out / "latest_checkpointed_iteration.txt").write_text("3")
+    dist.barrier()
+    ps.destroy_model_parallel()
+
+
+def torch_dist(hf: str, out: Path) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    r, layout, chunks = build(hf, 2, 1, 1)
+    state = {"args": megatron_lm_args(r, layout), "checkpoint_version": 3.0, "iteration": 5,
+             "num_floating_point_operations_so_far": 0, "model": chunks[0].sharded_state_dict()}
+    state["args"].ckpt_format = "torch_dist"
+    folder = out / "iter_0000005"
+    if dist.get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(state, str(folder))
+    if dist.get_rank() == 0:
+        (out / "latest_checkpointed_iteration.txt").write_text("5")
+    dist.barrier()
+    ps.destroy_model_parallel()
+
+
+def main(hf_tied: str, hf_untied: str, out: str, torch_dist_iter: str | None = None, legacy_tied: str | None = None,
+         legacy_untied: str | None = None) -> None:
+    init_distributed(with_deepspeed=False)
+    legacy(hf_tied, Path(out) / "legacy")
+    torch_dist(hf_untied, Path(out) / "torch_dist")
+    if torch_dist_iter:
+        from megatron_dist_load_probe import check, check_legacy
+
+        for tp, pp in ((2, 1), (1, 2)):
+            check(hf_untied, torch_dist_iter, tp, pp, 1)
+        check_legacy(hf_tied, legacy_tied, 1, 2, 2)
+        check_legacy(hf_untied, legacy_untied, 2, 1, 1)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:7])

@@ -1,0 +1,250 @@
+"""Megatron checkpoints as Megatron-Core writes them, converted by `toolkit convert`.
+
+One 2-rank launch of tests/megatron_native_writer.py builds real GPTModels (local spec, CPU shim) from two tiny
+Hugging Face Llamas and saves (a) a Megatron-LM legacy checkpoint at TP1 x PP2 x VPP2 with tied embeddings, whose
+`args` holds what a real run's args hold (AttnBackend, signal.Signals, numpy RNG state), and (b) a torch_dist
+checkpoint at TP2 through Megatron-Core's own `dist_checkpointing.save`; the same launch loads a torch_dist checkpoint
+that `toolkit convert --to torch_dist` wrote with Megatron-Core's own `dist_checkpointing.load` at TP2 and at
+TP1 x PP2, and loads the Megatron-LM legacy checkpoints `toolkit convert --to megatron_lm` wrote into GPTModels with
+strict=True. Both Megatron-written checkpoints must convert to the Hugging Face
+weights they were built from, bit for bit; planted pickles must never run; damaged folders give one line and write
+nothing.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import pickletools
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+from conftest import REPO, free_port
+from safetensors.torch import load_file
+
+from toolkit.checkpoint.convert import convert, convert_to_hf
+from toolkit.errors import ToolkitError
+
+VOCAB = 500
+WRITER = REPO / "tests" / "megatron_native_writer.py"
+# the globals a real Megatron-LM core_v0.16.1 save_checkpoint pickles (/work/shared/FACTS.md), bar the bf16 ones
+REAL_GLOBALS = {"argparse Namespace", "collections OrderedDict", "megatron.core.transformer.enums AttnBackend",
+                "signal Signals", "numpy dtype", "numpy ndarray", "numpy._core.multiarray _reconstruct",
+                "_codecs encode", "torch FloatStorage", "torch ByteStorage", "torch._utils _rebuild_tensor_v2"}
+
+
+def _hf(folder, tied: bool, layers: int, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                 tie_word_embeddings=tied)).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    """{"tied", "untied": HF folders, "legacy", "torch_dist": checkpoint roots written by Megatron-Core's code}."""
+    root = tmp_path_factory.mktemp("native")
+    tied, untied = _hf(root / "hf_tied", True, 4, 11), _hf(root / "hf_untied", False, 2, 12)
+    quiet = dict(vocab_size=VOCAB, progress=False, log=lambda *_: None)
+    ours = convert(untied, root / "ours", "torch_dist", tp=2, **quiet)
+    lm_tied = convert(tied, root / "lm_tied", "megatron_lm", tp=1, pp=2, vpp=2, **quiet)
+    lm_untied = convert(untied, root / "lm_untied", "megatron_lm", tp=2, **quiet)
+    cmd = [str(os.path.join(os.path.dirname(sys.executable), "torchrun")), "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(WRITER), str(tied), str(untied), str(root / "out"),
+           str(ours / "iter_0000000"), str(lm_tied), str(lm_untied)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return {"tied": tied, "untied": untied, "legacy": root / "out" / "legacy", "torch_dist": root / "out" / "torch_dist",
+            "ours": ours, "lm_tied": lm_tied, "lm_untied": lm_untied, "stdout": proc.stdout}
+
+
+def _copy(native, kind, tmp_path):
+    return shutil.copytree(native[kind], tmp_path / kind)
+
+
+def _equal_to(out, hf_folder):
+    got, want = load_file(str(out / "model.safetensors")), load_file(str(hf_folder / "model.safetensors"))
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def _pickle_globals(pt_file) -> set[str]:
+    with zipfile.ZipFile(pt_file) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    return {str(arg) for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"}
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _refused(src, tmp_path, marker, what="refused rather than unpickled"):
+    with pytest.raises(ToolkitError, match=what):
+        convert_to_hf(src, tmp_path / "hf", vocab_size=VOCAB)
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_real_legacy_checkpoint_converts_bit_exact(native, tmp_path):
+    """TP1 x PP2 x VPP2 (model0, model1 per rank), tied embeddings (the last stage keeps its output_layer copy), args
+    with the objects a real run pickles: converts to the weights the GPTModels were built from, and the records load
+    as inert stand-ins without importing Megatron."""
+    f = native["legacy"] / "iter_0000003" / "mp_rank_00_001" / "model_optim_rng.pt"
+    assert REAL_GLOBALS <= _pickle_globals(f)
+    out = convert_to_hf(native["legacy"], tmp_path / "hf", vocab_size=VOCAB)
+    _equal_to(out, native["tied"])
+    probe = ("import sys, signal; from toolkit.format.safe_load import load, Record; a = load(sys.argv[1])['args']; "
+             "assert isinstance(a.attention_backend, Record) and a.attention_backend.value == 5, a; "
+             "assert a.exit_signal is signal.SIGTERM and 'megatron' not in sys.modules; print('ok')")
+    proc = subprocess.run([sys.executable, "-c", probe, str(f)], cwd=REPO, capture_output=True, text=True)
+    assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    back = convert(native["legacy"], tmp_path / "m", "megatron", tp=2, pp=1, vocab_size=VOCAB, progress=False,
+                   log=lambda *_: None)
+    _equal_to(convert_to_hf(back, tmp_path / "hf2"), native["tied"])
+
+
+@pytest.mark.slow
+def test_planted_pickle_in_a_real_legacy_file_never_runs(native, tmp_path):
+    src = _copy(native, "legacy", tmp_path)
+    f = src / "iter_0000003" / "mp_rank_00_000" / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)  # written by this test's own writer: trusted
+    state["args"].evil = _Payload(tmp_path / "pwned")
+    torch.save(state, f)
+    _refused(src, tmp_path, tmp_path / "pwned")
+
+
+@pytest.mark.slow
+def test_torch_dist_converts_bit_exact_to_hf_and_any_layout(native, tmp_path):
+    """dist_checkpointing.save at TP2 -> HF equals the HF weights bit for bit; -> toolkit TP1 x PP2 -> HF too."""
+    from toolkit.checkpoint.inspect import inspect
+
+    report = inspect(native["torch_dist"])
+    assert report["format"] == "megatron torch_dist" and report["complete"] and report["step"] == 5
+    assert report["layout"] == {"tp": 2, "pp": 1, "vpp": 1}
+    it = native["torch_dist"] / "iter_0000005"
+    assert sorted(p.name for p in it.iterdir()) == [".metadata", "__0_0.distcp", "__0_1.distcp", "__1_0.distcp",
+                                                    "__1_1.distcp", "common.pt", "metadata.json"]
+    _equal_to(convert_to_hf(native["torch_dist"], tmp_path / "hf", vocab_size=VOCAB), native["untied"])
+    m = convert(it, tmp_path / "m", "megatron", tp=1, pp=2, vocab_size=VOCAB, progress=False, log=lambda *_: None)
+    _equal_to(convert_to_hf(m, tmp_path / "hf2"), native["untied"])
+
+
+@pytest.mark.slow
+def test_planted_pickles_in_torch_dist_never_run(native, tmp_path):
+    """In common.pt, in the DCP .metadata, and inside a .distcp tensor item: refused, nothing runs, nothing written."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    src = _copy(native, "torch_dist", tmp_path)
+    it = src / "iter_0000005"
+    common = torch.load(it / "common.pt", weights_only=False)  # trusted: this test's own writer
+    common["args"].evil = _Payload(tmp_path / "pwned1")
+    torch.save(common, it / "common.pt")
+    _refused(src, tmp_path, tmp_path / "pwned1")
+    shutil.copy(native["torch_dist"] / "iter_0000005" / "common.pt", it / "common.pt")
+
+    meta = pickle.loads((it / ".metadata").read_bytes())
+    meta.planner_data = {"evil": _Payload(tmp_path / "pwned2")}
+    (it / ".metadata").write_bytes(pickle.dumps(meta))
+    _refused(src, tmp_path, tmp_path / "pwned2")
+
+    meta = pickle.loads((native["torch_dist"] / "iter_0000005" / ".metadata").read_bytes())
+    index = next(i for i in meta.storage_data if i.fqn == "embedding.word_embeddings.weight")
+    info = meta.storage_data[index]
+    item = tmp_path / "item.pt"
+    torch.save({"t": torch.zeros(1), "x": _Payload(tmp_path / "pwned3")}, item)
+    distcp = it / info.relative_path
+    start = distcp.stat().st_size
+    with open(distcp, "ab") as f:
+        f.write(item.read_bytes())
+    meta.storage_data[index] = fs._StorageInfo(info.relative_path, start, item.stat().st_size)
+    (it / ".metadata").write_bytes(pickle.dumps(meta))
+    _refused(src, tmp_path, tmp_path / "pwned3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage, message", [
+    ("missing_distcp", r"__1_0\.distcp is missing: the torch_dist checkpoint is incomplete"),
+    ("truncated_distcp", r"\.metadata disagrees with the files: it places .* of __0_1\.distcp, which has"),
+    ("tracker", r"latest_checkpointed_iteration\.txt points at iter_0000009, which does not exist"),
+])
+def test_damaged_torch_dist_gives_one_line_and_writes_nothing(native, tmp_path, damage, message):
+    src = _copy(native, "torch_dist", tmp_path)
+    it = src / "iter_0000005"
+    if damage == "missing_distcp":
+        (it / "__1_0.distcp").unlink()
+    elif damage == "truncated_distcp":
+        (it / "__0_1.distcp").write_bytes((it / "__0_1.distcp").read_bytes()[:5000])
+    else:
+        (src / "latest_checkpointed_iteration.txt").write_text("9")
+    with pytest.raises(ToolkitError, match=message) as e:
+        convert_to_hf(src, tmp_path / "hf", vocab_size=VOCAB)
+    assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
+    if damage != "missing_distcp":
+        return
+    proc = subprocess.run([sys.executable, "-m", "toolkit", "convert", str(src), str(tmp_path / "hf"), "--to", "hf",
+                           "--vocab-size", str(VOCAB)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_torch_dist_written_by_the_toolkit_loads_in_megatron_core_at_any_layout(native, tmp_path):
+    """`toolkit convert HF --to torch_dist --tp 2`: Megatron-Core's dist_checkpointing.load fills real GPTModels at
+    TP2 and at TP1 x PP2 with exactly the weights the HF mapping gives (the probe checks every rank); the toolkit
+    reads it back, and re-writes Megatron's own torch_dist checkpoint at another TP, bit-exactly."""
+    assert "loaded 2x1x1" in native["stdout"] and "loaded 1x2x1" in native["stdout"]
+    _equal_to(convert_to_hf(native["ours"], tmp_path / "hf", vocab_size=VOCAB), native["untied"])
+    again = convert(native["torch_dist"], tmp_path / "td1", "torch_dist", tp=1, vocab_size=VOCAB, progress=False,
+                    log=lambda *_: None)
+    _equal_to(convert_to_hf(again, tmp_path / "hf1", vocab_size=VOCAB), native["untied"])
+    tied = convert(native["legacy"], tmp_path / "td_tied", "torch_dist", tp=1, pp=2, vpp=2, vocab_size=VOCAB,
+                   progress=False, log=lambda *_: None)  # keeps output_layer.weight, as Megatron does at pp > 1
+    _equal_to(convert_to_hf(tied, tmp_path / "hf_tied", vocab_size=VOCAB), native["tied"])
+
+
+@pytest.mark.slow
+def test_megatron_lm_legacy_written_by_the_toolkit_loads_into_gptmodel_chunks(native, tmp_path):
+    """`--to megatron_lm` at TP1 x PP2 x VPP2 (tied) and TP2 (untied): every rank file holds exactly the keys of its
+    GPTModel chunks' state_dict_for_save_checkpoint() (model0/model1 with virtual chunks, _extra_state entries) and
+    loads into them with strict=True, giving the HF mapping's weights; args describe the new layout; and a Megatron-
+    written legacy checkpoint re-laid out this way converts back to HF bit-exactly."""
+    from toolkit.format.safe_load import load
+
+    assert "loaded legacy 1x2x2" in native["stdout"] and "loaded legacy 2x1x1" in native["stdout"]
+    args = load(native["lm_tied"] / "iter_0000000" / "mp_rank_00_001" / "model_optim_rng.pt")["args"]
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.virtual_pipeline_model_parallel_size, args.untie_embeddings_and_output_weights) == (1, 2, 2, False)
+    out = convert(native["legacy"], tmp_path / "lm", "megatron_lm", tp=2, pp=2, vocab_size=VOCAB, progress=False,
+                  log=lambda *_: None)
+    _equal_to(convert_to_hf(out, tmp_path / "hf", vocab_size=VOCAB), native["tied"])
+
+
+def test_dcp_metadata_unpickler_allows_only_dcp_records(tmp_path):
+    """Fast, without Megatron: a `.metadata` naming any global outside DCP's records (here os.system) is refused
+    before it is called; DCP's own Metadata loads."""
+    import torch.distributed.checkpoint.metadata as md
+
+    from toolkit.format.safe_load import load_dcp_metadata
+
+    good = md.Metadata(state_dict_metadata={"w": md.TensorStorageMetadata(
+        md.TensorProperties(dtype=torch.bfloat16), torch.Size([2, 3]), [md.ChunkStorageMetadata(torch.Size([0, 0]),
+                                                                                               torch.Size([2, 3]))])})
+    (tmp_path / "good").write_bytes(pickle.dumps(good))
+    assert load_dcp_metadata(tmp_path / "good").state_dict_metadata["w"].properties.dtype == torch.bfloat16
+    good.planner_data = _Payload(tmp_path / "pwned")
+    (tmp_path / "bad").write_bytes(pickle.dumps(good))
+    with pytest.raises(ToolkitError, match=r"holds a pickled posix\.system, .* refused rather than unpickled"):
+        load_dcp_metadata(tmp_path / "bad")
+    assert not (tmp_path / "pwned").exists()

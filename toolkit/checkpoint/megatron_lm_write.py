@@ -1,0 +1,93 @@
+"""Writing Megatron-LM's legacy layout (`toolkit convert --to megatron_lm`) at any TP x PP x VPP.
+
+Output: <dst>/latest_checkpointed_iteration.txt and <dst>/iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt, each a
+torch.save of what Megatron-LM's save_checkpoint writes with `--no-save-optim --no-save-rng`: `args` (an
+argparse.Namespace with the model arguments for the new layout, the ones Megatron-LM's check_checkpoint_args
+compares), `checkpoint_version` 3.0, `iteration`, `num_floating_point_operations_so_far`, and `model` (or `model0`..
+per virtual chunk) with local-spec names and the `_extra_state` entries a local-spec GPTModel's state_dict has.
+Megatron-LM continues from it with `--no-load-optim --no-load-rng` (or `--finetune`).
+
+Memory: a rank file is a single pickle, so each is built in memory and written once its pipeline stage is
+complete (HF order visits stages in turn without virtual chunks; with them, a stage's chunks are spread out).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import torch
+
+from toolkit.families.entries import iter_entries, raise_problems
+from toolkit.families.mapping import check_dims
+
+WEIGHT = "weight"
+_EXTRA = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def model_args(dims, config: dict, tp: int, pp: int, vpp: int, divisible_by: int, dtype: torch.dtype,
+               ckpt_format: str) -> argparse.Namespace:
+    """Megatron-LM's model arguments for a Llama-style model at tp x pp x vpp."""
+    rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000)
+    return argparse.Namespace(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, num_layers=dims.layers,
+        hidden_size=dims.hidden, ffn_hidden_size=dims.ffn, num_attention_heads=dims.heads,
+        group_query_attention=dims.kv_heads != dims.heads, num_query_groups=dims.kv_heads, kv_channels=dims.head_dim,
+        max_position_embeddings=config.get("max_position_embeddings"), norm_epsilon=config.get("rms_norm_eps", 1e-5),
+        rotary_base=int(rope), untie_embeddings_and_output_weights=not dims.tied, padded_vocab_size=dims.padded_vocab,
+        make_vocab_size_divisible_by=divisible_by, normalization="RMSNorm", swiglu=True,
+        position_embedding_type="rope", add_position_embedding=False, add_bias_linear=False, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, ckpt_format=ckpt_format)
+
+
+class MegatronLMTarget:
+    """A Megatron-LM legacy checkpoint root; see the module docstring. Weights only."""
+
+    def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None):
+        self.root, self.source, self.layout = root, source, (tp, pp, vpp)
+        self.dims = source.dims(tp)
+        raise_problems(f"the model cannot be laid out at tp={tp} pp={pp} vpp={vpp}", check_dims(self.dims, tp, pp, vpp))
+        self.fields = (WEIGHT,)
+        self.step = int(source.step or 0)
+        self.tag_dir = root / f"iter_{self.step:07d}"
+        self.out_dtype = dtype or source.dtype()
+        entries = list(iter_entries(self.dims, pp, vpp))
+        self._left = {p: sum(1 for e in entries if e.pp_rank == p) for p in range(pp)}
+        self._states = {(p, t): [{} for _ in range(vpp)] for p in range(pp) for t in range(tp)}
+        self.total = sum(torch.Size(e.rule.shard_shape(e.hf_shapes, tp)).numel() for e in entries) * tp \
+            * self.out_dtype.itemsize
+        self._args = model_args(self.dims, source.config, tp, pp, vpp, source.divisible_by, self.out_dtype, "torch")
+
+    def writes(self, entry, field: str, hf_tensors: list[torch.Tensor]) -> list:
+        """Keeps this parameter's TP shards (compact copies) for their rank files; writes a stage once complete."""
+        tp = self.layout[0]
+        for t, piece in enumerate(entry.to_megatron(hf_tensors, tp)):
+            chunk = self._states[(entry.pp_rank, t)][entry.chunk]
+            chunk[entry.megatron_name] = piece.to(self.out_dtype).clone()
+            m = _LAYER.match(entry.megatron_name)
+            if m and entry.megatron_name.endswith(_EXTRA[0] + ".weight"):  # once per layer: its modules' extra state
+                for module in _EXTRA:
+                    chunk[f"decoder.layers.{m.group(1)}.{module}._extra_state"] = None
+            if entry.megatron_name == "output_layer.weight":
+                chunk["output_layer._extra_state"] = None
+        self._left[entry.pp_rank] -= 1
+        if self._left[entry.pp_rank] == 0:
+            self._save_stage(entry.pp_rank)
+        return []
+
+    def _save_stage(self, p: int) -> None:
+        tp, pp, vpp = self.layout
+        for t in range(tp):
+            folder = self.tag_dir / (f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}")
+            folder.mkdir(parents=True, exist_ok=True)
+            chunks = self._states.pop((p, t))
+            models = {"model": chunks[0]} if vpp == 1 else {f"model{c}": s for c, s in enumerate(chunks)}
+            torch.save({"args": self._args, "checkpoint_version": 3.0, "iteration": self.step,
+                        "num_floating_point_operations_so_far": 0, **models}, folder / "model_optim_rng.pt")
+
+    def close(self) -> None:
+        if self._states:
+            raise RuntimeError(f"internal: stages {sorted({p for p, _ in self._states})} were never completed")
+        (self.root / "latest_checkpointed_iteration.txt").write_text(str(self.step))

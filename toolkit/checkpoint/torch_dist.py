@@ -1,0 +1,141 @@
+"""Reading Megatron-Core's `torch_dist` checkpoints (Megatron-LM's default `--ckpt-format`, and Megatron-Bridge's)
+without a process group, one tensor at a time, and without running code hidden in them.
+
+Layout: <root>/latest_checkpointed_iteration.txt and <root>/iter_XXXXXXX/ holding metadata.json (the backend),
+common.pt (Megatron-LM's args, iteration, ...: a torch.save pickle, read weights-only with the allow-list), the torch
+DCP `.metadata` (a plain pickle, read with only DCP's own record classes allowed) and `__R_I.distcp` files. The
+`.metadata` names every tensor with its global shape and, for every saved chunk, the file, byte offset and length of
+that chunk, which is itself a small torch.save file (read weights-only).
+
+Tensor names are Megatron-Core's sharded keys: layers are stacked on a leading axis (`decoder.layers.X` has shape
+[num_layers, ...], global over pipeline stages and virtual chunks), TP shards are assembled into the full tensor, and
+the two per-layer norms carry Transformer Engine names (`linear_qkv.layer_norm_weight`). The full tensor of each
+parameter is Megatron's TP = 1 layout of it (TP splits whole query groups; fc1 is saved as cat(gate, up)).
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from toolkit.errors import ToolkitError
+from toolkit.families.mapping import local_spec_name
+from toolkit.format import paths, safe_load
+
+LAYERS = "decoder.layers."
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_SKIP = ("_extra_state",)  # Transformer Engine / Megatron module metadata (bytes), not weights
+
+
+def is_torch_dist(it_dir: Path) -> bool:
+    return (it_dir / "metadata.json").is_file() or (it_dir / ".metadata").is_file()
+
+
+class Reader:
+    """One iter_* folder of a torch_dist checkpoint: its common state, and any tensor (or one layer of it) on
+    request, assembled from its chunks' byte ranges."""
+
+    def __init__(self, it_dir: Path):
+        self.dir = it_dir
+        meta_json = paths.inside(it_dir, "metadata.json", str(it_dir))
+        if not meta_json.is_file():
+            raise ToolkitError(f"{it_dir} has no metadata.json: not a complete torch_dist checkpoint (the save did "
+                               "not finish); use another iteration")
+        try:
+            backend = json.loads(meta_json.read_text()).get("sharded_backend")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise ToolkitError(f"{meta_json} is not Megatron's checkpoint metadata ({e}); re-copy it") from None
+        if backend != "torch_dist":
+            raise ToolkitError(f"{meta_json} names sharded backend {backend!r}; only torch_dist checkpoints are read "
+                               "(re-save with --ckpt-format torch_dist, or convert from the legacy torch format)")
+        self.common = safe_load.load(paths.inside(it_dir, "common.pt", str(it_dir)), deepspeed=False)
+        if not isinstance(self.common, dict):
+            raise ToolkitError(f"{it_dir / 'common.pt'} holds a {type(self.common).__name__}, not Megatron's common "
+                               "state dict; re-copy the checkpoint")
+        self.metadata = safe_load.load_dcp_metadata(paths.inside(it_dir, ".metadata", str(it_dir)))
+        self._check_files()
+        self._tensors = {fqn: m for fqn, m in self.metadata.state_dict_metadata.items()
+                         if hasattr(m, "chunks") and hasattr(m, "size")}
+        self._where = {}
+        for index, info in self.metadata.storage_data.items():
+            self._where[(index.fqn, tuple(index.offset) if index.offset is not None else None)] = info
+        # local-spec name (layers without their index) -> sharded key
+        self.names = {local_spec_name(fqn): fqn for fqn in self._tensors if not fqn.endswith(_SKIP)}
+
+    def _check_files(self) -> None:
+        """Every chunk the metadata names lies inside an existing .distcp file of this folder: one line otherwise."""
+        sizes: dict[str, int] = {}
+        for index, info in self.metadata.storage_data.items():
+            name = info.relative_path
+            if name not in sizes:
+                f = paths.inside(self.dir, name, f"{self.dir / '.metadata'}")
+                if not f.is_file():
+                    raise ToolkitError(f"{f} is missing: the torch_dist checkpoint is incomplete (a rank's file was "
+                                       "not saved or not copied); re-copy the whole iter folder")
+                sizes[name] = f.stat().st_size
+            if getattr(info, "transform_descriptors", None):
+                raise ToolkitError(f"{self.dir / name} holds {index.fqn} with stream transforms "
+                                   f"{list(info.transform_descriptors)}, which this reader does not decode")
+            if info.offset < 0 or info.length < 0 or info.offset + info.length > sizes[name]:
+                raise ToolkitError(f"{self.dir / '.metadata'} disagrees with the files: it places {index.fqn} at bytes "
+                                   f"{info.offset}..{info.offset + info.length} of {name}, which has {sizes[name]}; "
+                                   "the checkpoint is damaged or mixes two saves: re-copy it")
+
+    def shape(self, fqn: str) -> tuple[int, ...]:
+        return tuple(self._tensors[fqn].size)
+
+    def dtype(self, fqn: str) -> torch.dtype:
+        return self._tensors[fqn].properties.dtype
+
+    def get(self, fqn: str, layer: int | None = None) -> torch.Tensor:
+        """The full tensor `fqn`, or only its slice `layer` on the leading (layer) axis, read chunk by chunk."""
+        meta = self._tensors[fqn]
+        shape = tuple(meta.size)
+        lo, hi = (0, shape[0]) if layer is None else (layer, layer + 1)
+        out = torch.empty((hi - lo, *shape[1:]) if shape else (), dtype=meta.properties.dtype)
+        covered = 0
+        for chunk in meta.chunks:
+            off, size = tuple(chunk.offsets), tuple(chunk.sizes)
+            if shape and (off[0] >= hi or off[0] + size[0] <= lo):
+                continue
+            piece = self._chunk(fqn, off, size, meta.properties.dtype)
+            if shape:
+                a, b = max(lo, off[0]), min(hi, off[0] + size[0])
+                piece = piece[a - off[0]: b - off[0]]
+                region = out[a - lo: b - lo]
+                for d in range(1, len(shape)):
+                    region = region.narrow(d, off[d], size[d])
+                region.copy_(piece)
+                covered += piece.numel()
+            else:
+                out.copy_(piece)
+                covered += 1
+        if covered != out.numel():
+            raise ToolkitError(f"{self.dir / '.metadata'} disagrees with itself: the chunks of {fqn} cover {covered} of "
+                               f"its {out.numel()} values{'' if layer is None else f' in layer {layer}'}; re-copy "
+                               "the checkpoint")
+        return out if layer is None else out[0]
+
+    def _chunk(self, fqn: str, offsets: tuple, sizes: tuple, dtype: torch.dtype) -> torch.Tensor:
+        info = self._where.get((fqn, offsets))
+        if info is None:
+            raise ToolkitError(f"{self.dir / '.metadata'} lists a chunk of {fqn} at {list(offsets)} but no file holds "
+                               "it; the checkpoint is damaged: re-copy it")
+        where = f"{self.dir / info.relative_path} (bytes {info.offset}..{info.offset + info.length}, {fqn})"
+        with open(self.dir / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        tensor = safe_load.load_buffer(data, where)
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != sizes or tensor.dtype != dtype:
+            got = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ToolkitError(f"{where} holds {got}, but {self.dir / '.metadata'} says {sizes} {dtype}: the metadata "
+                               "disagrees with the files; re-copy the checkpoint")
+        return tensor
+
+
+def sharded_name(local_name: str) -> tuple[str, int | None]:
+    """(local-spec name without its layer index, layer) of a toolkit name at pp = vpp = 1."""
+    m = _LAYER.match(local_name)
+    return (LAYERS + m.group(2), int(m.group(1))) if m else (local_name, None)

@@ -1,0 +1,135 @@
+"""Writing Megatron-Core `torch_dist` checkpoints (`toolkit convert --to torch_dist`), one tensor at a time.
+
+Output: <dst>/latest_checkpointed_iteration.txt and <dst>/iter_XXXXXXX/ with metadata.json, common.pt (a
+Megatron-LM-style args Namespace for the target TP x PP x VPP, iteration, checkpoint_version), one `__0_0.distcp`
+file and torch DCP's `.metadata`. The tensors are Megatron-Core's sharded keys (layers stacked on a leading axis,
+one chunk per layer, the full TP = 1 tensor, Transformer Engine names for the per-layer norms, `_extra_state`
+objects as Megatron's local spec saves them), so Megatron-Core's `dist_checkpointing.load` reshards it onto any
+TP x PP x VPP at load time; the TP x PP x VPP given only fixes the vocabulary padding and the args.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import pickle
+from pathlib import Path
+
+import torch
+
+from toolkit.checkpoint import torch_dist
+from toolkit.checkpoint.megatron_lm_write import model_args
+from toolkit.errors import ToolkitError
+from toolkit.families.entries import iter_entries, raise_problems
+from toolkit.families.mapping import TE_NORM_NAMES, check_dims
+
+WEIGHT = "weight"
+EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+"""The layer modules whose `_extra_state` Megatron-Core's sharded_state_dict lists (one object per layer)."""
+_LOCAL_TO_TE = {local: te for te, local in TE_NORM_NAMES.items()}
+
+
+def sharded_key(local_name: str) -> str:
+    """Megatron-Core's sharded key of a local-spec name without its layer index (norms carry TE names)."""
+    for local, te in _LOCAL_TO_TE.items():
+        if local_name.endswith(local):
+            return local_name[: -len(local)] + te
+    return local_name
+
+
+class _ItemFile:
+    """The one .distcp file: each item is a torch.save of one chunk, appended; its byte range is recorded."""
+
+    def __init__(self, path: Path):
+        self.path, self.f = path, open(path, "wb")
+        self.where: dict = {}
+
+    def write(self, index, tensor_or_bytes) -> int:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo  # lazy: torch_dist outputs only
+
+        buf = io.BytesIO()
+        torch.save(tensor_or_bytes if isinstance(tensor_or_bytes, torch.Tensor) else [tensor_or_bytes], buf)
+        start = self.f.tell()
+        self.f.write(buf.getbuffer())
+        self.where[index] = _StorageInfo(self.path.name, start, buf.tell())
+        return buf.tell()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class TorchDistTarget:
+    """A torch_dist checkpoint root; see the module docstring. Weights only."""
+
+    def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None):
+        import torch.distributed.checkpoint.metadata as md  # lazy: torch_dist outputs only
+
+        self.root, self.source, self.layout = root, source, (tp, pp, vpp)
+        self.dims = source.dims(tp)  # padded vocabulary of the target tp
+        raise_problems(f"the model cannot be laid out at tp={tp} pp={pp} vpp={vpp}", check_dims(self.dims, tp, pp, vpp))
+        self.fields = (WEIGHT,)
+        self.step = int(source.step or 0)
+        self.tag_dir = root / f"iter_{self.step:07d}"
+        self.tag_dir.mkdir(parents=True)
+        self.out_dtype = dtype or source.dtype()
+        self._items = _ItemFile(self.tag_dir / "__0_0.distcp")
+        self._md = md
+        self._meta: dict = {}
+        self._global: dict[tuple, tuple[str, int | None]] = {}  # hf_names -> (sharded key, layer)
+        self.total = 0
+        for e in iter_entries(self.dims, 1, 1):
+            name, layer = torch_dist.sharded_name(e.megatron_name)
+            self._global[e.hf_names] = (sharded_key(name), layer)
+            shape = e.rule.shard_shape(e.hf_shapes, 1)
+            full = (self.dims.layers, *shape) if layer is not None else shape
+            self._meta[sharded_key(name)] = md.TensorStorageMetadata(md.TensorProperties(dtype=self.out_dtype),
+                                                                     torch.Size(full), [])
+            self.total += torch.Size(full).numel() * self.out_dtype.itemsize
+        if self.dims.tied:  # Megatron keeps the output layer's copy at pp > 1; written so every layout loads
+            emb = self._meta["embedding.word_embeddings.weight"]
+            self._meta["output_layer.weight"] = md.TensorStorageMetadata(emb.properties, emb.size, [])
+            self.total += emb.size.numel() * self.out_dtype.itemsize
+
+    def writes(self, entry, field: str, hf_tensors: list[torch.Tensor]) -> list:
+        """(file, chunk index, tensor) for this parameter, once (the tied output layer: with the embeddings)."""
+        if not entry.reads_back:
+            return []
+        key, layer = self._global[tuple(entry.hf_names)]
+        full = entry.to_megatron(hf_tensors, 1)[0].to(self.out_dtype)
+        keys = [key, "output_layer.weight"] if self.dims.tied and key == "embedding.word_embeddings.weight" else [key]
+        out = []
+        for k in keys:
+            if layer is None:
+                offsets, piece = (0,) * full.dim(), full
+            else:
+                offsets, piece = (layer, *(0,) * full.dim()), full.unsqueeze(0)
+            self._meta[k].chunks.append(self._md.ChunkStorageMetadata(torch.Size(offsets), piece.shape))
+            # a compact copy: torch.save of a view would write its whole storage
+            out.append((self._items, self._md.MetadataIndex(k, torch.Size(offsets)), piece.clone()))
+        return out
+
+    def close(self) -> None:
+        md = self._md
+        for i in range(self.dims.layers):
+            for module in EXTRA_STATE_MODULES:
+                fqn = f"decoder.layers.{module}._extra_state/shard_{i}_{self.dims.layers}"
+                self._meta[fqn] = md.BytesStorageMetadata()
+                self._items.write(md.MetadataIndex(fqn), None)
+        self._items.close()
+        missing = [k for k, m in self._meta.items() if hasattr(m, "chunks") and
+                   sum(c.sizes.numel() for c in m.chunks) != m.size.numel()]
+        if missing:
+            raise ToolkitError(f"internal: torch_dist output incomplete for {missing[:4]}")
+        metadata = md.Metadata(state_dict_metadata=self._meta, storage_data=self._items.where)
+        (self.tag_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+        torch.save({"args": self._args(), "checkpoint_version": 3.0, "iteration": self.step,
+                    "num_floating_point_operations_so_far": 0}, self.tag_dir / "common.pt")
+        (self.tag_dir / "metadata.json").write_text(json.dumps(
+            {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+             "common_backend_version": 1}))
+        (self.root / "latest_checkpointed_iteration.txt").write_text(str(self.step))
+
+    def _args(self) -> argparse.Namespace:
+        """Megatron-LM's model arguments for this model at the target layout (what --use-checkpoint-args reads)."""
+        return model_args(self.dims, self.source.config, *self.layout, self.source.divisible_by, self.out_dtype,
+                          "torch_dist")
