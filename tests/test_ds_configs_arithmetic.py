@@ -16,9 +16,10 @@ FILES = sorted((REPO / "ds_configs").glob("*.json"))
 
 # Published shapes (Hugging Face config.json of each model): hidden size, vocabulary, MLP width.
 SHAPES = {"llama2-7b": (4096, 32000, 11008), "llama2-13b": (5120, 32000, 13824), "llama2-70b": (8192, 32000, 28672),
-          "llama3-8b": (4096, 128256, 14336), "tiny-4l": (128, 512, 352)}
+          "llama3-8b": (4096, 128256, 14336), "qwen2.5-7b": (3584, 152064, 18944), "tiny-4l": (128, 512, 352)}
 # The DeepSpeed recipes for 7B-70B models; every one follows the hidden-size bucket rule below.
-LARGE = ["llama13b_zero3_nvme", "llama3_8b_zero3", "llama70b_zero3_offload", "llama7b_zero2_offload", "llama7b_zero3"]
+LARGE = ["llama13b_zero3_nvme", "llama3_8b_zero3", "llama70b_zero3_offload", "llama7b_zero2_offload", "llama7b_zero3",
+         "qwen2.5_7b_zero3"]
 
 
 def _merge(base: dict, top: dict) -> dict:
