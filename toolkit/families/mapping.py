@@ -112,6 +112,10 @@ class Family:
     final_norm: Callable[[Dims], ParamMap]
     output: Callable[[Dims], ParamMap]
     """The output layer; tied models take it from the embeddings (HF has no lm_head then)."""
+    modules: Mapping[str, Mapping[str, str]] | None = None
+    """{Megatron name (with {j}): {rule part: transformers parameter name (with {i})}}, written apart from the map
+    above: `toolkit convert`'s logit check places a Megatron checkpoint's weights into transformers' modules by
+    it, so a mistake in either disagrees with the other instead of cancelling out."""
 
 
 def check_dims(dims: Dims, tp: int, pp: int, vpp: int) -> list[Problem]:
