@@ -205,7 +205,8 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
         try:
             module.load_state_dict({k[len(weights) + 1:]: v for k, v in state.items()}, strict=True, assign=True)
         except RuntimeError as e:
-            raise ToolkitError(f"verification failed: {path} takes none of the weights given: {e}") from None
+            raise ToolkitError(f"verification failed: {path} does not take the weights read for it: {e}; nothing was "
+                               "written") from None
         del state
         with torch.no_grad():
             y = module(x, **kw)
