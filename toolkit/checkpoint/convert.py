@@ -69,7 +69,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None, field: str) -> torch.Tenso
 
 
 class _WriteBehind:
-    """Writes (and the verification's hashing) run on one background thread (pwrite and hashlib release the GIL)
+    """Writes run on one background thread (pwrite releases the GIL)
     while the next parameter is read and split. At most `depth` parameters wait to be written, so memory stays a few
     parameters' worth. `seconds` adds up the thread's time in writes."""
 
@@ -78,17 +78,15 @@ class _WriteBehind:
         self.pool, self.pending, self.bar, self.depth = ThreadPoolExecutor(1), [], bar, depth
         self.seconds = 0.0
 
-    def submit(self, writes: list, after=None) -> None:
+    def submit(self, writes: list) -> None:
         while len(self.pending) >= self.depth:
             self.bar.add(self.pending.pop(0).result())
-        self.pending.append(self.pool.submit(self._run, writes, after))
+        self.pending.append(self.pool.submit(self._run, writes))
 
-    def _run(self, writes: list, after) -> int:
+    def _run(self, writes: list) -> int:
         t0 = time.monotonic()
         n = sum(w.write(k, t) for w, k, t in writes)
         self.seconds += time.monotonic() - t0
-        if after is not None:
-            after()
         return n
 
     def __enter__(self) -> _WriteBehind:
@@ -281,20 +279,23 @@ def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log,
             for field in target.fields:
                 t1 = time.monotonic()
                 hf = [_cast(x, cast, field) for x in source.read(entry.hf_names, field)]
+                if digests is not None and entry.reads_back:
+                    # hashed here (hashlib releases the GIL while the writer thread writes), so no queued write
+                    # keeps the source tensors alive after their split: memory stays that of --no-verify
+                    digests.add(entry.hf_names, field, hf)
                 t2 = time.monotonic()
                 writes = target.writes(entry, field, hf)
                 split_s, read_s = split_s + time.monotonic() - t2, read_s + t2 - t1
-                hashed = (lambda n=entry.hf_names, f=field, h=hf: digests.add(n, f, h)) \
-                    if digests is not None and entry.reads_back else None
-                behind.submit(writes, hashed)
-                del hf, writes, hashed
+                behind.submit(writes)
+                del hf, writes
             release()  # what glibc kept of the tensors freed so far goes back: memory does not creep with layers
     t3 = time.monotonic()
     target.close()
     log(f"wrote {target.total / 2**30:.2f} GiB in {time.monotonic() - t0:.1f} s")
     if verbose:
-        log(f"phases: read {read_s:.1f} s, split {split_s:.1f} s (main thread); write {behind.seconds:.1f} s, hash "
-            f"{digests.seconds if digests else 0:.1f} s (writer thread, overlapped); close/fsync/manifest "
+        log(f"phases: read {read_s - (digests.seconds if digests else 0):.1f} s, hash "
+            f"{digests.seconds if digests else 0:.1f} s, split {split_s:.1f} s (main thread); write {behind.seconds:.1f} "
+            f"s (writer thread, overlapped); close/fsync/manifest "
             f"{time.monotonic() - t3:.1f} s")
 
 

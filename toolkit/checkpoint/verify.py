@@ -2,7 +2,7 @@
 model size. Two checks, both on by default; any difference fails the conversion before anything reaches DST.
 
 Bit-exact read-back: every Hugging Face tensor the source hands out is hashed (SHA-256, after the requested cast)
-on the writer thread as it is written (`Digests`); afterwards the output is read back through its own reader,
+as it is read for writing (`Digests`); afterwards the output is read back through its own reader,
 tensor by tensor, and each must hash the same. The source is read once, not twice.
 
 Logits: transformers' own model class for the config is built on the meta device (no memory), and 16 fixed tokens
@@ -23,7 +23,6 @@ import ctypes
 import hashlib
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ from toolkit.checkpoint.sources import WEIGHT, Source, open_source
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
 from toolkit.families.registry import family_named
+from toolkit.families.rules import views
 from toolkit.format.names import chunk_key
 from toolkit.layout import first_stage, last_stage, layer_location
 
@@ -84,7 +84,7 @@ def digest(t: torch.Tensor) -> str:
 
 
 class Digests:
-    """SHA-256 of each (HF name, field) the conversion wrote, taken from the tensors in hand (the writer thread)."""
+    """SHA-256 of each (HF name, field) the conversion wrote, taken from the source's tensors as they are written."""
 
     def __init__(self):
         self.of: dict[tuple[str, str], str] = {}
@@ -106,15 +106,17 @@ def read_back(source: Source, written: Path, fields: tuple[str, ...], digests: D
 
         def check(job) -> int:
             names, field = job
-            for name, got in zip(names, again.read(names, field)):
+            with views():  # merged tensors may stay views of the shards: hashed at once, never kept
+                tensors = again.read(names, field)
+            for name, got in zip(names, tensors):
                 if digests.of.get((name, field)) != digest(got):
                     raise ToolkitError(f"verification failed: {name} ({field}) reads back different from what was "
                                        "written from the source; nothing was written")
+            del tensors, got
             release()
             return len(names)
 
-        with ThreadPoolExecutor(2) as pool:  # positioned reads and hashing release the GIL
-            count = sum(pool.map(check, jobs))
+        count = sum(map(check, jobs))  # one at a time: two threads were no faster here and held two parameters
     finally:
         again.close()
     log(f"verified: {count} tensors read back bit-exactly (SHA-256 against the source's, "
@@ -167,7 +169,9 @@ class _Megatron:
                 raise ToolkitError(f"verification: transformers' model has {n}, which the Megatron side does not hold")
             p, c, m, rule, part = self.where[n]
             if (p, c, m) not in merged:
-                whole = rule.merge([self.source._get(p, t, chunk_key(c, m)) for t in range(self.source.layout[0])])
+                with views():  # no compact copy: load_state_dict(assign=True) takes the views as they are
+                    whole = rule.merge([self.source._get(p, t, chunk_key(c, m))
+                                        for t in range(self.source.layout[0])])
                 merged[(p, c, m)] = dict(zip(rule.parts, whole if isinstance(whole, tuple) else (whole,)))
             out[n] = cast(merged[(p, c, m)][part], self.dtype)
         return out
