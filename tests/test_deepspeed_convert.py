@@ -301,7 +301,7 @@ def test_toolkit_convert_zero3_to_hf_from_model_states_and_fp32_master(bf16_run,
         proc = subprocess.run([sys.executable, "-m", "toolkit", "convert", str(out / "checkpoints"), str(dst),
                                "--to", "hf", *flag], cwd=REPO, capture_output=True, text=True, check=False)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "verified: transformers loads the folder" in proc.stdout
+        assert "verified: transformers' LlamaForCausalLM gives the source's logits" in proc.stdout
         got = load_file(str(dst / "model.safetensors"))
         assert set(got) == set(want)
         assert all(got[k].dtype == dtype and torch.equal(got[k], want[k]) for k in got)

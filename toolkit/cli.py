@@ -173,7 +173,7 @@ def cmd_convert(args) -> int:
     out = convert(args.src, args.dst, args.to, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=args.dtype,
                   vocab_size=args.vocab_size, fp32=args.fp32, weights_only=args.weights_only,
                   overwrite=args.overwrite, verify=not args.no_verify, dp=args.dp, progress=not args.quiet,
-                  config=args.config)
+                  config=args.config, verbose=args.verbose)
     print(f"wrote {out}")
     return 0
 
@@ -267,10 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace DST, once the new checkpoint is complete, if DST is an earlier output of "
                    "toolkit convert (its .toolkit_output.json lists every entry) or empty")
-    p.add_argument("--verify", action="store_true", help="read every tensor back and compare it bit for bit with "
-                   "the source, and for Hugging Face targets compare logits (the default; kept for clarity)")
-    p.add_argument("--no-verify", action="store_true", help="skip the read-back check")
+    p.add_argument("--verify", action="store_true", help="read every tensor back and check its SHA-256 against the "
+                   "source's, and compare transformers' logits layer by layer (the default; kept for clarity)")
+    p.add_argument("--no-verify", action="store_true", help="skip the read-back and logit checks")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--verbose", action="store_true", help="also print the time of each phase (read, split, write, "
+                   "verify)")
     p.set_defaults(func=cmd_convert)
     p = rsub.add_parser("megatron-config", help="print the Megatron-Core arguments a recipe runs with")
     _recipe_args(p)

@@ -36,6 +36,7 @@ from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.plain_to_hf import convert_plain_to_hf
 from toolkit.checkpoint.sources import TOKENIZER_FILES, WEIGHT, Source, follow_pointer, meta_shards, open_source
 from toolkit.checkpoint.torch_dist_write import TorchDistTarget
+from toolkit.checkpoint.verify import Digests, import_early, read_back, release, verify_logits
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
 from toolkit.families.registry import family_of_config
@@ -47,7 +48,6 @@ from toolkit.recipe.loader import REPO_ROOT
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_SHARD_BYTES = 5 * 2**30  # what save_pretrained uses by default
-LOGITS_CHECK_MAX_PARAMS = 2 * 10**9  # the post-write forward pass runs only for models this small
 
 
 class Progress:
@@ -76,17 +76,25 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None, field: str) -> torch.Tenso
 
 
 class _WriteBehind:
-    """Writes run on one background thread (pwrite releases the GIL) while the next parameter is read and split.
-    At most `depth` parameters wait to be written, so memory stays a few parameters' worth."""
+    """Writes run on one background thread (pwrite releases the GIL)
+    while the next parameter is read and split. At most `depth` parameters wait to be written, so memory stays a few
+    parameters' worth. `seconds` adds up the thread's time in writes."""
 
     def __init__(self, bar: Progress, depth: int = 2):
 
         self.pool, self.pending, self.bar, self.depth = ThreadPoolExecutor(1), [], bar, depth
+        self.seconds = 0.0
 
     def submit(self, writes: list) -> None:
         while len(self.pending) >= self.depth:
             self.bar.add(self.pending.pop(0).result())
-        self.pending.append(self.pool.submit(lambda: sum(w.write(k, t) for w, k, t in writes)))
+        self.pending.append(self.pool.submit(self._run, writes))
+
+    def _run(self, writes: list) -> int:
+        t0 = time.monotonic()
+        n = sum(w.write(k, t) for w, k, t in writes)
+        self.seconds += time.monotonic() - t0
+        return n
 
     def __enter__(self) -> _WriteBehind:
         return self
@@ -229,7 +237,7 @@ class MegatronTarget:
 def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1, vpp: int = 1,
             dtype: str | None = None, vocab_size: int | None = None, fp32: bool = False, weights_only: bool = False,
             overwrite: bool = False, verify: bool = True, dp: int | None = None, progress: bool = True,
-            log=print, config: str | Path | None = None) -> Path:
+            log=print, config: str | Path | None = None, verbose: bool = False) -> Path:
     """Convert SRC into DST (see the module docstring). Returns DST. `config`: the Hugging Face config of a plain
     DeepSpeed checkpoint (toolkit/checkpoint/plain_to_hf.py)."""
     src, dst = Path(src), Path(dst)
@@ -259,83 +267,62 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
             log(f"converting {source.describe()} at {src} -> {to}"
                 + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "")
                 + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write)")
-            _write(source, target, cast, pp, vpp, progress, log)
+            digests = Digests() if verify else None
             if verify:
-                _verify(source, tmp if to == "hf" else target.tag_dir, target.fields, cast, log, logits=to == "hf")
+                import_early(family_of_config(source.config).hf_architecture)
+            _write(source, target, cast, pp, vpp, progress, log, verbose, digests)
+            if verify:
+                t0 = time.monotonic()
+                _verify(source, tmp if to == "hf" else target.tag_dir, target.fields, cast, log, digests,
+                        tmp if to == "hf" else None)
+                if verbose:
+                    log(f"phases: verify {time.monotonic() - t0:.1f} s")
             output.replace(tmp, dst)
     finally:
         source.close()
     return dst
 
 
-def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log) -> None:
+def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log, verbose: bool = False,
+           digests: Digests | None = None) -> None:
     t0 = time.monotonic()
     bar = Progress(target.total, progress)
+    read_s = split_s = 0.0
     with views(), _WriteBehind(bar) as behind:  # pieces are written out at once: no compact copies needed
         for entry in iter_entries(target.dims, pp, vpp):
             for field in target.fields:
+                t1 = time.monotonic()
                 hf = [_cast(x, cast, field) for x in source.read(entry.hf_names, field)]
-                behind.submit(target.writes(entry, field, hf))
-                del hf
+                if digests is not None and entry.reads_back:
+                    # hashed here (hashlib releases the GIL while the writer thread writes), so no queued write
+                    # keeps the source tensors alive after their split: memory stays that of --no-verify
+                    digests.add(entry.hf_names, field, hf)
+                t2 = time.monotonic()
+                writes = target.writes(entry, field, hf)
+                split_s, read_s = split_s + time.monotonic() - t2, read_s + t2 - t1
+                behind.submit(writes)
+                del hf, writes
+            release()  # what glibc kept of the tensors freed so far goes back: memory does not creep with layers
+    t3 = time.monotonic()
     target.close()
     log(f"wrote {target.total / 2**30:.2f} GiB in {time.monotonic() - t0:.1f} s")
+    if verbose:
+        log(f"phases: read {read_s - (digests.seconds if digests else 0):.1f} s, hash "
+            f"{digests.seconds if digests else 0:.1f} s, split {split_s:.1f} s (main thread); write {behind.seconds:.1f} "
+            f"s (writer thread, overlapped); close/fsync/manifest "
+            f"{time.monotonic() - t3:.1f} s")
 
 
-def _verify(source: Source, written: Path, fields: tuple[str, ...], cast, log, logits: bool) -> None:
-    """Read the output back through its own reader: every tensor must equal the source's, bit for bit (after the
-    requested cast). For Hugging Face outputs of models that fit, transformers also loads the folder and its logits
-    on fixed tokens must equal those of the source weights."""
-    t0 = time.monotonic()
-    again = open_source(written, source.dims().vocab)  # the true vocabulary, for Megatron-LM-style outputs
+def _verify(source: Source, written: Path, fields: tuple[str, ...], cast, log, digests: Digests,
+            hf_folder: Path | None) -> None:
+    """The output read back must hash as the source did when written, and transformers' model must give the same
+    logits with the output's weights as with the source's (toolkit/checkpoint/verify.py); memory one layer."""
+    read_back(source, written, fields, digests, log)
+    output_source = open_source(written, source.dims().vocab)  # the true vocabulary, for Megatron-LM-style outputs
     try:
-        count = 0
-        for entry in iter_entries(source.dims(), 1, 1):
-            if not entry.reads_back:
-                continue
-            for field in fields:
-                want = [_cast(x, cast, field) for x in source.read(entry.hf_names, field)]
-                got = again.read(entry.hf_names, field)
-                for name, w, g in zip(entry.hf_names, want, got):
-                    if w.dtype != g.dtype or w.shape != g.shape or not torch.equal(w, g):
-                        raise ToolkitError(f"verification failed: {name} ({field}) reads back different from the "
-                                           "source; nothing was written")
-                    count += 1
-        log(f"verified: {count} tensors read back bit-exactly ({time.monotonic() - t0:.1f} s)")
-        if logits:
-            _verify_logits(source, written, cast, log)
+        verify_logits(source, output_source, cast or source.dtype(), hf_folder, log)
     finally:
-        again.close()
-
-
-def _verify_logits(source: Source, folder: Path, cast, log) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM  # lazy: heavy; model paths only
-
-    dims = source.dims()
-    params = dims.vocab * dims.hidden * (1 if dims.tied else 2) + dims.layers * (
-        dims.hidden * dims.head_dim * (dims.heads * 2 + dims.kv_heads * 2) + 3 * dims.hidden * dims.ffn)
-    if params > LOGITS_CHECK_MAX_PARAMS:
-        log(f"logits check skipped: {params / 1e9:.1f}B parameters is more than this check loads "
-            f"({LOGITS_CHECK_MAX_PARAMS / 1e9:.0f}B); the bit-exact read-back above still holds")
-        return
-    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=cast or source.dtype())
-    fields = {k: v for k, v in source.config.items() if k not in ("torch_dtype", "dtype", "model_type")}
-    config = AutoConfig.for_model(source.config["model_type"], **fields)
-    # built the way from_pretrained builds (buffers such as RoPE's inv_freq stay fp32), then given the weights
-    reference = AutoModelForCausalLM.from_config(config, dtype=cast or source.dtype())
-    state = {}
-    for entry in iter_entries(dims, 1, 1):
-        if entry.reads_back:
-            state.update(zip(entry.hf_names, (_cast(x, cast, WEIGHT) for x in source.read(entry.hf_names))))
-    reference.load_state_dict(state, strict=False)
-    if dims.tied:
-        reference.tie_weights()
-    ids = torch.randint(0, dims.vocab, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a, b = loaded(ids).logits, reference(ids).logits
-    if not torch.equal(a, b):
-        raise ToolkitError(f"verification failed: transformers' model loaded from the output gives logits up to "
-                           f"{(a - b).abs().max().item():.3g} away from the source weights'; nothing was written")
-    log("verified: transformers loads the folder and gives the source's logits on 16 fixed tokens")
+        output_source.close()
 
 
 def _to_deepspeed(src: Path, dst: Path, dp: int | None, overwrite: bool) -> Path:

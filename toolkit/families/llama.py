@@ -63,5 +63,23 @@ def output(d: Dims) -> ParamMap:
     return vocab_parallel("output_layer.weight", d, weight="model.embed_tokens.weight" if d.tied else "lm_head.weight")
 
 
+# What each part of each Megatron parameter is in transformers' LlamaForCausalLM, stated a second time and apart from
+# the keyword maps above: verification (toolkit/checkpoint/verify.py) reads Megatron files through this table, so a
+# mistake in one of the two (q and k swapped, gate and up swapped) fails the logit check.
+MODULES = {
+    "embedding.word_embeddings.weight": {"weight": "model.embed_tokens.weight"},
+    "decoder.final_layernorm.weight": {"weight": "model.norm.weight"},
+    "output_layer.weight": {"weight": "lm_head.weight"},
+    "decoder.layers.{j}.input_layernorm.weight": {"weight": "model.layers.{i}.input_layernorm.weight"},
+    "decoder.layers.{j}.self_attention.linear_qkv.weight": {
+        "q": "model.layers.{i}.self_attn.q_proj.weight", "k": "model.layers.{i}.self_attn.k_proj.weight",
+        "v": "model.layers.{i}.self_attn.v_proj.weight"},
+    "decoder.layers.{j}.self_attention.linear_proj.weight": {"weight": "model.layers.{i}.self_attn.o_proj.weight"},
+    "decoder.layers.{j}.pre_mlp_layernorm.weight": {"weight": "model.layers.{i}.post_attention_layernorm.weight"},
+    "decoder.layers.{j}.mlp.linear_fc1.weight": {
+        "gate": "model.layers.{i}.mlp.gate_proj.weight", "up": "model.layers.{i}.mlp.up_proj.weight"},
+    "decoder.layers.{j}.mlp.linear_fc2.weight": {"weight": "model.layers.{i}.mlp.down_proj.weight"},
+}
+
 FAMILY = Family(name="llama", model_types=("llama",), hf_architecture="LlamaForCausalLM", dims=dims, layer=layer,
-                embedding=embedding, final_norm=final_norm, output=output)
+                embedding=embedding, final_norm=final_norm, output=output, modules=MODULES)

@@ -127,6 +127,10 @@ class Family:
     megatron_fields: Mapping[str, Any] = field(default_factory=dict)
     """Megatron-Core TransformerConfig fields beyond Llama's (add_qkv_bias, qk_layernorm); the adapter, the local
     layer spec and the planner's parameter arithmetic all read them here."""
+    modules: Mapping[str, Mapping[str, str]] | None = None
+    """{Megatron name (with {j}): {rule part: transformers parameter name (with {i})}}, written apart from the map
+    above: `toolkit convert`'s logit check places a Megatron checkpoint's weights into transformers' modules by
+    it, so a mistake in either disagrees with the other instead of cancelling out."""
 
     @property
     def qkv_bias(self) -> bool:

@@ -16,4 +16,5 @@ def dims(config: Any, tp: int = 1, divisible_by: int = 128) -> Dims:
 
 FAMILY = Family(name="mistral", model_types=("mistral",), hf_architecture="MistralForCausalLM", dims=dims,
                 layer=llama.layer, embedding=llama.embedding, final_norm=llama.final_norm, output=llama.output,
-                hf_config_class="MistralConfig", hf_config_fields={"sliding_window": None})
+                hf_config_class="MistralConfig", hf_config_fields={"sliding_window": None},
+                modules=llama.MODULES)

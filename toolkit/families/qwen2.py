@@ -31,7 +31,12 @@ def layer(d: Dims) -> list[ParamMap]:
                      q=f"{L}.self_attn.q_proj.bias", k=f"{L}.self_attn.k_proj.bias", v=f"{L}.self_attn.v_proj.bias")]
 
 
+# where verification puts a Megatron checkpoint's tensors in transformers' model (toolkit/checkpoint/verify.py)
+MODULES = {**llama.MODULES, "decoder.layers.{j}.self_attention.linear_qkv.bias": {
+    "q": "model.layers.{i}.self_attn.q_proj.bias", "k": "model.layers.{i}.self_attn.k_proj.bias",
+    "v": "model.layers.{i}.self_attn.v_proj.bias"}}
+
 FAMILY = Family(name="qwen2", model_types=("qwen2",), hf_architecture="Qwen2ForCausalLM", dims=dims, layer=layer,
                 embedding=llama.embedding, final_norm=llama.final_norm, output=llama.output,
                 hf_config_class="Qwen2Config", hf_config_fields={"use_sliding_window": False},
-                megatron_fields={"add_qkv_bias": True})
+                megatron_fields={"add_qkv_bias": True}, modules=MODULES)

@@ -38,7 +38,12 @@ def layer(d: Dims) -> list[ParamMap]:
                        shape=(d.head_dim,))]
 
 
+# where verification puts a Megatron checkpoint's tensors in transformers' model (toolkit/checkpoint/verify.py)
+MODULES = {**llama.MODULES,
+           "decoder.layers.{j}.self_attention.q_layernorm.weight": {"weight": "model.layers.{i}.self_attn.q_norm.weight"},
+           "decoder.layers.{j}.self_attention.k_layernorm.weight": {"weight": "model.layers.{i}.self_attn.k_norm.weight"}}
+
 FAMILY = Family(name="qwen3", model_types=("qwen3",), hf_architecture="Qwen3ForCausalLM", dims=dims, layer=layer,
                 embedding=llama.embedding, final_norm=llama.final_norm, output=llama.output,
                 hf_config_class="Qwen3Config", hf_config_fields={"use_sliding_window": False, "attention_bias": False},
-                megatron_fields={"qk_layernorm": True})
+                megatron_fields={"qk_layernorm": True}, modules=MODULES)

@@ -1,0 +1,108 @@
+"""`toolkit convert`'s default verification: memory that does not grow with the model, and a mapping mistake (q and
+k swapped, gate and up swapped) caught by the logit check, with nothing written at DST."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+
+from toolkit.checkpoint.convert import convert
+from toolkit.errors import ToolkitError
+from toolkit.families import llama
+from toolkit.families.entries import iter_entries
+from toolkit.families.registry import dims_from_hf
+from toolkit.format import safetensors_stream as st
+
+
+def _write_hf(folder, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, dtype=torch.float32) -> int:
+    """A random Llama checkpoint; returns the bytes of one decoder layer."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+              "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "vocab_size": 500, "max_position_embeddings": 64,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+              "torch_dtype": str(dtype).replace("torch.", "")}
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(0)
+    tensors = {n: torch.randn(s, generator=gen).to(dtype) * 0.05 + (1.0 if "norm" in n else 0.0)
+               for e in iter_entries(dims_from_hf(config), 1, 1) for n, s in zip(e.hf_names, e.hf_shapes)}
+    st.save(tensors, folder / "model.safetensors", {"format": "pt"})
+    return sum(t.nbytes for n, t in tensors.items() if n.startswith("model.layers.0."))
+
+
+_HWM = ("import re, sys\nfrom toolkit.cli import main\nrc = main(sys.argv[1:])\n"
+        "print('VmHWM', re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1])\nsys.exit(rc)")
+
+
+def _peak_rss_mib(args: list[str]) -> float:
+    """`toolkit ARGS` in a fresh process; its peak resident memory as its kernel counts it (VmHWM, read at its end;
+    not the parent's wait4 ru_maxrss, which also counts the parent's own memory at the time of the fork)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", _HWM, *args], cwd=REPO, env=env, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "verified: transformers' LlamaForCausalLM gives the source's logits" in out, out[-2000:]
+    return int(out.split("VmHWM ")[1].split()[0]) / 1024
+
+
+@pytest.mark.slow
+def test_verification_memory_does_not_grow_with_layers(tmp_path):
+    """Two models that differ only in layer count (2 vs 16, 11 MiB per fp32 layer) convert HF -> Megatron TP2 with
+    the default verification in fresh processes; their peak RSS differs by far less than the 14 extra layers (a
+    whole-model load, as the check did before, would add them at least once)."""
+    peaks = {}
+    for layers in (2, 16):
+        layer_bytes = _write_hf(tmp_path / f"hf{layers}", layers, hidden=512, ffn=1376, heads=8, kv_heads=4)
+        peaks[layers] = _peak_rss_mib(["convert", str(tmp_path / f"hf{layers}"), str(tmp_path / f"mg{layers}"),
+                                       "--to", "megatron", "--tp", "2", "--quiet"])
+    extra_layers_mib = 14 * layer_bytes / 2**20
+    bound = 32
+    assert extra_layers_mib > 4 * bound  # the bound would catch the layers being held, even once
+    print(f"peak RSS {peaks} MiB; 14 extra layers are {extra_layers_mib:.0f} MiB")
+    assert peaks[16] - peaks[2] < bound, (peaks, f"14 extra layers are {extra_layers_mib:.0f} MiB")
+
+
+def _swapped(what: str):
+    """llama's layer map with q and k, or gate and up, exchanged: the mistake the logit check must catch."""
+    real = llama.layer
+
+    def layer(d):
+        maps = real(d)
+        for i, pm in enumerate(maps):
+            names = list(pm.hf_names)
+            if what == "qk" and pm.megatron_name.endswith("linear_qkv.weight"):
+                names[0], names[1] = names[1], names[0]
+            if what == "gate_up" and pm.megatron_name.endswith("linear_fc1.weight"):
+                names[0], names[1] = names[1], names[0]
+            maps[i] = dataclasses.replace(pm, hf_names=tuple(names))
+        return maps
+
+    return layer
+
+
+@pytest.mark.parametrize("mistake", ["qk", "gate_up"])
+def test_mapping_mistake_is_caught_by_default_verification(tmp_path, mistake):
+    """HF -> Megatron (the mistake goes into the written files) and Megatron -> HF (the mistake goes into the
+    folder): both round trips through the same wrong map read back bit-exactly, so only the logit check, which
+    reads Megatron files by the family's separate modules table, can catch it. It does, and DST stays absent."""
+    hf = tmp_path / "hf"
+    _write_hf(hf, layers=2, hidden=64, ffn=128, heads=4, kv_heads=4)  # q and k of one shape, so a swap is silent
+    good_mg = convert(hf, tmp_path / "good_mg", "megatron", tp=2, progress=False, log=lambda *_: None)
+    real = llama.FAMILY.layer
+    object.__setattr__(llama.FAMILY, "layer", _swapped(mistake))  # a frozen dataclass; restored below
+    try:
+        for src, dst, to in ((hf, tmp_path / "bad_mg", "megatron"), (good_mg, tmp_path / "bad_hf", "hf")):
+            with pytest.raises(ToolkitError, match=r"verification failed: after decoder layer 0 \(model.layers.0\)"):
+                convert(src, dst, to, tp=2 if to == "megatron" else 1, progress=False, log=lambda *_: None)
+            assert not dst.exists()
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["good_mg", "hf"]  # no scratch folder left
+        # without the check the same conversion succeeds: nothing else in the pipeline notices the mistake
+        convert(hf, tmp_path / "unchecked", "megatron", tp=2, verify=False, progress=False, log=lambda *_: None)
+    finally:
+        object.__setattr__(llama.FAMILY, "layer", real)

@@ -1,0 +1,243 @@
+"""Verification of `toolkit convert`'s output, in memory bounded by one decoder layer plus the embeddings, at any
+model size. Two checks, both on by default; any difference fails the conversion before anything reaches DST.
+
+Bit-exact read-back: every Hugging Face tensor the source hands out is hashed (SHA-256, after the requested cast)
+as it is read for writing (`Digests`); afterwards the output is read back through its own reader,
+tensor by tensor, and each must hash the same. The source is read once, not twice.
+
+Logits: transformers' own model class for the config is built on the meta device (no memory), and 16 fixed tokens
+run through it one module at a time: the embeddings, each decoder layer (`model.model.layers[i]`, with RoPE from
+`model.model.rotary_emb`), the final norm, the output layer. Each module gets its weights just before it runs
+(loaded with assign=True) and goes back to the meta device after, once with the source's weights (the reference)
+and once with the output's. The hidden states must agree bit for bit after every layer, and the logits at the end.
+
+Independence: a side that stores Hugging Face names (a Hugging Face folder, a DeepSpeed checkpoint) is read by the
+names transformers' modules carry. A Megatron side (source or output) is read by merging each parameter's TP
+shards with its rule and placing the rule's parts (q, k, v; gate, up) by the family's `modules` table (e.g.
+toolkit/families/llama.py MODULES), written apart from the conversion map. So a mistake in the map (q and k
+swapped) does not cancel out on the way back: the two sides then disagree.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from toolkit.checkpoint.sources import WEIGHT, Source, open_source
+from toolkit.errors import ToolkitError
+from toolkit.families.entries import iter_entries
+from toolkit.families.registry import family_named
+from toolkit.families.rules import views
+from toolkit.format.names import chunk_key
+from toolkit.layout import first_stage, last_stage, layer_location
+
+TOKENS = 16
+
+
+def import_early(architecture: str) -> None:
+    """Import transformers' model class on a background thread while the conversion writes (2-3 s of start-up
+    that then overlaps with I/O instead of adding to the verification)."""
+
+    def load() -> None:
+        try:
+            import transformers  # lazy: heavy; only the logit check needs it
+
+            getattr(transformers, architecture, None)
+        except Exception:  # noqa: BLE001 - the check imports it again and reports any failure there
+            pass
+
+    global _early
+    _early = threading.Thread(target=load, daemon=True)
+    _early.start()
+
+
+_early: threading.Thread | None = None
+
+
+def _libc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return lambda _pad: 0
+
+
+_trim = _libc_trim()
+
+
+def release() -> None:
+    """Hand freed memory back to the kernel. glibc keeps what a loop of same-sized tensors frees in its heaps
+    (about 1 MB more per decoder layer was measured here), which would let peak memory creep up with the layer count."""
+    _trim(0)
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype | None, field: str = WEIGHT) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and field == WEIGHT else t
+
+
+def digest(t: torch.Tensor) -> str:
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(memoryview(data)).hexdigest()  # hashlib releases the GIL on large buffers
+
+
+class Digests:
+    """SHA-256 of each (HF name, field) the conversion wrote, taken from the source's tensors as they are written."""
+
+    def __init__(self):
+        self.of: dict[tuple[str, str], str] = {}
+        self.seconds = 0.0
+
+    def add(self, names, field: str, tensors) -> None:
+        t0 = time.monotonic()
+        for name, t in zip(names, tensors):
+            self.of[(name, field)] = digest(t)
+        self.seconds += time.monotonic() - t0
+
+
+def read_back(source: Source, written: Path, fields: tuple[str, ...], digests: Digests, log) -> None:
+    """Every tensor of the output, read through its own reader, hashes as the source's did when it was written."""
+    t0 = time.monotonic()
+    again = open_source(written)
+    try:
+        jobs = [(e.hf_names, f) for e in iter_entries(source.dims(), 1, 1) if e.reads_back for f in fields]
+
+        def check(job) -> int:
+            names, field = job
+            with views():  # merged tensors may stay views of the shards: hashed at once, never kept
+                tensors = again.read(names, field)
+            for name, got in zip(names, tensors):
+                if digests.of.get((name, field)) != digest(got):
+                    raise ToolkitError(f"verification failed: {name} ({field}) reads back different from what was "
+                                       "written from the source; nothing was written")
+            del tensors, got
+            release()
+            return len(names)
+
+        count = sum(map(check, jobs))  # one at a time: two threads were no faster here and held two parameters
+    finally:
+        again.close()
+    log(f"verified: {count} tensors read back bit-exactly (SHA-256 against the source's, "
+        f"{time.monotonic() - t0:.1f} s)")
+
+
+class _Named:
+    """A side whose tensors carry Hugging Face names: read by the names transformers' modules have."""
+
+    def __init__(self, source: Source, dtype: torch.dtype | None):
+        self.source, self.dtype = source, dtype
+
+    def get(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return {n: cast(t, self.dtype) for n, t in zip(names, self.source.read(names))}
+
+
+class _Megatron:
+    """A Megatron side: each parameter merged from its TP shards by its rule, its parts placed by family.modules."""
+
+    def __init__(self, source: Source, dtype: torch.dtype | None):
+        self.source, self.dtype = source, dtype
+        tp, pp, vpp = source.layout
+        dims = source.dims(tp)
+        family = family_named(dims.family)
+        table = family.modules or {}
+        self.where: dict[str, tuple] = {}
+
+        def add(pm, pp_rank: int, chunk: int, i: int = 0, j: int = 0) -> None:
+            if pm.megatron_name not in table:
+                raise ToolkitError(f"the {family.name} family has no modules entry for {pm.megatron_name}; add it to "
+                                   f"toolkit/families/{family.name}.py so verification can read it")
+            for part in pm.rule.parts:
+                self.where[table[pm.megatron_name][part].format(i=i)] = (
+                    pp_rank, chunk, pm.megatron_name.format(j=j), pm.rule, part)
+
+        add(family.embedding(dims), *first_stage())
+        per_layer = family.layer(dims)
+        for i in range(dims.layers):
+            p, c, j = layer_location(i, dims.layers, pp, vpp)
+            for pm in per_layer:
+                add(pm, p, c, i, j)
+        add(family.final_norm(dims), *last_stage(pp, vpp))
+        if not dims.tied:
+            add(family.output(dims), *last_stage(pp, vpp))
+
+    def get(self, names: list[str]) -> dict[str, torch.Tensor]:
+        out, merged = {}, {}
+        for n in names:
+            if n not in self.where:
+                raise ToolkitError(f"verification: transformers' model has {n}, which the Megatron side does not hold")
+            p, c, m, rule, part = self.where[n]
+            if (p, c, m) not in merged:
+                with views():  # no compact copy: load_state_dict(assign=True) takes the views as they are
+                    whole = rule.merge([self.source._get(p, t, chunk_key(c, m))
+                                        for t in range(self.source.layout[0])])
+                merged[(p, c, m)] = dict(zip(rule.parts, whole if isinstance(whole, tuple) else (whole,)))
+            out[n] = cast(merged[(p, c, m)][part], self.dtype)
+        return out
+
+
+def side(source: Source, dtype: torch.dtype | None):
+    return _Megatron(source, dtype) if source.layout else _Named(source, dtype)
+
+
+def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_folder: Path | None, log) -> None:
+    """Run the fixed tokens through transformers' model, one module at a time, with both sides' weights."""
+    if _early is not None:
+        _early.join()  # transformers' lazy module is not safe to import from two threads at once
+    from transformers import AutoConfig, AutoModelForCausalLM  # lazy: heavy; only the logit check needs it
+    from transformers.masking_utils import create_causal_mask  # lazy: as above
+
+    t0 = time.monotonic()
+    if hf_folder is not None:  # the folder's own config.json, as a user's from_pretrained reads it
+        config = AutoConfig.from_pretrained(hf_folder)
+    else:
+        fields = {k: v for k, v in reference.config.items() if k not in ("torch_dtype", "dtype", "model_type")}
+        config = AutoConfig.for_model(reference.config["model_type"], **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    inner, sides = model.model, (side(reference, dtype), side(output, dtype))
+    ids = torch.randint(0, config.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(TOKENS).unsqueeze(0)
+
+    def run(path: str, module: torch.nn.Module, which, x, weights: str | None = None, **kw) -> torch.Tensor:
+        """Give `module` (at `path` in the model) its weights from one side (stored under `weights`, else
+        `path`), run it on x and drop the weights again."""
+        weights = weights or path
+        names = [f"{weights}.{k}" for k in module.state_dict()]
+        state = which.get(names)
+        try:
+            module.load_state_dict({k[len(weights) + 1:]: v for k, v in state.items()}, strict=True, assign=True)
+        except RuntimeError as e:
+            raise ToolkitError(f"verification failed: {path} does not take the weights read for it: {e}; nothing was "
+                               "written") from None
+        del state
+        with torch.no_grad():
+            y = module(x, **kw)
+        module.to("meta")  # drop the weights: memory stays at one module
+        release()
+        return y
+
+    def compare(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        if not torch.equal(a, b):
+            raise ToolkitError(f"verification failed: after {what}, transformers' model gives values up to "
+                               f"{(a.float() - b.float()).abs().max().item():.3g} apart with the output's weights "
+                               "and with the source's (a mapping or conversion error); nothing was written")
+
+    h = [run("model.embed_tokens", inner.embed_tokens, s, ids) for s in sides]
+    compare("the embeddings", *h)
+    rotary = type(inner.rotary_emb)(config=model.config)  # its inv_freq is computed, not stored
+    pe = rotary(h[0], pos)
+    mask = create_causal_mask(config=model.config, inputs_embeds=h[0], attention_mask=None, cache=None,
+                              position_ids=pos)
+    for i, layer in enumerate(inner.layers):
+        h = [run(f"model.layers.{i}", layer, s, x, attention_mask=mask, position_embeddings=pe, position_ids=pos)
+             for s, x in zip(sides, h)]
+        compare(f"decoder layer {i} (model.layers.{i})", *h)
+    h = [run("model.norm", inner.norm, s, x) for s, x in zip(sides, h)]
+    compare("the final norm", *h)
+    head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"  # tied: the embeddings, read again
+    out = [run("lm_head", model.lm_head, s, x, weights=head) for s, x in zip(sides, h)]
+    compare("the output layer (the logits)", *out)
+    log(f"verified: transformers' {type(model).__name__} gives the source's logits on {TOKENS} fixed tokens, layer "
+        f"by layer ({len(inner.layers)} layers, one in memory at a time; {time.monotonic() - t0:.1f} s)")
