@@ -14,15 +14,17 @@ from conftest import REPO
 
 from toolkit.checkpoint.convert import convert
 from toolkit.errors import ToolkitError
-from toolkit.families import llama
+from toolkit.families import llama, qwen2
 from toolkit.families.entries import iter_entries
 from toolkit.families.registry import dims_from_hf
 from toolkit.format import safetensors_stream as st
 
 
-def _write_hf(folder, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, dtype=torch.float32) -> int:
-    """A random Llama checkpoint; returns the bytes of one decoder layer."""
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+def _write_hf(folder, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, dtype=torch.float32,
+              family: str = "llama") -> int:
+    """A random Llama (or Qwen2: the same plus q/k/v biases) checkpoint; returns the bytes of one decoder layer."""
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]
+    config = {"architectures": [arch], "model_type": family, "hidden_size": hidden,
               "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
               "num_key_value_heads": kv_heads, "vocab_size": 500, "max_position_embeddings": 64,
               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
@@ -68,15 +70,17 @@ def test_verification_memory_does_not_grow_with_layers(tmp_path):
     assert peaks[16] - peaks[2] < bound, (peaks, f"14 extra layers are {extra_layers_mib:.0f} MiB")
 
 
-def _swapped(what: str):
-    """llama's layer map with q and k, or gate and up, exchanged: the mistake the logit check must catch."""
-    real = llama.layer
+def _swapped(what: str, real):
+    """A family's layer map with q and k (weights or biases), or gate and up, exchanged: the mistake the logit check
+    must catch."""
 
     def layer(d):
         maps = real(d)
         for i, pm in enumerate(maps):
             names = list(pm.hf_names)
             if what == "qk" and pm.megatron_name.endswith("linear_qkv.weight"):
+                names[0], names[1] = names[1], names[0]
+            if what == "qk_bias" and pm.megatron_name.endswith("linear_qkv.bias"):
                 names[0], names[1] = names[1], names[0]
             if what == "gate_up" and pm.megatron_name.endswith("linear_fc1.weight"):
                 names[0], names[1] = names[1], names[0]
@@ -86,16 +90,18 @@ def _swapped(what: str):
     return layer
 
 
-@pytest.mark.parametrize("mistake", ["qk", "gate_up"])
-def test_mapping_mistake_is_caught_by_default_verification(tmp_path, mistake):
+@pytest.mark.parametrize("family, mistake", [(llama, "qk"), (llama, "gate_up"), (qwen2, "qk_bias")],
+                         ids=["llama-qk", "llama-gate_up", "qwen2-qk_bias"])
+def test_mapping_mistake_is_caught_by_default_verification(tmp_path, family, mistake):
     """HF -> Megatron (the mistake goes into the written files) and Megatron -> HF (the mistake goes into the
     folder): both round trips through the same wrong map read back bit-exactly, so only the logit check, which
     reads Megatron files by the family's separate modules table, can catch it. It does, and DST stays absent."""
     hf = tmp_path / "hf"
-    _write_hf(hf, layers=2, hidden=64, ffn=128, heads=4, kv_heads=4)  # q and k of one shape, so a swap is silent
+    name = family.FAMILY.name  # q and k of one shape, so a swap is silent
+    _write_hf(hf, layers=2, hidden=64, ffn=128, heads=4, kv_heads=4, family=name)
     good_mg = convert(hf, tmp_path / "good_mg", "megatron", tp=2, progress=False, log=lambda *_: None)
-    real = llama.FAMILY.layer
-    object.__setattr__(llama.FAMILY, "layer", _swapped(mistake))  # a frozen dataclass; restored below
+    real = family.FAMILY.layer
+    object.__setattr__(family.FAMILY, "layer", _swapped(mistake, real))  # a frozen dataclass; restored below
     try:
         for src, dst, to in ((hf, tmp_path / "bad_mg", "megatron"), (good_mg, tmp_path / "bad_hf", "hf")):
             with pytest.raises(ToolkitError, match=r"verification failed: after decoder layer 0 \(model.layers.0\)"):
@@ -105,4 +111,4 @@ def test_mapping_mistake_is_caught_by_default_verification(tmp_path, mistake):
         # without the check the same conversion succeeds: nothing else in the pipeline notices the mistake
         convert(hf, tmp_path / "unchecked", "megatron", tp=2, verify=False, progress=False, log=lambda *_: None)
     finally:
-        object.__setattr__(llama.FAMILY, "layer", real)
+        object.__setattr__(family.FAMILY, "layer", real)

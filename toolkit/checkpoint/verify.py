@@ -100,7 +100,7 @@ class Digests:
 def read_back(source: Source, written: Path, fields: tuple[str, ...], digests: Digests, log) -> None:
     """Every tensor of the output, read through its own reader, hashes as the source's did when it was written."""
     t0 = time.monotonic()
-    again = open_source(written)
+    again = open_source(written, source.dims().vocab)  # the true vocabulary, for Megatron-LM-style outputs
     try:
         jobs = [(e.hf_names, f) for e in iter_entries(source.dims(), 1, 1) if e.reads_back for f in fields]
 
@@ -128,9 +128,14 @@ class _Named:
 
     def __init__(self, source: Source, dtype: torch.dtype | None):
         self.source, self.dtype = source, dtype
+        # sources hand out one parameter's tensors at a time (q, k and v together for a torch_dist source)
+        self.entry_of = {n: e.hf_names for e in iter_entries(source.dims(), 1, 1) for n in e.hf_names}
 
     def get(self, names: list[str]) -> dict[str, torch.Tensor]:
-        return {n: cast(t, self.dtype) for n, t in zip(names, self.source.read(names))}
+        out = {}
+        for group in dict.fromkeys(self.entry_of.get(n, (n,)) for n in names):
+            out.update(zip(group, self.source.read(list(group))))
+        return {n: cast(out[n], self.dtype) for n in names}
 
 
 class _Megatron:
@@ -178,7 +183,10 @@ class _Megatron:
 
 
 def side(source: Source, dtype: torch.dtype | None):
-    return _Megatron(source, dtype) if source.layout else _Named(source, dtype)
+    """Sharded Megatron sources (the toolkit's layout, Megatron-LM's legacy files) are read shard by shard through
+    the modules table; a torch_dist source holds whole tensors and is read through the map (so for it the check
+    compares the logits, but a mistake in the map itself would cancel out on its side)."""
+    return _Megatron(source, dtype) if source.layout and hasattr(source, "_get") else _Named(source, dtype)
 
 
 def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_folder: Path | None, log) -> None:
