@@ -32,6 +32,7 @@ import torch
 from toolkit.checkpoint import output
 from toolkit.checkpoint.deepspeed_plain import is_plain
 from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed
+from toolkit.checkpoint.hf_io import SHARD_BYTES, shard_layout, write_index
 from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.plain_to_hf import convert_plain_to_hf
 from toolkit.checkpoint.sources import TOKENIZER_FILES, WEIGHT, Source, follow_pointer, meta_shards, open_source
@@ -47,7 +48,6 @@ from toolkit.format.names import META, POINTER, SCHEMA_VERSION, chunk_key, model
 from toolkit.recipe.loader import REPO_ROOT
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-HF_SHARD_BYTES = 5 * 2**30  # what save_pretrained uses by default
 
 
 class Progress:
@@ -110,29 +110,16 @@ class _WriteBehind:
 class HFTarget:
     """A Hugging Face folder: config.json, model.safetensors or model-0000i-of-0000n.safetensors + index."""
 
-    def __init__(self, folder: Path, source: Source, dtype: torch.dtype | None, shard_bytes: int = HF_SHARD_BYTES):
+    def __init__(self, folder: Path, source: Source, dtype: torch.dtype | None, shard_bytes: int = SHARD_BYTES):
         self.folder, self.dims = folder, source.dims()
         self.fields = (WEIGHT,)
         out_dtype = dtype or source.dtype()
-        names = [(n, s) for e in iter_entries(self.dims, 1, 1) if e.reads_back for n, s in zip(e.hf_names, e.hf_shapes)]
-        shards: list[dict] = [{}]
-        size = 0
-        for name, shape in names:
-            n = st.nbytes(shape, out_dtype)
-            if shards[-1] and size + n > shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][name] = (shape, out_dtype)
-            size += n
-        files = (["model.safetensors"] if len(shards) == 1 else
-                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        files, shards, self.total = shard_layout([(n, s, out_dtype) for e in iter_entries(self.dims, 1, 1)
+                                                  if e.reads_back for n, s in zip(e.hf_names, e.hf_shapes)],
+                                                 shard_bytes)
         self.writers = [st.Writer(folder / f, spec, {"format": "pt"}) for f, spec in zip(files, shards)]
         self._where = {name: w for w, spec in zip(self.writers, shards) for name in spec}
-        self.total = sum(st.nbytes(s, d) for spec in shards for s, d in spec.values())
-        if len(files) > 1:
-            weight_map = {name: w.path.name for name, w in self._where.items()}
-            (folder / "model.safetensors.index.json").write_text(json.dumps(
-                {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2))
+        write_index(folder, files, shards, self.total)
         config = dict(source.config)
         config["torch_dtype"] = str(out_dtype).replace("torch.", "")
         family = family_of_config(config)

@@ -1,6 +1,7 @@
-"""Reading Hugging Face safetensors checkpoints (never pickles)."""
+"""Reading Hugging Face safetensors checkpoints (never pickles), and the shard layout a written folder takes."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -44,3 +45,33 @@ class LazyHFState:
             raise ToolkitError(f"{self.folder} has no tensor {name!r}: the checkpoint is incomplete or of another "
                                "architecture than the recipe's model section")
         return self._where[name].get(name)
+
+
+SHARD_BYTES = 5 * 2**30  # what save_pretrained uses by default
+
+
+def shard_layout(tensors: list[tuple[str, tuple, torch.dtype]], shard_bytes: int = SHARD_BYTES
+                 ) -> tuple[list[str], list[dict], int]:
+    """How save_pretrained lays tensors (name, shape, dtype) out in files: (file names, [{name: (shape, dtype)}] per
+    file, total bytes). A new file starts when the next tensor would take the current one past `shard_bytes`."""
+    shards: list[dict] = [{}]
+    size = 0
+    for name, shape, dtype in tensors:
+        n = st.nbytes(shape, dtype)
+        if shards[-1] and size + n > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = (shape, dtype)
+        size += n
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    total = sum(st.nbytes(s, d) for spec in shards for s, d in spec.values())
+    return files, shards, total
+
+
+def write_index(folder: Path, files: list[str], shards: list[dict], total: int) -> None:
+    """model.safetensors.index.json, when the tensors take more than one file."""
+    if len(files) > 1:
+        weight_map = {name: f for f, spec in zip(files, shards) for name in spec}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))

@@ -19,12 +19,12 @@ import torch
 
 from toolkit.checkpoint import output
 from toolkit.checkpoint.deepspeed_plain import PlainDeepSpeedSource, resolve_tag
+from toolkit.checkpoint.hf_io import shard_layout, write_index
 from toolkit.checkpoint.sources import TOKENIZER_FILES
 from toolkit.errors import ToolkitError
 from toolkit.format import manifest, paths
 from toolkit.format import safetensors_stream as st
 
-SHARD_BYTES = 5 * 2**30  # what save_pretrained uses by default
 LOAD_CHECK_MAX_BYTES = 8 * 2**30  # from_pretrained re-loads outputs this small to check them
 
 
@@ -103,33 +103,19 @@ def convert_plain_to_hf(src: str | Path, dst: str | Path, config: str | Path | N
         names = source.names()
         cast = {n: dtype if dtype is not None and source.out_dtype(n).is_floating_point else source.out_dtype(n)
                 for n in names}
-        shards: list[dict] = [{}]
-        size = 0
-        for name in names:
-            n = st.nbytes(source.shape(name), cast[name])
-            if shards[-1] and size + n > SHARD_BYTES:
-                shards.append({})
-                size = 0
-            shards[-1][name] = (source.shape(name), cast[name])
-            size += n
-        total = sum(st.nbytes(s, d) for spec in shards for s, d in spec.values())
+        files, shards, total = shard_layout([(n, source.shape(n), cast[n]) for n in names])
         with output.scratch_folder(dst, "partial") as tmp:
             manifest.require_space(dst.parent, total, manifest.free_bytes(tmp), str(dst), "the tensors to write")
             what = "fp32 master" if fp32 else "model states"
             kind = f"DeepSpeed ZeRO-{source.stage} dp={source.dp} step {source.step} ({what})"
             log(f"converting plain {kind} at {tag} -> hf ({len(names)} tensors; {total / 2**30:.2f} GiB to write)")
             t0 = time.monotonic()
-            files = (["model.safetensors"] if len(shards) == 1 else
-                     [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
             for file, spec in zip(files, shards):
                 writer = st.Writer(tmp / file, spec, {"format": "pt"})
                 for name in spec:
                     writer.write(name, source.get(name).to(cast[name]))
                 writer.close()
-            if len(files) > 1:
-                weight_map = {name: f for f, spec in zip(files, shards) for name in spec}
-                (tmp / "model.safetensors.index.json").write_text(json.dumps(
-                    {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            write_index(tmp, files, shards, total)
             _write_config(config_file, tmp, cast)
             log(f"wrote {total / 2**30:.2f} GiB in {time.monotonic() - t0:.1f} s")
             if verify:
