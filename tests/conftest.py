@@ -56,15 +56,79 @@ UNINTERRUPTED = ["training.schedule.warmup_steps=2", "logging.interval=1", "chec
 
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
-    """uninterrupted(recipe, steps) -> the metrics of `steps` steps on 2 ranks in one go, launched once per session."""
-    runs: dict[tuple[str, int], list[dict]] = {}
+    """uninterrupted(recipe, steps, nproc=2) -> the metrics of `steps` steps in one go, launched once per session."""
+    runs: dict[tuple[str, int, int], list[dict]] = {}
 
-    def get(recipe: str, steps: int) -> list[dict]:
-        if (recipe, steps) not in runs:
-            out = tmp_path_factory.mktemp(f"uninterrupted_{recipe}_{steps}")
-            launch(recipe, [f"training.steps={steps}", *UNINTERRUPTED], nproc=2, out_dir=out)
-            runs[recipe, steps] = read_metrics(out)
-        return runs[recipe, steps]
+    def get(recipe: str, steps: int, nproc: int = 2) -> list[dict]:
+        if (recipe, steps, nproc) not in runs:
+            out = tmp_path_factory.mktemp(f"uninterrupted_{recipe}_{steps}_{nproc}")
+            launch(recipe, [f"training.steps={steps}", *UNINTERRUPTED], nproc=nproc, out_dir=out)
+            runs[recipe, steps, nproc] = read_metrics(out)
+        return runs[recipe, steps, nproc]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def stopped(tmp_path_factory):
+    """stopped(recipe, steps, stop, nproc=2) -> the output folder of the same run as `uninterrupted`'s, ended by
+    training.stop_at_step=`stop` with a checkpoint there; launched once per session. Shared: a test that resumes
+    it or writes into it works on a copy (shutil.copytree)."""
+    runs: dict[tuple[str, int, int, int], Path] = {}
+
+    def get(recipe: str, steps: int, stop: int, nproc: int = 2) -> Path:
+        key = (recipe, steps, stop, nproc)
+        if key not in runs:
+            out = tmp_path_factory.mktemp(f"stopped_{recipe}_{steps}_{stop}_{nproc}")
+            launch(recipe, [f"training.steps={steps}", *UNINTERRUPTED, f"training.stop_at_step={stop}"],
+                   nproc=nproc, out_dir=out)
+            runs[key] = out
+        return runs[key]
+
+    return get
+
+
+PARITY_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2)]  # where the tiny4l model is probed
+
+
+def probe_many(tp: int, pp: int, vpp: int, jobs: dict, folder) -> dict:
+    """{name: {"ids", "logits"}} of Megatron's model at tp x pp x vpp for each job name -> (hf_path, megatron
+    checkpoint or None), all from one launch (megatron_logits calls this once per layout)."""
+    import torch  # lazy: collection stays light
+
+    spec = [{"hf": str(hf), "ckpt": str(ckpt) if ckpt else None, "out": str(folder / f"{name}.pt")}
+            for name, (hf, ckpt) in jobs.items()]
+    (folder / "jobs.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp * pp), "--master_port",
+           str(free_port()), str(REPO / "tests" / "megatron_logits_probe.py"), "--jobs", str(folder / "jobs.json"), str(tp), str(pp), str(vpp)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return {name: torch.load(folder / f"{name}.pt", weights_only=True) for name in jobs}
+
+
+@pytest.fixture(scope="session")
+def megatron_logits(tmp_path_factory, tiny4l_hf_checkpoint):
+    """megatron_logits(tp, pp, vpp) -> {model: {"ids", "logits"}} of Megatron's model at that layout, for every
+    model the suite checks there, from ONE probe launch per layout (tests/megatron_logits_probe.py --jobs):
+    "tiny4l" from its Hugging Face checkpoint (test_megatron_parity), and "untied" / "tied" from the converted
+    Megatron checkpoints of tests/convert_chains.py where that chain has the layout (test_convert_layouts)."""
+    from convert_chains import CHAIN, chain  # lazy: builds models with transformers
+
+    done: dict[tuple[int, int, int], dict] = {}
+
+    def get(tp: int, pp: int, vpp: int) -> dict:
+        layout = (tp, pp, vpp)
+        if layout not in done:
+            jobs = {}
+            if layout in PARITY_LAYOUTS:
+                jobs["tiny4l"] = (tiny4l_hf_checkpoint, None)
+            if layout in CHAIN:
+                for name, tied in (("untied", False), ("tied", True)):
+                    c = chain(tied, tmp_path_factory)
+                    jobs[name] = (c["hf"], c[layout])
+            done[layout] = probe_many(tp, pp, vpp, jobs, tmp_path_factory.mktemp("logits_tp{}_pp{}_vpp{}".format(*layout)))
+        return done[layout]
 
     return get
 

@@ -12,53 +12,18 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, launch, read_metrics
+from conftest import REPO, UNINTERRUPTED, launch, read_metrics
+from convert_chains import CHAIN, VOCAB, hf_model
+from convert_chains import chain as chain_for
 from safetensors.torch import load_file
-from test_megatron_parity import probe_logits
 
 from toolkit.checkpoint.convert import convert
 from toolkit.errors import ToolkitError
 
-VOCAB = 500
-CHAIN = [(2, 2, 1), (4, 1, 1), (1, 2, 2)]  # HF -> TP2xPP2 -> TP4xPP1 -> TP1xPP2 (2 virtual chunks) -> HF
-
-
-def _hf_model(tied: bool, seed: int = 5):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
-                         rms_norm_eps=1e-5, tie_word_embeddings=tied)
-    return LlamaForCausalLM(config)
-
-
-_CHAINS: dict = {}
-
-
-def _chain(tied: bool, tmp_path_factory) -> dict:
-    """An HF model converted along CHAIN and back: {"hf": folder, (tp, pp, vpp): checkpoint dir, "back": folder};
-    built once per session for each of tied and untied."""
-    if tied not in _CHAINS:
-        _CHAINS[tied] = _build_chain(tied, tmp_path_factory)
-    return _CHAINS[tied]
-
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
 def chain(request, tmp_path_factory):
-    return _chain(request.param, tmp_path_factory)
-
-
-def _build_chain(tied: bool, tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("tied" if tied else "untied")
-    model = _hf_model(tied)
-    model.save_pretrained(root / "hf")
-    out, src = {"hf": root / "hf", "model": model, "tied": tied}, root / "hf"
-    for layout in CHAIN:
-        src = out[layout] = convert(src, root / "tp{}_pp{}_vpp{}".format(*layout), "megatron", *layout,
-                                    progress=False, log=lambda *_: None)
-    out["back"] = convert(src, root / "back", "hf", progress=False, log=lambda *_: None)
-    return out
+    return chain_for(request.param, tmp_path_factory)
 
 
 def test_chain_back_to_hf_is_bit_exact(chain):
@@ -91,11 +56,13 @@ def test_megatron_files_are_laid_out_as_asked(chain):
 @pytest.mark.parametrize("tied,layout", [(False, CHAIN[0]), (False, CHAIN[1]), (False, CHAIN[2]),
                                          (True, CHAIN[0]), (True, CHAIN[2])],
                          ids=["untied-tp2pp2", "untied-tp4pp1", "untied-tp1pp2vpp2", "tied-tp2pp2", "tied-tp1pp2vpp2"])
-def test_megatron_logits_from_converted_checkpoints_match_hugging_face(tied, layout, tmp_path_factory, tmp_path):
+def test_megatron_logits_from_converted_checkpoints_match_hugging_face(tied, layout, megatron_logits,
+                                                                       tmp_path_factory):
     """Tied models are checked where the output layer is a stored copy on another stage (TP1 x PP1 at TP4 shares
-    the embedding itself, as the untied TP4 case already exercises the TP4 split)."""
-    chain = _chain(tied, tmp_path_factory)
-    got = probe_logits(chain["hf"], *layout, tmp_path / "logits.pt", megatron_ckpt=chain[layout])
+    the embedding itself, as the untied TP4 case already exercises the TP4 split). The probe at each layout is
+    shared with test_megatron_parity (conftest's megatron_logits)."""
+    chain = chain_for(tied, tmp_path_factory)
+    got = megatron_logits(*layout)["tied" if tied else "untied"]
     with torch.no_grad():
         want = chain["model"](got["ids"]).logits
     diff = (got["logits"] - want).abs().max().item()
@@ -156,7 +123,7 @@ def test_broken_hf_source_is_refused(chain, tmp_path):
         convert(src, tmp_path / "out", "megatron", tp=2, progress=False, log=lambda *_: None)
     config = json.loads((src / "config.json").read_text())
     f.unlink()
-    _hf_model(False).save_pretrained(src)
+    hf_model(False).save_pretrained(src)
     (src / "config.json").write_text(json.dumps({**config, "intermediate_size": 512}))
     with pytest.raises(ToolkitError, match="config.json gives"):
         convert(src, tmp_path / "out", "hf", progress=False, log=lambda *_: None)
@@ -179,23 +146,20 @@ def test_impossible_target_layout_is_refused(chain, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-RESUME = ["training.steps=6", "training.schedule.warmup_steps=2", "logging.interval=1", "checkpoint.interval=1000"]
-
-
 @pytest.mark.slow
-def test_tp2_pp2_training_checkpoint_resumes_at_tp1_pp2(tmp_path):
+def test_tp2_pp2_training_checkpoint_resumes_at_tp1_pp2(uninterrupted, stopped, tmp_path):
     """Optimizer state (Adam moments, step) moves with the weights: 3 steps at TP2xPP2, convert to TP1xPP2,
-    3 more steps there, and the losses continue those of the uninterrupted TP2xPP2 run."""
-    launch("tiny_tp2_pp2", RESUME, nproc=4, out_dir=tmp_path / "straight")
-    straight = [m["loss"] for m in read_metrics(tmp_path / "straight")]
-    launch("tiny_tp2_pp2", [*RESUME, "training.stop_at_step=3"], nproc=4, out_dir=tmp_path / "first")
-    moved = convert(tmp_path / "first" / "checkpoints", tmp_path / "tp1pp2", "megatron", tp=1, pp=2,
+    3 more steps there, and the losses continue those of the uninterrupted TP2xPP2 run (both runs shared with
+    test_megatron_resume)."""
+    straight = [m["loss"] for m in uninterrupted("tiny_tp2_pp2", 6, 4)]
+    first = stopped("tiny_tp2_pp2", 6, 3, 4)
+    moved = convert(first / "checkpoints", tmp_path / "tp1pp2", "megatron", tp=1, pp=2,
                     progress=False, log=lambda *_: None)
     meta = json.loads((moved / "step_00000003" / "toolkit_meta.json").read_text())
     assert meta["weights_only"] is False and meta["recipe"]["parallel"]["tp"] == 1
     optim = load_file(str(moved / "step_00000003" / "optim_tp00_pp000.safetensors"))
     assert any(k.endswith(":exp_avg_sq") for k in optim)
-    proc = launch("tiny_tp2_pp2", [*RESUME, "parallel.tp=1", "parallel.world_size=2",
+    proc = launch("tiny_tp2_pp2", ["training.steps=6", *UNINTERRUPTED, "parallel.tp=1", "parallel.world_size=2",
                                    f"checkpoint.resume={moved}"], nproc=2, out_dir=tmp_path / "second")
     assert "resumed from" in proc.stdout
     second = read_metrics(tmp_path / "second")

@@ -11,37 +11,22 @@ the initial weights are identical. Two checks:
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, free_port, launch, read_metrics
+from conftest import PARITY_LAYOUTS, launch, read_metrics
 from reference import reference_losses
 
 STEPS = 4
 SCHEDULE = ["training.schedule.warmup_steps=2", "training.schedule.min_lr=1e-4"]
 LOGITS_ATOL = 1e-5   # fp32: measured differences are ~2e-7 on logits of magnitude ~1
 LOSS_RTOL = 5e-6     # fp32: reduction order differs between layouts; a wrong lr or batch moves it by >1e-2
-PROBE = REPO / "tests" / "megatron_logits_probe.py"
-
-
-def probe_logits(hf_path, tp: int, pp: int, vpp: int, out, megatron_ckpt=None) -> torch.Tensor:
-    """Logits of Megatron's model at tp x pp x vpp, with weights from hf_path or from a Megatron checkpoint."""
-    nproc = tp * pp
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), str(PROBE), str(hf_path), str(tp), str(pp), str(vpp), str(out),
-           *([str(megatron_ckpt)] if megatron_ckpt else [])]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return torch.load(out, weights_only=True)
 
 
 @pytest.fixture(scope="module")
-def megatron_tp1(tiny4l_hf_checkpoint, tmp_path_factory):
-    return probe_logits(tiny4l_hf_checkpoint, 1, 1, 1, tmp_path_factory.mktemp("tp1") / "logits.pt")
+def megatron_tp1(megatron_logits):
+    return megatron_logits(1, 1, 1)["tiny4l"]
 
 
 @pytest.mark.slow
@@ -56,9 +41,9 @@ def test_megatron_tp1_matches_hugging_face(megatron_tp1, tiny4l_hf_checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp,vpp", [(2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2)])
-def test_layout_logits_match_single_process(tp, pp, vpp, megatron_tp1, tiny4l_hf_checkpoint, tmp_path):
-    got = probe_logits(tiny4l_hf_checkpoint, tp, pp, vpp, tmp_path / "logits.pt")
+@pytest.mark.parametrize("tp,pp,vpp", PARITY_LAYOUTS[1:])
+def test_layout_logits_match_single_process(tp, pp, vpp, megatron_tp1, megatron_logits):
+    got = megatron_logits(tp, pp, vpp)["tiny4l"]
     assert torch.equal(got["ids"], megatron_tp1["ids"])
     diff = (got["logits"] - megatron_tp1["logits"]).abs().max().item()
     print(f"tp{tp} pp{pp} vpp{vpp}: max |logit difference| to Megatron TP1xPP1: {diff:.2e}")

@@ -2,20 +2,20 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
-from conftest import launch, read_metrics
+from conftest import UNINTERRUPTED, launch, read_metrics
 
-COMMON = ["training.steps=6", "training.schedule.warmup_steps=2", "logging.interval=1", "checkpoint.interval=1000"]
+STEPS, STOP = 6, 3
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe,nproc", [("tiny_tp2_pp2", 4), ("tiny_dp2_distopt", 2)])
-def test_resume_reproduces_uninterrupted_run(recipe, nproc, tmp_path):
-    launch(recipe, COMMON, nproc=nproc, out_dir=tmp_path / "straight")
-    straight = read_metrics(tmp_path / "straight")
-    launch(recipe, [*COMMON, "training.stop_at_step=3"], nproc=nproc, out_dir=tmp_path / "split")
+def test_resume_reproduces_uninterrupted_run(recipe, nproc, uninterrupted, stopped, tmp_path):
+    straight = uninterrupted(recipe, STEPS, nproc)  # shared with test_convert_layouts's resume at another layout
+    shutil.copytree(stopped(recipe, STEPS, STOP, nproc), tmp_path / "split")
     tag = tmp_path / "split" / "checkpoints" / "step_00000003"
     meta = json.loads((tag / "toolkit_meta.json").read_text())
     assert meta["backend"] == "megatron" and meta["layout"]["world_size"] == nproc
@@ -24,7 +24,7 @@ def test_resume_reproduces_uninterrupted_run(recipe, nproc, tmp_path):
         assert sorted(p.name for p in tag.iterdir()) == [
             *[f"model_{r}.safetensors" for r in ranks], *[f"optim_{r}.safetensors" for r in ranks],
             "toolkit_meta.json", *[f"toolkit_rank{r:05d}.pt" for r in range(4)], "toolkit_started.json"]
-    proc = launch(recipe, COMMON, nproc=nproc, out_dir=tmp_path / "split")
+    proc = launch(recipe, [f"training.steps={STEPS}", *UNINTERRUPTED], nproc=nproc, out_dir=tmp_path / "split")
     assert "resumed from" in proc.stdout
     split = read_metrics(tmp_path / "split")
     assert [m["step"] for m in split] == [1, 2, 3, 4, 5, 6]

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,8 @@ class Cluster:
             if st.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
                 return st
             time.sleep(1)
-        raise AssertionError(f"job {job} still {self.state(job).get('JobState')} after {timeout} s:\n"
+        st = self.state(job)
+        raise AssertionError(f"job {job} still {st.get('JobState')} ({st.get('Reason')}) after {timeout} s:\n"
                              f"{log.read_text()[-4000:] if log.exists() else ''}")
 
     def signal(self, job: str, sig: str = "USR1") -> None:
@@ -91,6 +93,14 @@ def cluster():
 
 def _sets(*overrides: str) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
+
+
+def _background(fn, *args, **kwargs):
+    """fn(*args, **kwargs) in a thread; .result() waits for it and raises what it raised."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(fn, *args, **kwargs)
+    pool.shutdown(wait=False)
+    return future
 
 
 def _done(cluster, job, log) -> str:
@@ -118,13 +128,15 @@ def test_shipped_script_trains_on_two_ranks(cluster, script, tmp_path):
 
 def test_two_nodes_two_ranks_each_match_one_node(cluster, tmp_path):
     run = ["training.steps=4", "training.micro_batch_size=4", "checkpoint.interval=100", *SHORT]
-    launch("tiny_zero3", run, nproc=2, out_dir=tmp_path / "one_node")  # the same global batch on one node
-    one_node = [m["loss"] for m in read_metrics(tmp_path / "one_node")]
+    # the same global batch on one node, run while the cluster starts and schedules (its waits leave a core idle)
+    reference = _background(launch, "tiny_zero3", run, nproc=2, out_dir=tmp_path / "one_node")
     cluster.start(2)
     out, log = tmp_path / "two_nodes", tmp_path / "job.out"
     job = cluster.submit("slurm/tiny_zero3_cpu.sbatch",
                          _sets(f"output_dir={out}", "parallel.world_size=4", *run), log, sbatch_opts=("--nodes=2",))
     text = _done(cluster, job, log)
+    reference.result()
+    one_node = [m["loss"] for m in read_metrics(tmp_path / "one_node")]
     assert "2 node(s) [n[1-2]] x 2 ranks (cpu) = 4 ranks" in text
     assert "rendezvous 127.0.0.1:" in text  # n1 does not resolve: the NodeAddr fallback
     for node in (0, 1):
@@ -136,8 +148,8 @@ def test_two_nodes_two_ranks_each_match_one_node(cluster, tmp_path):
 
 def test_preempted_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_run(cluster, tmp_path):
     run = ["training.steps=24", "checkpoint.interval=100", *SHORT]
-    launch("tiny_zero3", run, nproc=2, out_dir=tmp_path / "straight")
-    straight = [m["loss"] for m in read_metrics(tmp_path / "straight")]
+    # the uninterrupted run, alongside the job: the requeue waits on Slurm's scheduler with the CPUs idle
+    reference = _background(launch, "tiny_zero3", run, nproc=2, out_dir=tmp_path / "straight")
     cluster.start(1)
     out, log = tmp_path / "preempted", tmp_path / "job.out"
     job = cluster.submit("slurm/tiny_zero3_cpu.sbatch", _sets(f"output_dir={out}", *run), log)
@@ -154,4 +166,6 @@ def test_preempted_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_r
     assert stopped is not None and 5 <= stopped < 24
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == list(range(1, 25))
+    reference.result()
+    straight = [m["loss"] for m in read_metrics(tmp_path / "straight")]
     assert [m["loss"] for m in metrics] == straight  # bit-identical on CPU

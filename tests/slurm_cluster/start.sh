@@ -8,7 +8,7 @@
 set -euo pipefail
 : "${LAB:?set LAB to an absolute, short folder for the cluster state}"
 NODES=${NODES:-1}
-CPUS=${CPUS:-$(nproc)}
+CPUS=${CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}  # nproc obeys OMP_NUM_THREADS; the node has all its CPUs
 export SLURM_CONF=$LAB/etc/slurm.conf
 for tool in munged mungekey slurmctld slurmd sbatch; do
   command -v "$tool" >/dev/null || { echo "start.sh: $tool not found; install Debian's slurm-wlm and munge" >&2; exit 3; }
