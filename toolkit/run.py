@@ -91,7 +91,7 @@ def train(recipe: Recipe) -> list[dict]:
 
         datasets.disable_progress_bars()  # one progress bar per job, not one per rank
     tokenizer = _load_tokenizer(r)
-    dataset, heldout = build_heldout(r, tokenizer, rank_zero_first)
+    dataset, heldout = build_heldout(r, tokenizer, rank_zero_first, batch.global_batch)
     check_fills_a_step(len(dataset), batch.micro_batch, batch.grad_accum, layout.dp)
     evaluating = heldout is not None and bool(r.eval.interval)
     eval_count = eval_sequences(len(heldout), r.eval.batches, batch.global_batch) if evaluating else 0

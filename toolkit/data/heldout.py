@@ -31,10 +31,11 @@ def check_eval_files(r: Recipe) -> list[Problem]:
     return [Problem("eval.paths", p.message, p.fix) for p in check_files(cfg)]
 
 
-def build_heldout(r: Recipe, tokenizer, rank_zero_first=nullcontext):
+def build_heldout(r: Recipe, tokenizer, rank_zero_first=nullcontext, global_batch: int = 1):
     """(training dataset, held-out dataset or None). eval.split holds out the last fraction of the packed training
     sequences (the end of the corpus: only the document at the boundary is shared) and removes them from
-    training, whether or not evaluation is on, so turning it on does not change what is trained on."""
+    training, whether or not evaluation is on, so turning it on does not change what is trained on. What is left
+    for training must fill one global batch."""
     train = build_dataset(r.data, tokenizer, rank_zero_first)
     e = r.eval
     if e.split is not None:
@@ -43,8 +44,9 @@ def build_heldout(r: Recipe, tokenizer, rank_zero_first=nullcontext):
         if held == 0:
             raise ToolkitError(f"eval.split: {e.split} of {n} sequences of {r.data.seq_len} tokens holds out no full "
                                f"sequence; raise eval.split to at least {1 / n:.3g} or add data")
-        if held == n:
-            raise ToolkitError(f"eval.split: {e.split} of {n} sequences leaves none for training; lower eval.split")
+        if n - held < global_batch:
+            raise ToolkitError(f"eval.split: {e.split} of {n} sequences leaves {n - held} for training, fewer than one "
+                               f"global batch of {global_batch}; lower eval.split or add data")
         return train.select(range(n - held)), train.select(range(n - held, n))
     cfg = eval_data_config(r)
     if cfg is not None and e.interval:
