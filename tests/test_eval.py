@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from conftest import launch
-from toolkit.data.heldout import build_heldout, eval_micro_batches, eval_sequences
+from toolkit.data.heldout import build_heldout, check_eval_files, eval_micro_batches, eval_sequences
 from toolkit.errors import RecipeError, ToolkitError
 from toolkit.model import token_loss_sum
 from toolkit.recipe import check_paths, load_recipe, resolve
@@ -96,17 +96,21 @@ def test_split_that_leaves_nothing_on_one_side_is_refused(tokenizer):
         build_heldout(load_recipe("tiny_zero0", [*SMALL, "eval.split=0.99"]), tokenizer, global_batch=16)
 
 
-def test_missing_eval_paths_are_named_before_the_run_starts(tmp_path):
+def test_missing_or_bad_eval_paths_are_named_before_the_run_starts(tmp_path):
     r = load_recipe("tiny_zero0", ["eval.interval=5", f"eval.paths=[{tmp_path}/held/*.jsonl]"])
     assert [p.key for p in check_paths(r)] == ["eval.paths"]
+    (tmp_path / "empty.jsonl").write_text("")
+    r = load_recipe("tiny_zero0", ["eval.interval=5", f"eval.paths=[{tmp_path}/empty.jsonl]"])
+    assert [(p.key, p.message) for p in check_eval_files(r)] == [("eval.paths", f"{tmp_path}/empty.jsonl is empty")]
 
 
-@pytest.mark.parametrize("sets,needle", [
-    (["eval.interval=5", "eval.paths=[/nonexistent/valid.jsonl]"], "eval.paths: /nonexistent/valid.jsonl matches no file"),
-    ([*SMALL, "eval.interval=5", "eval.split=0.001"], "holds out no full sequence; raise eval.split"),
-], ids=["missing_paths", "split_too_small"])
-def test_train_with_bad_eval_input_exits_with_one_line_and_writes_nothing(sets, needle, tmp_path):
+def test_train_with_a_split_too_small_exits_with_one_line_and_writes_nothing(tmp_path):
+    """The latest eval error (found after tokenizing) still comes before the output folder exists. A missing
+    eval.paths file is refused earlier, in check_before_start, with the data.paths files (test above)."""
     out = tmp_path / "run"
-    proc = launch("tiny_zero0", sets, nproc=1, out_dir=out, launcher="python", check=False)
-    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    proc = launch("tiny_zero0", [*SMALL, "eval.interval=5", "eval.split=0.001"], nproc=1, out_dir=out,
+                  launcher="python", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[-1].startswith("error: eval.split: 0.001 of ") and "holds out no full sequence" in lines[-1]
     assert not out.exists()
