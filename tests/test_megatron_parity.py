@@ -16,10 +16,13 @@ import pytest
 import torch
 
 from conftest import PARITY_LAYOUTS, launch, read_metrics
-from reference import reference_losses
+from reference import assert_val_losses_match, reference_losses
 
 STEPS = 4
 SCHEDULE = ["training.schedule.warmup_steps=2", "training.schedule.min_lr=1e-4"]
+# Validation loss on in the layout runs and the reference: 5% of the sequences held out, one global batch of them
+# evaluated every 2 steps and at the end (compared at the same tolerance as the training loss).
+EVAL = ["eval.interval=2", "eval.split=0.05", "eval.batches=1"]
 LOGITS_ATOL = 1e-5   # fp32: measured differences are ~2e-7 on logits of magnitude ~1
 LOSS_RTOL = 5e-6     # fp32: reduction order differs between layouts; a wrong lr or batch moves it by >1e-2
 
@@ -52,7 +55,9 @@ def test_layout_logits_match_single_process(tp, pp, vpp, megatron_tp1, megatron_
 
 @pytest.fixture(scope="module")
 def reference(tiny4l_hf_checkpoint):
-    return reference_losses(tiny4l_hf_checkpoint, STEPS, SCHEDULE)
+    """(training losses, validation loss by step) of the single-process reference."""
+    evals: dict[int, float] = {}
+    return reference_losses(tiny4l_hf_checkpoint, STEPS, [*SCHEDULE, *EVAL], evals=evals), evals
 
 
 @pytest.mark.slow
@@ -65,12 +70,15 @@ def reference(tiny4l_hf_checkpoint):
 ], ids=["tp2", "pp2", "tp2_pp2", "pp2_vpp2", "dp2_distopt", "tp2_sp", "tp2_pp2_sp_recompute", "tp2_selective",
         "megatron_single_process"])
 def test_layout_training_matches_single_process(recipe, nproc, extra, reference, tiny4l_hf_checkpoint, tmp_path):
+    reference, ref_evals = reference
     launch(recipe, ["model.preset=null", f"model.hf_path={tiny4l_hf_checkpoint}", "model.pretrained=true",
-                    f"training.steps={STEPS}", *SCHEDULE, "logging.interval=1", "checkpoint.interval=1000", *extra],
-           nproc=nproc, out_dir=tmp_path / "run")
-    got = [m["loss"] for m in read_metrics(tmp_path / "run")]
+                    f"training.steps={STEPS}", *SCHEDULE, *EVAL, "logging.interval=1", "checkpoint.interval=1000",
+                    *extra], nproc=nproc, out_dir=tmp_path / "run")
+    records = read_metrics(tmp_path / "run")
+    got = [m["loss"] for m in records]
     assert len(got) == STEPS and reference[-1] < reference[0] - 0.05
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, reference))
     print(f"{recipe}: max relative loss difference to single process over {STEPS} steps: {worst:.2e}")
     for step, (a, b) in enumerate(zip(got, reference), 1):
         assert math.isclose(a, b, rel_tol=LOSS_RTOL), f"{recipe} step {step}: {a} vs {b}\n{got}\n{reference}"
+    assert_val_losses_match(records, ref_evals, LOSS_RTOL, recipe)

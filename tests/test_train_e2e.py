@@ -1,4 +1,5 @@
-"""The demo path end to end: the `deepspeed` launcher, a loss that falls, a checkpoint, TensorBoard, a sample."""
+"""The demo path end to end: the `deepspeed` launcher, a loss that falls, a validation loss that falls, a
+checkpoint, TensorBoard, a sample."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,9 @@ from conftest import launch, read_metrics
 def test_deepspeed_launcher_trains_zero3_and_checkpoints(tmp_path):
     out = tmp_path / "demo"
     proc = launch("tiny_zero3", ["training.steps=40", "training.schedule.warmup_steps=10", "checkpoint.interval=20",
-                                 "logging.sample_tokens=8"], nproc=2, out_dir=out, launcher="deepspeed")
+                                 "logging.sample_tokens=8", "eval.interval=10", "eval.batches=2",
+                                 "eval.paths=[recipes/data/demo_corpus/valid.jsonl]"],
+                  nproc=2, out_dir=out, launcher="deepspeed")
     losses = [m["loss"] for m in read_metrics(out)]
     assert len(losses) == 4
     assert losses[-1] < losses[0] - 2.0, f"loss should fall clearly: {losses}"
@@ -19,6 +22,14 @@ def test_deepspeed_launcher_trains_zero3_and_checkpoints(tmp_path):
     assert (out / "checkpoints" / "latest_complete").read_text() == "step_00000040"
     assert {p.name for p in (out / "checkpoints").glob("step_*")} == {"step_00000020", "step_00000040"}
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    val = {m["step"]: m["val_loss"] for m in records if "val_loss" in m}
+    print(f"demo corpus val_loss by step: {val}")
+    assert sorted(val) == [10, 20, 30, 40] and val[40] < val[10] - 1.0, f"validation loss should fall: {val}"
+    assert "eval: every 10 steps and at the end, 32 of " in proc.stdout and "val_loss" in proc.stdout
+    tb = _tensorboard_scalars(out / "tensorboard")
+    assert sorted(tb["eval/val_loss"]) == [10, 20, 30, 40] and sorted(tb["eval/val_ppl"]) == [10, 20, 30, 40]
+    for step, v in val.items():  # event files hold float32
+        assert abs(tb["eval/val_loss"][step] - v) < 1e-5 * v
     assert "[toolkit] sample: 'Once upon a time" in proc.stdout
 
 
@@ -30,3 +41,12 @@ def test_plain_python_is_a_world_of_one(tmp_path):
     assert "deepspeed on 1 ranks" in proc.stdout
     assert "training.grad_accum_steps = global 16 / (micro 8 x dp 1) = 2 (derived)" in proc.stdout
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
+
+
+def _tensorboard_scalars(folder) -> dict[str, dict[int, float]]:
+    """Every scalar in the event files, read back with TensorBoard's own reader: tag -> {step: value}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}

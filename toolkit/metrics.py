@@ -63,6 +63,8 @@ class RunLog:
         parts = [f"step {record['step']:>6}", f"loss {record['loss']:.4f}", f"lr {record['lr']:.3e}"]
         if record.get("grad_norm") is not None:
             parts.append(f"grad_norm {record['grad_norm']:.3f}")
+        if record.get("val_loss") is not None:
+            parts.append(f"val_loss {record['val_loss']:.4f} | val_ppl {record['val_ppl']:.4g}")
         parts.append(f"tokens/s {record['tokens_per_s']:,.0f}")
         parts.append(f"TFLOP/s/rank {record['tflops_per_rank']:.3g}")
         if record.get("mfu") is not None:
@@ -71,7 +73,7 @@ class RunLog:
         if self.writer:
             for k, v in record.items():
                 if k not in ("step", "time") and isinstance(v, (int, float)):
-                    self.writer.add_scalar(f"train/{k}", v, record["step"])
+                    self.writer.add_scalar(f"{'eval' if k.startswith('val_') else 'train'}/{k}", v, record["step"])
 
     def close(self) -> None:
         if self.writer:

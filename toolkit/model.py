@@ -120,3 +120,12 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     for p in model.parameters():
         (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(sum of the per-token cross-entropy, number of predicted tokens) of a causal LM, as float64: position t
+    predicts labels[t + 1], labels of -100 are not predicted (Hugging Face's shift and ignore index)."""
+    target = labels[:, 1:].reshape(-1)
+    scores = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+    total = torch.nn.functional.cross_entropy(scores, target, ignore_index=-100, reduction="sum")
+    return torch.stack([total.double(), (target != -100).sum().double()])

@@ -1,6 +1,7 @@
 """One training run from a recipe, on either backend: set up in order, resume, then loop over steps."""
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -8,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from toolkit.adapters.megatron import check_megatron
-from toolkit.data import DataStream, build_dataset, check_files, check_fills_a_step
+from toolkit.data import DataStream, check_files, check_fills_a_step
+from toolkit.data.heldout import build_heldout, check_eval_files, eval_micro_batches, eval_sequences
 from toolkit.errors import Problem, RecipeError, ToolkitError
 from toolkit.format.names import refuse_foreign
 from toolkit.megatron.backend import MegatronBackend
@@ -34,6 +36,8 @@ def check_before_start(recipe: Recipe) -> None:
     problems = check_paths(recipe)
     if not any(p.key == "data.paths" for p in problems):
         problems += check_files(recipe.data)
+    if not any(p.key == "eval.paths" for p in problems):
+        problems += check_eval_files(recipe)
     if problems:
         raise RecipeError(recipe.name, problems)
 
@@ -87,8 +91,10 @@ def train(recipe: Recipe) -> list[dict]:
 
         datasets.disable_progress_bars()  # one progress bar per job, not one per rank
     tokenizer = _load_tokenizer(r)
-    dataset = build_dataset(r.data, tokenizer, rank_zero_first)
+    dataset, heldout = build_heldout(r, tokenizer, rank_zero_first, batch.global_batch)
     check_fills_a_step(len(dataset), batch.micro_batch, batch.grad_accum, layout.dp)
+    evaluating = heldout is not None and bool(r.eval.interval)
+    eval_count = eval_sequences(len(heldout), r.eval.batches, batch.global_batch) if evaluating else 0
     # The output folder (log, TensorBoard events) is created only once the data is known to be usable: a run that
     # stops on bad data leaves nothing behind.
     log = RunLog(r.out_dir, info.rank == 0, r.logging.tensorboard)
@@ -100,6 +106,12 @@ def train(recipe: Recipe) -> list[dict]:
                         r.data.num_workers)
     log.info(f"[toolkit] data: {len(dataset):,} sequences of {r.data.seq_len} tokens, "
              f"{stream.steps_per_epoch} steps per epoch")
+    eval_batches = None
+    if evaluating:
+        eval_batches = eval_micro_batches(heldout, eval_count, batch.micro_batch, layout.dp, backend.dp_rank)
+        source = f"eval.split {r.eval.split}" if r.eval.split is not None else f"eval.paths {r.eval.paths}"
+        log.info(f"[toolkit] eval: every {r.eval.interval} steps and at the end, {eval_count} of "
+                 f"{len(heldout):,} held-out sequences ({source})")
     root, start = Path(r.checkpoint_dir), 0
     tag_dir = ckpt.find_resume(root, r.checkpoint.resume, log=log.info)  # names the choice and any skipped
     if tag_dir is not None:
@@ -114,7 +126,7 @@ def train(recipe: Recipe) -> list[dict]:
             log.info(f"[toolkit] continuing after a preemption at step {earlier.get('step')}")
     watch = preempt.PreemptionWatch()
     try:
-        records = _loop(backend, stream, plan, info, log, start, root, meta, watch)
+        records = _loop(backend, stream, plan, info, log, start, root, meta, watch, eval_batches)
         watch.settle()
     except preempt.Preempted as stop:
         log.info(f"[toolkit] {stop}")
@@ -136,7 +148,7 @@ def train(recipe: Recipe) -> list[dict]:
 
 
 def _loop(backend, stream, plan: Plan, info: DistInfo, log: RunLog, start: int, root: Path, meta: dict,
-          watch: preempt.PreemptionWatch) -> list[dict]:
+          watch: preempt.PreemptionWatch, eval_batches: list[dict] | None = None) -> list[dict]:
     r, batch = plan.recipe, plan.batch
     tokens_per_step = batch.global_batch * r.data.seq_len
     flops_step = flops_per_token(r.model, r.data.seq_len) * tokens_per_step
@@ -146,7 +158,8 @@ def _loop(backend, stream, plan: Plan, info: DistInfo, log: RunLog, start: int, 
     last = min(r.training.steps, r.training.stop_at_step or r.training.steps)
     for step in range(start, last):
         lr, done = backend.current_lr(step), step + 1
-        log_now = done % r.logging.interval == 0 or done == last
+        eval_now = eval_batches is not None and (done % r.eval.interval == 0 or done == last)
+        log_now = done % r.logging.interval == 0 or done == last or eval_now
         faults.begin_step(done)  # fault injection (tests only): which step the backend is in
         loss, grad_norm = backend.step(stream.next_step(), lr, log_now)
         if loss is not None:  # Megatron: only the last pipeline stage computes a loss
@@ -154,6 +167,8 @@ def _loop(backend, stream, plan: Plan, info: DistInfo, log: RunLog, start: int, 
         if log_now:
             rec = _record(pending, done, done - last_logged, t0, lr, grad_norm, tokens_per_step, flops_step, peak,
                           info.world_size)
+            if eval_now:  # after the interval's time is read: evaluation is not training throughput
+                rec.update(_evaluate(backend, eval_batches))
             log.step(rec)
             records.append(rec)
             pending, t0, last_logged = [], time.perf_counter(), done
@@ -189,6 +204,15 @@ def _record(pending, step, steps, t0, lr, grad_norm, tokens_per_step, flops_step
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rec["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30  # this rank's peak so far (toolkit plan)
     return rec
+
+
+def _evaluate(backend, batches: list[dict]) -> dict:
+    """The validation loss: every rank's (sum of token losses, token count), summed over all ranks, then divided:
+    the token-weighted mean over the same held-out sequences at every layout."""
+    total = backend.evaluate(batches).to(_comm_device(), torch.float64)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    loss = (total[0] / total[1]).item()
+    return {"val_loss": loss, "val_ppl": math.exp(loss) if loss < 700 else math.inf}
 
 
 def _comm_device() -> torch.device:

@@ -8,7 +8,7 @@ import torch
 from toolkit.format.names import rank_tag
 from toolkit.megatron import runtime
 from toolkit.megatron.checkpoint import checkpoint_bytes, load_rank_state, save_rank_state, written_files
-from toolkit.megatron.runtime import train_step
+from toolkit.megatron.runtime import eval_step, train_step
 from toolkit.model import to_hf_config
 from toolkit.recipe import Plan
 from toolkit.train.dist import DistInfo
@@ -45,6 +45,10 @@ class MegatronBackend:
     def step(self, batches: list[dict], lr: float, want_grad_norm: bool):
 
         return train_step(self.chunks, self.optimizer, batches, self.recipe, lr, self.device)
+
+    def evaluate(self, batches: list[dict]) -> torch.Tensor:
+        """(sum of token losses, token count) this rank contributes to the validation loss (runtime.eval_step)."""
+        return eval_step(self.chunks, batches, self.recipe, self.device)
 
     def save_state(self, root: Path, tag: str) -> None:
 

@@ -205,3 +205,48 @@ def train_step(wrapped: list, optimizer, batches: list[dict], r: Recipe, lr: flo
     faults.point("optimizer")
     loss = torch.stack([x["loss"] for x in losses]).mean() if losses else None
     return loss, grad_norm
+
+
+def _eval_loss(mask, output_tensor):
+    """(sum of token losses, token count) of this rank's part of the micro-batch; no averaging here (the loop sums
+    both over every rank, then divides)."""
+    local = (output_tensor.double() * mask).sum()
+    return local, {"sum": local.detach().clone(), "count": mask.sum().double()}
+
+
+def eval_forward_step(device, data_iterator, model):
+    b = _batch_tensors(next(data_iterator), device)
+    out = model(b["tokens"], b["position_ids"], attention_mask=None, labels=b["labels"])
+    return out, partial(_eval_loss, b["loss_mask"])
+
+
+def eval_step(wrapped: list, batches: list[dict], r: Recipe, device) -> torch.Tensor:
+    """Forward only (no gradients, eval mode) over this rank's held-out micro-batches through Megatron's schedule.
+    Returns (sum of token losses, token count) as float64: non-zero on the last pipeline stage's tensor-parallel
+    rank 0 only (the other TP ranks hold the same numbers), so summing it over every rank counts each token once;
+    context-parallel ranks each hold part of every sequence, so their sums add up."""
+    from megatron.core import parallel_state as ps  # lazy: Megatron runs only
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # lazy: Megatron runs only
+
+    hooked = [w for w in wrapped if w.use_forward_hook]
+    for w in hooked:  # as Megatron-LM's evaluate: gather the updated parameters now, not in forward hooks
+        w.disable_forward_pre_hook()
+    for w in wrapped:
+        w.eval()
+    try:
+        with torch.no_grad():
+            out = get_forward_backward_func()(
+                forward_step_func=partial(eval_forward_step, device),
+                data_iterator=_one_or_list([iter(batches) for _ in wrapped]), model=_one_or_list(wrapped),
+                num_microbatches=len(batches), seq_length=r.data.seq_len,
+                micro_batch_size=batches[0]["input_ids"].shape[0], forward_only=True)
+    finally:
+        for w in wrapped:
+            w.train()
+        for w in hooked:
+            w.enable_forward_pre_hook()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    if out and ps.get_tensor_model_parallel_rank() == 0:
+        total[0] = torch.stack([x["sum"] for x in out]).sum()
+        total[1] = torch.stack([x["count"] for x in out]).sum()
+    return total

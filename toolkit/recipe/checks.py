@@ -139,6 +139,7 @@ def resolve(r: Recipe, world_size: int | None = None, source: str | None = None)
                                                      "or leave it out to use parallel.world_size")])
     world = world_size or p.world_size or (p.dp or 1) * p.tp * p.pp * p.cp
     problems = check_model(r) + check_model_parallel(r) + check_backend(r) + check_offload(r) + check_training(r)
+    problems += check_eval(r)
     dp, dp_problems = derive_dp(world, p.tp, p.pp, p.cp, p.dp)
     problems += dp_problems
     batch, notes = None, []
@@ -156,6 +157,20 @@ def resolve(r: Recipe, world_size: int | None = None, source: str | None = None)
     return Plan(r, layout, batch, notes)
 
 
+def check_eval(r: Recipe) -> list[Problem]:
+    """The eval section names exactly one held-out source when evaluation is on."""
+    e = r.eval
+    if e.split is not None and e.paths is not None:
+        return [Problem("eval.split", "set together with eval.paths; the held-out data comes from one of them",
+                        "keep eval.split (a fraction of data.paths) or eval.paths (files of their own), not both")]
+    if e.paths is not None and not e.paths:
+        return [Problem("eval.paths", "is an empty list", "list held-out files (or globs), or use eval.split")]
+    if e.interval and e.split is None and e.paths is None:
+        return [Problem("eval.interval", f"{e.interval}, but no held-out data is named",
+                        "set eval.split (e.g. 0.05 of the training data) or eval.paths (files of their own)")]
+    return []
+
+
 def check_paths(r: Recipe) -> list[Problem]:
     """Files the run will read or write, checked just before it starts (not by `validate`, so cluster recipes
     can be validated on a laptop)."""
@@ -165,6 +180,10 @@ def check_paths(r: Recipe) -> list[Problem]:
             if not expand_glob(pattern):
                 out.append(Problem("data.paths", f"{pattern} matches no file (relative paths are read from "
                                    f"{os.getcwd()})", "run from the repository root or use absolute paths"))
+    for pattern in r.eval.paths or []:
+        if not expand_glob(pattern):
+            out.append(Problem("eval.paths", f"{pattern} matches no file (relative paths are read from "
+                               f"{os.getcwd()})", "run from the repository root or use absolute paths"))
     if r.data.tokenizer.startswith((".", "/")) and not Path(r.data.tokenizer).is_dir():  # a path, not a hub name
         out.append(Problem("data.tokenizer", f"{r.data.tokenizer} is not a folder", "point it at a tokenizer folder"))
     if r.model.pretrained and r.model.hf_path and not list(Path(r.model.hf_path).glob("*.safetensors")):

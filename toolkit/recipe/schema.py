@@ -76,6 +76,22 @@ class DataConfig(_Section):
     """DataLoader worker processes per rank."""
 
 
+class EvalConfig(_Section):
+    interval: Optional[int] = Field(None, ge=0)
+    """Evaluate the validation loss every this many steps and after the last one (a step that evaluates is also
+    logged); 0 or null turns evaluation off. Logged as val_loss and val_ppl (exp of val_loss)."""
+    batches: Optional[int] = Field(None, gt=0)
+    """Global batches per evaluation, each of training.global_batch_size held-out sequences (global, so every
+    parallel layout evaluates the same sequences); null = every full global batch of the held-out data. The same
+    sequences are evaluated each time. The value is the token-weighted mean loss over all of them."""
+    split: Optional[float] = Field(None, gt=0, lt=1)
+    """Hold out this fraction (between 0 and 1) of the packed training sequences for evaluation: the last ones of
+    the corpus, always the same, and never trained on. Use split or paths, not both."""
+    paths: Optional[list[str]] = None
+    """Held-out files of their own (globs allowed; the format, text_field, tokenizer, seq_len and packing of the
+    data section apply). Use split or paths, not both."""
+
+
 class OptimizerConfig(_Section):
     name: Literal["adamw"] = "adamw"
     """Optimizer; AdamW (fused on GPU, DeepSpeed's CPU Adam when offloaded)."""
@@ -241,6 +257,8 @@ class Recipe(_Section):
     """Model architecture and weights."""
     data: DataConfig = Field(default_factory=DataConfig)
     """Training data and tokenizer."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Validation loss: how often, how much, and the held-out data."""
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     """Batch, optimizer, schedule and precision."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from toolkit.adapters.deepspeed import build_ds_config
 from toolkit.errors import ToolkitError
-from toolkit.model import build_model, param_groups
+from toolkit.model import build_model, param_groups, token_loss_sum
 from toolkit.recipe import Plan
 from toolkit.train import faults
 from toolkit.train.dist import DistInfo
@@ -58,6 +58,20 @@ class DeepSpeedBackend:
         if want_grad_norm and grad_norm is None:
             grad_norm = engine.get_global_grad_norm()
         return torch.stack(losses).float().mean(), grad_norm
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[dict]) -> torch.Tensor:
+        """(sum of token losses, token count) of this rank's held-out micro-batches, in eval mode. Every rank calls
+        this with the same number of micro-batches: under ZeRO-3 each forward gathers parameters from all ranks."""
+        engine, total = self.engine, torch.zeros(2, dtype=torch.float64, device=self.engine.device)
+        engine.eval()
+        try:
+            for micro in batches:
+                logits = engine(input_ids=micro["input_ids"].to(engine.device)).logits
+                total += token_loss_sum(logits, micro["labels"].to(engine.device))
+        finally:
+            engine.train()
+        return total
 
     def save_state(self, root: Path, tag: str) -> None:
         self.engine.save_checkpoint(str(root), tag=tag, save_latest=False)
