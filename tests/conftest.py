@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,10 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = dict(preset="tiny")  # 2 layers, hidden 64, GQA 4 heads / 2 kv heads, vocab 512
 
 
+# (test, recipe, ranks, seconds) of every training launch: the end-of-run summary shows how much of the suite they are
+LAUNCHES: list[tuple[str, str, int, float]] = []
+
+
 def launch(recipe: str, overrides: list[str], nproc: int, out_dir: Path, launcher: str = "torchrun",
            timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
     """Run recipes/train.py in `nproc` real processes (gloo on CPU)."""
@@ -41,7 +46,10 @@ def launch(recipe: str, overrides: list[str], nproc: int, out_dir: Path, launche
     cmd += ["recipes/train.py", "--recipe", recipe, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1"}
+    start = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    LAUNCHES.append((os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], recipe, nproc,
+                     time.monotonic() - start))
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-6000:]}")
@@ -226,3 +234,14 @@ def tiny_hf_checkpoint(tmp_path_factory) -> Path:
 def tiny4l_hf_checkpoint(tmp_path_factory) -> Path:
     """The same with 4 layers (hidden 128, GQA 8/4), enough for pipeline 2 x 2 virtual chunks."""
     return _random_hf_checkpoint(tmp_path_factory.mktemp("tiny4l_hf"), "tiny-4l")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many training launches the run made and their share of its time (docs/testing.md: where time goes)."""
+    if LAUNCHES:
+        by_ranks: dict[int, list[float]] = {}
+        for _, _, nproc, seconds in LAUNCHES:
+            by_ranks.setdefault(nproc, []).append(seconds)
+        parts = ", ".join(f"{len(v)} x {n} rank(s) {sum(v):.0f} s" for n, v in sorted(by_ranks.items()))
+        terminalreporter.write_line(f"training launches (tests/conftest.py launch): {len(LAUNCHES)}, "
+                                    f"{sum(s for *_, s in LAUNCHES):.0f} s in all: {parts}")
