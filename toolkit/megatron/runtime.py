@@ -50,14 +50,18 @@ def init_parallel(r: Recipe, layout: Layout, on_gpu: bool) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+def uses_transformer_engine(r: Recipe, on_gpu: bool) -> bool:
+    impl = r.parallel.megatron.transformer_impl
+    return impl == "transformer_engine" or (impl == "auto" and on_gpu and te_available())
+
+
 def layer_spec(r: Recipe, on_gpu: bool, tconfig, vp_stage: int | None):
     """Transformer Engine layers when asked for, or by default on GPUs where TE imports; else the local spec
     (with an RMSNorm that supports sequence parallelism)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs  # lazy: Megatron runs only
 
 
-    impl = r.parallel.megatron.transformer_impl
-    if impl == "transformer_engine" or (impl == "auto" and on_gpu and te_available()):
+    if uses_transformer_engine(r, on_gpu):
         return specs.get_gpt_layer_with_transformer_engine_spec()
     return local_block_spec(tconfig, vp_stage)
 
@@ -159,7 +163,21 @@ def _batch_tensors(micro: dict, device) -> dict:
     positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
     batch = {"tokens": ids, "labels": labels.masked_fill(labels == -100, 0), "loss_mask": mask,
              "position_ids": positions}
+    if "position_ids" in micro:  # packed chat data: each conversation restarts at 0 and sees only itself
+        batch["position_ids"] = micro["position_ids"].to(device)
+        batch["attention_mask"] = packed_attention_mask(batch["position_ids"])
     return get_batch_on_this_cp_rank(batch)
+
+
+def packed_attention_mask(position_ids):
+    """Megatron's boolean attention mask [b, 1, s, s] (True = masked) for sequences packed back to back, each
+    starting at position 0: causal, and never across a sequence boundary. RoPE depends only on the distance between
+    positions, so with this mask a packed conversation computes what it would alone."""
+    doc = (position_ids == 0).cumsum(-1)
+    same = doc.unsqueeze(-1) == doc.unsqueeze(-2)
+    causal = torch.ones(position_ids.shape[-1], position_ids.shape[-1], dtype=torch.bool,
+                        device=position_ids.device).tril()
+    return (~(same & causal)).unsqueeze(1)
 
 
 def _loss(mask, output_tensor):
@@ -179,7 +197,7 @@ def _loss(mask, output_tensor):
 
 def forward_step(device, data_iterator, model):
     b = _batch_tensors(next(data_iterator), device)
-    out = model(b["tokens"], b["position_ids"], attention_mask=None, labels=b["labels"])
+    out = model(b["tokens"], b["position_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"])
     faults.point("forward")
     return out, partial(_loss, b["loss_mask"])
 
