@@ -45,8 +45,10 @@ class DeepSpeedBackend:
         engine, device, losses, grad_norm = self.engine, self.engine.device, [], None
         for micro in batches:
             # packed chat data carries position ids that restart at 0 per conversation: transformers then keeps the
-            # conversations from attending to each other (its packed-sequence mask, masking_utils)
-            extra = {"position_ids": micro["position_ids"].to(device)} if "position_ids" in micro else {}
+            # conversations from attending to each other (its packed-sequence mask, masking_utils), but only with
+            # no KV cache (use_cache=False), so that is passed too
+            extra = ({"position_ids": micro["position_ids"].to(device), "use_cache": False}
+                     if "position_ids" in micro else {})
             out = engine(input_ids=micro["input_ids"].to(device), labels=micro["labels"].to(device), **extra)
             faults.point("forward")
             engine.backward(out.loss)
