@@ -4,8 +4,9 @@ In-process and fast: labels are the assistant turns exactly; packing keeps whole
 0; the Hugging Face loss path (the DeepSpeed backend's) is the masked mean of the assistant tokens' cross-entropy,
 computed by hand, and a packed conversation is untouched by a change to another one's user turn; bad chat data
 stops the run before anything is written. Two real runs (one process each): the tiny SFT recipe on DeepSpeed and
-on Megatron-Core gives the same losses step by step (the same masked mean on the same packed batches, through
-Megatron's loss_mask and attention mask), and each exported HF folder loads with from_pretrained and answers."""
+on Megatron-Core, each with its own micro-batch split of the global batch, gives the same losses step by step (the
+same mean over the step's assistant tokens on the same packed sequences, through Megatron's loss_mask and
+attention mask), and each exported HF folder loads with from_pretrained and answers."""
 from __future__ import annotations
 
 import importlib.util
@@ -151,13 +152,20 @@ def test_a_bad_row_past_the_checked_head_is_named_when_rendering(tok):
 STEPS = 30
 
 
+# The same global batch of 8 as micro 4 x 2 accumulation steps (DeepSpeed) and micro 2 x 4 (Megatron): chat loss
+# is the mean over the step's assistant tokens, so the split must not change it (a mean of per-micro-batch means
+# would: the micro-batches hold different numbers of assistant tokens).
+MICRO = {"deepspeed": 4, "megatron": 2}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
     for backend in ("deepspeed", "megatron"):
         out[backend] = tmp_path_factory.mktemp(f"sft_{backend}")
         launch("tiny_sft", [f"parallel.backend={backend}", f"training.steps={STEPS}", "logging.interval=1",
-                            "logging.tensorboard=false", "training.schedule.warmup_steps=2"],
+                            f"training.micro_batch_size={MICRO[backend]}", "logging.tensorboard=false",
+                            "training.schedule.warmup_steps=2"],
                nproc=1, out_dir=out[backend], launcher="python")
     return out
 
@@ -166,7 +174,7 @@ def runs(tmp_path_factory):
 def test_tiny_sft_trains_with_the_same_masked_loss_on_both_backends(runs):
     ds, mg = (read_metrics(runs[b]) for b in ("deepspeed", "megatron"))
     assert [m["step"] for m in ds] == [m["step"] for m in mg] == list(range(1, STEPS + 1))
-    # step 1 is a pure forward of the same weights on the same packed batch: the same masked mean
+    # step 1 is a pure forward of the same weights on the same packed sequences: the same masked mean
     assert ds[0]["loss"] == pytest.approx(mg[0]["loss"], rel=1e-5)
     assert [m["loss"] for m in ds] == pytest.approx([m["loss"] for m in mg], rel=2e-3)
     assert ds[-1]["loss"] < 0.6 * ds[0]["loss"]

@@ -180,10 +180,15 @@ def packed_attention_mask(position_ids):
     return (~(same & causal)).unsqueeze(1)
 
 
-def _loss(mask, output_tensor):
+def _loss(mask, output_tensor, norm=None):
     """Mean loss over the micro-batch's predicted tokens. Under context parallelism each rank holds part of every
     sequence: divide by the token count of the whole CP group and scale by cp, because the gradient reduction
-    averages over dp x cp ranks (as Megatron-LM's pretrain_gpt does)."""
+    averages over dp x cp ranks (as Megatron-LM's pretrain_gpt does).
+
+    With `norm` (chat data, see token_norm) the loss is per token of the whole step instead: the micro-batch's sum
+    divided by norm = (the step's loss tokens over all DP ranks) / (dp x micro-batches), so after the schedule's
+    division by the micro-batch count (and its multiplication by cp) and the gradient average over dp x cp ranks,
+    the step's gradient is that of the mean over all its loss tokens, whatever the micro-batch and DP sizes."""
     from megatron.core import parallel_state as ps  # lazy: Megatron runs only
 
     local = (output_tensor.float() * mask).sum()
@@ -191,15 +196,26 @@ def _loss(mask, output_tensor):
     cp = ps.get_context_parallel_world_size()
     if cp > 1:
         torch.distributed.all_reduce(totals, group=ps.get_context_parallel_group())
+    if norm is not None:
+        return local / norm, {"loss": (totals[0] / norm).clone()}
     loss = local * cp / totals[1]
     return loss, {"loss": (totals[0] / totals[1]).clone()}  # a copy: the schedule divides `loss` in place
 
 
-def forward_step(device, data_iterator, model):
+def token_norm(batches: list[dict], device):
+    """(loss tokens of this step over all data-parallel ranks) / (dp x micro-batches), at least 1 token."""
+    from megatron.core import parallel_state as ps  # lazy: Megatron runs only
+
+    n = torch.stack([(b["labels"][:, 1:] != -100).sum() for b in batches]).sum().double().to(device)
+    torch.distributed.all_reduce(n, group=ps.get_data_parallel_group())
+    return n.clamp(min=1).float() / (ps.get_data_parallel_world_size() * len(batches))
+
+
+def forward_step(device, data_iterator, model, norm=None):
     b = _batch_tensors(next(data_iterator), device)
     out = model(b["tokens"], b["position_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"])
     faults.point("forward")
-    return out, partial(_loss, b["loss_mask"])
+    return out, partial(_loss, b["loss_mask"], norm=norm)
 
 
 def train_step(wrapped: list, optimizer, batches: list[dict], r: Recipe, lr: float, device) -> tuple:
@@ -214,8 +230,9 @@ def train_step(wrapped: list, optimizer, batches: list[dict], r: Recipe, lr: flo
     for g in optimizer.param_groups:  # what OptimizerParamScheduler would do: lr, and wd x the group's wd_mult
         g["lr"] = lr * g.get("lr_mult", 1.0)
         g["weight_decay"] = wd * g.get("wd_mult", 1.0)  # 0 for norms and biases
+    norm = token_norm(batches, device) if r.data.kind == "chat" else None  # chat: mean over the step's tokens
     losses = get_forward_backward_func()(
-        forward_step_func=partial(forward_step, device), data_iterator=_one_or_list([iter(batches) for _ in wrapped]),
+        forward_step_func=partial(forward_step, device, norm=norm), data_iterator=_one_or_list([iter(batches) for _ in wrapped]),
         model=_one_or_list(wrapped), num_microbatches=len(batches),
         seq_length=r.data.seq_len, micro_batch_size=batches[0]["input_ids"].shape[0], forward_only=False)
     faults.point("backward")
