@@ -99,6 +99,20 @@ def test_hf_loss_is_the_assistant_masked_mean_and_packed_conversations_stay_apar
     assert (grads[0][no_target] == 0).all() and (grads[0][~no_target] != 0).any()
 
 
+def test_parquet_rows_give_the_same_sequences_as_json_lines(tok, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in (REPO / "recipes/data/chat_corpus/train.jsonl").read_text().splitlines()[:40]]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chat.parquet")
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    a, b = (build_dataset(load_recipe("tiny_sft", [f"data.paths=[{tmp_path / f}]"]).data, tok)
+            for f in ("chat.parquet", "chat.jsonl"))
+    assert len(a) == len(b) > 1
+    for key in ("input_ids", "labels", "position_ids"):
+        assert torch.equal(a[:][key], b[:][key])
+
+
 # ------------------------------------------------------------------ bad chat data
 
 def _train_main():
