@@ -134,7 +134,11 @@ def train(recipe: Recipe) -> list[dict]:
     finished = not records or records[-1]["step"] == r.training.steps
     if r.logging.sample_prompt and finished:
         if hasattr(backend, "sample"):
-            text = backend.sample(tokenizer, r.logging.sample_prompt, r.logging.sample_tokens)
+            prompt = r.logging.sample_prompt
+            if r.data.kind == "chat":  # the prompt as a user turn, through the chat template the model trains on
+                prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                       add_generation_prompt=True)
+            text = backend.sample(tokenizer, prompt, r.logging.sample_tokens)
             log.info(f"[toolkit] sample: {text!r}")
         else:
             log.info(f"[toolkit] logging.sample_prompt is ignored: the {backend.name} backend does not generate yet")

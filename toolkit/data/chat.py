@@ -20,7 +20,7 @@ from pathlib import Path
 from toolkit.errors import Problem, ToolkitError
 from toolkit.recipe.schema import DataConfig
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 

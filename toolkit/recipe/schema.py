@@ -232,7 +232,8 @@ class LoggingConfig(_Section):
     tensorboard: bool = True
     """Write TensorBoard event files under <output_dir>/tensorboard."""
     sample_prompt: Optional[str] = None
-    """At the end of training, print the model's greedy continuation of this text (a visible sanity check)."""
+    """At the end of training, print the model's greedy continuation of this text (a visible sanity check); with
+    data.kind chat, its reply to this text as a user turn."""
     sample_tokens: int = Field(48, gt=0)
     """Tokens to generate for sample_prompt."""
     peak_tflops: Optional[float] = Field(None, gt=0)
