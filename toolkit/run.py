@@ -9,12 +9,13 @@ import torch
 import torch.distributed as dist
 
 from toolkit.adapters.megatron import check_megatron
+from toolkit.checkpoint.convert import convert_to_hf
 from toolkit.data import DataStream, check_files, check_fills_a_step
 from toolkit.data.heldout import build_heldout, check_eval_files, eval_micro_batches, eval_sequences
 from toolkit.errors import Problem, RecipeError, ToolkitError
 from toolkit.format.names import refuse_foreign
 from toolkit.megatron.backend import MegatronBackend
-from toolkit.megatron.runtime import te_available
+from toolkit.megatron.runtime import te_available, uses_transformer_engine
 from toolkit.metrics import RunLog, detect_peak_tflops, flops_per_token
 from toolkit.proc import abandoned_build_locks, extensions_in_use, use_own_extensions_cache
 from toolkit.recipe import Plan, Recipe, check_paths, resolve
@@ -91,6 +92,13 @@ def train(recipe: Recipe) -> list[dict]:
 
         datasets.disable_progress_bars()  # one progress bar per job, not one per rank
     tokenizer = _load_tokenizer(r)
+    notices = []
+    if r.data.kind == "chat" and r.data.packing and layout.backend == "megatron" and uses_transformer_engine(
+            r, info.device == "cuda"):
+        # TE's attention takes packed sequences only as THD packed_seq_params, which this runtime does not build
+        notices.append("data.packing: chat conversations are padded one per sequence, not packed: Megatron with "
+                       "Transformer Engine layers cannot keep packed conversations apart here (docs/sft.md)")
+        r = r.model_copy(update={"data": r.data.model_copy(update={"packing": False})})
     dataset, heldout = build_heldout(r, tokenizer, rank_zero_first, batch.global_batch)
     check_fills_a_step(len(dataset), batch.micro_batch, batch.grad_accum, layout.dp)
     evaluating = heldout is not None and bool(r.eval.interval)
@@ -99,7 +107,7 @@ def train(recipe: Recipe) -> list[dict]:
     # stops on bad data leaves nothing behind.
     log = RunLog(r.out_dir, info.rank == 0, r.logging.tensorboard)
     log.info(f"[toolkit] {r.name}: {layout.describe()}; {batch.describe()}")
-    for note in plan.notes:
+    for note in plan.notes + notices:
         log.info(f"[toolkit] {note}")
     backend = build_backend(plan, info, tokenizer)
     stream = DataStream(dataset, batch.micro_batch, batch.grad_accum, layout.dp, backend.dp_rank, r.training.seed,
@@ -138,13 +146,28 @@ def train(recipe: Recipe) -> list[dict]:
     finished = not records or records[-1]["step"] == r.training.steps
     if r.logging.sample_prompt and finished:
         if hasattr(backend, "sample"):
-            text = backend.sample(tokenizer, r.logging.sample_prompt, r.logging.sample_tokens)
+            prompt = r.logging.sample_prompt
+            if r.data.kind == "chat":  # the prompt as a user turn, through the chat template the model trains on
+                prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                       add_generation_prompt=True)
+            text = backend.sample(tokenizer, prompt, r.logging.sample_tokens)
             log.info(f"[toolkit] sample: {text!r}")
         else:
             log.info(f"[toolkit] logging.sample_prompt is ignored: the {backend.name} backend does not generate yet")
+    if r.checkpoint.export_hf and finished:
+        _export_hf(r, info, log)
     log.close()
     shutdown()
     return records
+
+
+def _export_hf(r: Recipe, info: DistInfo, log: RunLog) -> None:
+    """checkpoint.export_hf: the last checkpoint as a Hugging Face folder, <output_dir>/hf, written by rank 0 through
+    the same converter as `toolkit convert --to hf` (verified, all or nothing, tokenizer carried along)."""
+    if info.rank == 0:
+        dst = convert_to_hf(r.checkpoint_dir, Path(r.out_dir) / "hf", overwrite=True)
+        log.info(f"[toolkit] exported to Hugging Face: {dst}")
+    dist.barrier()
 
 
 def _loop(backend, stream, plan: Plan, info: DistInfo, log: RunLog, start: int, root: Path, meta: dict,

@@ -55,6 +55,8 @@ def to_transformer_config_kwargs(r: Recipe, layout: Layout, on_gpu: bool) -> dic
     import torch.nn.functional as F  # lazy: keeps validate/render free of torch
 
     dtype = _dtype(precision)
+    # the fused causal softmax kernel ignores an attention mask: packed chat data needs its mask applied
+    packed_chat = r.data.kind == "chat" and r.data.packing
     return {
         **to_architecture_kwargs(r),
         "normalization": "RMSNorm", "layernorm_epsilon": m.rms_norm_eps,
@@ -64,7 +66,7 @@ def to_transformer_config_kwargs(r: Recipe, layout: Layout, on_gpu: bool) -> dic
         "virtual_pipeline_model_parallel_size": layout.vpp if layout.vpp > 1 else None,
         "context_parallel_size": layout.cp, "sequence_parallel": layout.sp,
         "params_dtype": dtype, "pipeline_dtype": dtype, "bf16": precision == "bf16", "fp16": precision == "fp16",
-        "bias_activation_fusion": on_gpu, "masked_softmax_fusion": on_gpu, "bias_dropout_fusion": on_gpu,
+        "bias_activation_fusion": on_gpu, "masked_softmax_fusion": on_gpu and not packed_chat, "bias_dropout_fusion": on_gpu,
         "apply_rope_fusion": False, "gradient_accumulation_fusion": False, "persist_layer_norm": False,
         "use_cpu_initialization": not on_gpu, "deallocate_pipeline_outputs": on_gpu,
         **_recompute(r.training.activation_checkpointing),

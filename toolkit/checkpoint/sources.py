@@ -28,7 +28,7 @@ from toolkit.recipe.schema import Recipe
 
 WEIGHT = "weight"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json")
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 """Files carried along into a Hugging Face output (each checked to lie inside its folder, links followed)."""
 
 

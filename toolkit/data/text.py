@@ -10,6 +10,7 @@ from contextlib import nullcontext
 from itertools import chain
 from pathlib import Path
 
+from toolkit.data import chat
 from toolkit.errors import Problem, ToolkitError
 from toolkit.recipe.checks import expand_glob
 from toolkit.recipe.schema import DataConfig
@@ -41,9 +42,9 @@ def check_files(cfg: DataConfig) -> list[Problem]:
     """Problems with the local data files, found by reading the head of each: empty, not UTF-8, not JSON lines,
     no text column, not parquet. Pure Python and fast, so a run checks its data before it starts processes,
     builds a model or creates its output folder."""
+    out = chat.check_tokenizer(cfg) if cfg.kind == "chat" else []
     if cfg.hub_dataset:
-        return []
-    out = []
+        return out
     files = [p for pattern in cfg.paths for p in expand_glob(pattern)]
     for file in files:
         if not file.is_file():
@@ -85,6 +86,8 @@ def _check_text(file: Path, kind: str | None, cfg: DataConfig) -> tuple[str, str
                 "remove it from data.paths or fill it with text")
     if kind == "json":
         return _check_json_lines(text, whole, cfg)
+    if cfg.kind == "chat":
+        return "is plain text, but data.kind chat reads conversations", "give JSON lines or parquet rows of messages"
     return None
 
 
@@ -116,7 +119,11 @@ def _check_json_lines(text: str, whole: bool, cfg: DataConfig) -> tuple[str, str
         if not isinstance(row, dict):
             return (f"{label} {n} is a JSON {type(row).__name__}, not an object",
                     'write one JSON object per line, e.g. {"text": "..."}')
-        if not any(isinstance(row.get(f), str) for f in fields):
+        if cfg.kind == "chat":
+            why = chat.check_row(row, cfg)
+            if why:
+                return f"{label} {n} {why}", "fix or remove that row (docs/sft.md shows the row format)"
+        elif not any(isinstance(row.get(f), str) for f in fields):
             keys = ", ".join(list(map(str, row))[:8]) or "none"
             under = " or ".join(map(repr, dict.fromkeys(fields)))
             return (f"{label} {n} has no text string under {under} (its keys: {keys})",
@@ -174,7 +181,11 @@ def tokenize_and_pack(raw, tokenizer, cfg: DataConfig):
 def build_dataset(cfg: DataConfig, tokenizer, rank_zero_first=nullcontext):
     """The tokenized dataset. `rank_zero_first` lets rank 0 fill the `datasets` cache before the others read it."""
     with rank_zero_first():
-        ds = tokenize_and_pack(load_raw(cfg), tokenizer, cfg)
+        raw = load_raw(cfg)
+        ds = chat.build_chat(raw, tokenizer, cfg) if cfg.kind == "chat" else tokenize_and_pack(raw, tokenizer, cfg)
+    if len(ds) == 0 and cfg.kind == "chat":
+        raise ToolkitError(f"data: no conversation with an assistant token within data.seq_len={cfg.seq_len} in "
+                           f"{cfg.hub_dataset or cfg.paths}; add data or raise data.seq_len")
     if len(ds) == 0:
         raise ToolkitError(f"data: no complete sequence of {cfg.seq_len} tokens in {cfg.paths}; add data or "
                            "lower data.seq_len")

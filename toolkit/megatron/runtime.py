@@ -50,14 +50,18 @@ def init_parallel(r: Recipe, layout: Layout, on_gpu: bool) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+def uses_transformer_engine(r: Recipe, on_gpu: bool) -> bool:
+    impl = r.parallel.megatron.transformer_impl
+    return impl == "transformer_engine" or (impl == "auto" and on_gpu and te_available())
+
+
 def layer_spec(r: Recipe, on_gpu: bool, tconfig, vp_stage: int | None):
     """Transformer Engine layers when asked for, or by default on GPUs where TE imports; else the local spec
     (with an RMSNorm that supports sequence parallelism)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs  # lazy: Megatron runs only
 
 
-    impl = r.parallel.megatron.transformer_impl
-    if impl == "transformer_engine" or (impl == "auto" and on_gpu and te_available()):
+    if uses_transformer_engine(r, on_gpu):
         return specs.get_gpt_layer_with_transformer_engine_spec()
     return local_block_spec(tconfig, vp_stage)
 
@@ -159,13 +163,32 @@ def _batch_tensors(micro: dict, device) -> dict:
     positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
     batch = {"tokens": ids, "labels": labels.masked_fill(labels == -100, 0), "loss_mask": mask,
              "position_ids": positions}
+    if "position_ids" in micro:  # packed chat data: each conversation restarts at 0 and sees only itself
+        batch["position_ids"] = micro["position_ids"].to(device)
+        batch["attention_mask"] = packed_attention_mask(batch["position_ids"])
     return get_batch_on_this_cp_rank(batch)
 
 
-def _loss(mask, output_tensor):
+def packed_attention_mask(position_ids):
+    """Megatron's boolean attention mask [b, 1, s, s] (True = masked) for sequences packed back to back, each
+    starting at position 0: causal, and never across a sequence boundary. RoPE depends only on the distance between
+    positions, so with this mask a packed conversation computes what it would alone."""
+    doc = (position_ids == 0).cumsum(-1)
+    same = doc.unsqueeze(-1) == doc.unsqueeze(-2)
+    causal = torch.ones(position_ids.shape[-1], position_ids.shape[-1], dtype=torch.bool,
+                        device=position_ids.device).tril()
+    return (~(same & causal)).unsqueeze(1)
+
+
+def _loss(mask, output_tensor, norm=None):
     """Mean loss over the micro-batch's predicted tokens. Under context parallelism each rank holds part of every
     sequence: divide by the token count of the whole CP group and scale by cp, because the gradient reduction
-    averages over dp x cp ranks (as Megatron-LM's pretrain_gpt does)."""
+    averages over dp x cp ranks (as Megatron-LM's pretrain_gpt does).
+
+    With `norm` (chat data, see token_norm) the loss is per token of the whole step instead: the micro-batch's sum
+    divided by norm = (the step's loss tokens over all DP ranks) / (dp x micro-batches), so after the schedule's
+    division by the micro-batch count (and its multiplication by cp) and the gradient average over dp x cp ranks,
+    the step's gradient is that of the mean over all its loss tokens, whatever the micro-batch and DP sizes."""
     from megatron.core import parallel_state as ps  # lazy: Megatron runs only
 
     local = (output_tensor.float() * mask).sum()
@@ -173,15 +196,26 @@ def _loss(mask, output_tensor):
     cp = ps.get_context_parallel_world_size()
     if cp > 1:
         torch.distributed.all_reduce(totals, group=ps.get_context_parallel_group())
+    if norm is not None:
+        return local / norm, {"loss": (totals[0] / norm).clone()}
     loss = local * cp / totals[1]
     return loss, {"loss": (totals[0] / totals[1]).clone()}  # a copy: the schedule divides `loss` in place
 
 
-def forward_step(device, data_iterator, model):
+def token_norm(batches: list[dict], device):
+    """(loss tokens of this step over all data-parallel ranks) / (dp x micro-batches), at least 1 token."""
+    from megatron.core import parallel_state as ps  # lazy: Megatron runs only
+
+    n = torch.stack([(b["labels"][:, 1:] != -100).sum() for b in batches]).sum().double().to(device)
+    torch.distributed.all_reduce(n, group=ps.get_data_parallel_group())
+    return n.clamp(min=1).float() / (ps.get_data_parallel_world_size() * len(batches))
+
+
+def forward_step(device, data_iterator, model, norm=None):
     b = _batch_tensors(next(data_iterator), device)
-    out = model(b["tokens"], b["position_ids"], attention_mask=None, labels=b["labels"])
+    out = model(b["tokens"], b["position_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"])
     faults.point("forward")
-    return out, partial(_loss, b["loss_mask"])
+    return out, partial(_loss, b["loss_mask"], norm=norm)
 
 
 def train_step(wrapped: list, optimizer, batches: list[dict], r: Recipe, lr: float, device) -> tuple:
@@ -196,8 +230,9 @@ def train_step(wrapped: list, optimizer, batches: list[dict], r: Recipe, lr: flo
     for g in optimizer.param_groups:  # what OptimizerParamScheduler would do: lr, and wd x the group's wd_mult
         g["lr"] = lr * g.get("lr_mult", 1.0)
         g["weight_decay"] = wd * g.get("wd_mult", 1.0)  # 0 for norms and biases
+    norm = token_norm(batches, device) if r.data.kind == "chat" else None  # chat: mean over the step's tokens
     losses = get_forward_backward_func()(
-        forward_step_func=partial(forward_step, device), data_iterator=_one_or_list([iter(batches) for _ in wrapped]),
+        forward_step_func=partial(forward_step, device, norm=norm), data_iterator=_one_or_list([iter(batches) for _ in wrapped]),
         model=_one_or_list(wrapped), num_microbatches=len(batches),
         seq_length=r.data.seq_len, micro_batch_size=batches[0]["input_ids"].shape[0], forward_only=False)
     faults.point("backward")
@@ -216,7 +251,7 @@ def _eval_loss(mask, output_tensor):
 
 def eval_forward_step(device, data_iterator, model):
     b = _batch_tensors(next(data_iterator), device)
-    out = model(b["tokens"], b["position_ids"], attention_mask=None, labels=b["labels"])
+    out = model(b["tokens"], b["position_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"])
     return out, partial(_eval_loss, b["loss_mask"])
 
 

@@ -58,6 +58,11 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
+    kind: Literal["text", "chat"] = "text"
+    """text: raw documents for pretraining; chat: conversations (a list of {role, content} per row) rendered through
+    the tokenizer's own chat template, with the loss on assistant tokens only (docs/sft.md)."""
+    messages_field: str = "messages"
+    """kind chat: the column holding each row's conversation, a list of {role, content} objects."""
     paths: list[str] = Field(default_factory=lambda: ["recipes/data/demo_corpus/train.jsonl"])
     """Local text/jsonl/json/parquet files or globs, relative to the repo root or absolute."""
     hub_dataset: Optional[str] = None
@@ -71,7 +76,8 @@ class DataConfig(_Section):
     seq_len: int = Field(128, gt=1)
     """Tokens per training sequence."""
     packing: bool = True
-    """Concatenate documents (separated by EOS) and cut them into full seq_len blocks."""
+    """Concatenate documents (separated by EOS) and cut them into full seq_len blocks. kind chat: put several whole
+    conversations in one sequence, each attending only to itself (padded instead where the backend cannot)."""
     num_workers: int = Field(0, ge=0)
     """DataLoader worker processes per rank."""
 
@@ -231,6 +237,9 @@ class CheckpointConfig(_Section):
     """Complete checkpoints to keep; older ones are deleted after a newer one is complete."""
     resume: str = "auto"
     """auto: continue from the latest complete checkpoint if any; never; or a checkpoint folder."""
+    export_hf: bool = False
+    """At the end of training, convert the last checkpoint to a Hugging Face folder, <output_dir>/hf (with the
+    tokenizer of data.tokenizer), as `toolkit convert --to hf` would."""
 
 
 class LoggingConfig(_Section):
@@ -239,7 +248,8 @@ class LoggingConfig(_Section):
     tensorboard: bool = True
     """Write TensorBoard event files under <output_dir>/tensorboard."""
     sample_prompt: Optional[str] = None
-    """At the end of training, print the model's greedy continuation of this text (a visible sanity check)."""
+    """At the end of training, print the model's greedy continuation of this text (a visible sanity check); with
+    data.kind chat, its reply to this text as a user turn."""
     sample_tokens: int = Field(48, gt=0)
     """Tokens to generate for sample_prompt."""
     peak_tflops: Optional[float] = Field(None, gt=0)

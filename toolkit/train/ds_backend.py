@@ -32,7 +32,8 @@ class DeepSpeedBackend:
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, r.training.optimizer.weight_decay), config=ds_config,
             lr_scheduler=lambda opt: build_scheduler(opt, r.training))
-        self.dp_rank = info.rank
+        self.dp_rank, self.dp = info.rank, layout.dp
+        self.per_token = r.data.kind == "chat"
         self.layout_meta = {"world_size": layout.world_size, "zero_stage": layout.zero_stage, "dp": layout.dp}
 
     def current_lr(self, step: int) -> float:
@@ -43,8 +44,20 @@ class DeepSpeedBackend:
         already holds). Returns (mean loss tensor of this rank, grad norm or None); no host sync unless the grad
         norm is asked for."""
         engine, device, losses, grad_norm = self.engine, self.engine.device, [], None
+        extra = {}
+        if self.per_token:
+            # chat data: the mean over all loss tokens of the step. transformers divides each micro-batch's sum by
+            # num_items_in_batch; DeepSpeed then divides by the accumulation steps and averages over dp ranks.
+            n = torch.stack([(m["labels"][:, 1:] != -100).sum() for m in batches]).sum().double().to(device)
+            dist.all_reduce(n)
+            extra["num_items_in_batch"] = n.clamp(min=1).float() / (self.dp * len(batches))
         for micro in batches:
-            out = engine(input_ids=micro["input_ids"].to(device), labels=micro["labels"].to(device))
+            # packed chat data carries position ids that restart at 0 per conversation: transformers then keeps the
+            # conversations from attending to each other (its packed-sequence mask, masking_utils), but only with
+            # no KV cache (use_cache=False), so that is passed too
+            if "position_ids" in micro:
+                extra.update(position_ids=micro["position_ids"].to(device), use_cache=False)
+            out = engine(input_ids=micro["input_ids"].to(device), labels=micro["labels"].to(device), **extra)
             faults.point("forward")
             engine.backward(out.loss)
             boundary = engine.is_gradient_accumulation_boundary()
@@ -67,7 +80,10 @@ class DeepSpeedBackend:
         engine.eval()
         try:
             for micro in batches:
-                logits = engine(input_ids=micro["input_ids"].to(engine.device)).logits
+                packed = {}  # packed chat data: each conversation sees only itself, as in training (step)
+                if "position_ids" in micro:
+                    packed = dict(position_ids=micro["position_ids"].to(engine.device), use_cache=False)
+                logits = engine(input_ids=micro["input_ids"].to(engine.device), **packed).logits
                 total += token_loss_sum(logits, micro["labels"].to(engine.device))
         finally:
             engine.train()
