@@ -84,12 +84,14 @@ def abandoned_build_locks(extensions: Path, min_age_s: float = 10.0) -> list[Pat
     """`lock` files in a torch extensions cache that no process holds: torch's FileBaton keeps the lock file open
     while it builds an op and removes it when done, so a lock nobody holds was left by a build that was killed.
     Every later load of that op waits for it forever."""
-    out = []
-    for lock in sorted(Path(extensions).glob("*/lock")):
+    def unheld(lock: Path) -> bool:
         try:
             age = time.time() - lock.stat().st_mtime
-        except OSError:
-            continue
-        if age >= min_age_s and not open_by_any_process(lock):
-            out.append(lock)
-    return out
+        except OSError:  # gone: released
+            return False
+        return age >= min_age_s and not open_by_any_process(lock)
+
+    suspects = [lock for lock in sorted(Path(extensions).glob("*/lock")) if unheld(lock)]
+    if suspects:  # a build that just finished closes its lock a moment before it deletes it: look again
+        time.sleep(1.0)
+    return [lock for lock in suspects if unheld(lock)]
