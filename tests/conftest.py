@@ -162,3 +162,37 @@ def tiny_hf_checkpoint(tmp_path_factory) -> Path:
 def tiny4l_hf_checkpoint(tmp_path_factory) -> Path:
     """The same with 4 layers (hidden 128, GQA 8/4), enough for pipeline 2 x 2 virtual chunks."""
     return _random_hf_checkpoint(tmp_path_factory.mktemp("tiny4l_hf"), "tiny-4l")
+
+
+def write_corpus(path: Path, words: list[str], docs: int, seed: int) -> Path:
+    """A JSON-lines corpus of `docs` documents made of `words` only (so each source has its own tokens)."""
+    import random
+
+    rng = random.Random(seed)
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(20, 80)))}) + "\n"
+                            for _ in range(docs)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def prepared_blend(tmp_path_factory) -> dict:
+    """Two sources prepared with `toolkit data prepare` (letters-only words and numbers-only words), and a
+    recipe file that blends them 0.7/0.3 on the tiny model: {"a", "b": prefixes, "corpus_a", "recipe": path}."""
+    from toolkit.cli import main
+
+    root = tmp_path_factory.mktemp("blend")
+    a = write_corpus(root / "a.jsonl", ["cat", "dog", "mat", "sun", "tree", "bird", "happy", "little"], 300, 1)
+    b = write_corpus(root / "b.txt", [str(n) for n in range(10, 60)], 200, 2)
+    b.write_text("\n".join(json.loads(line)["text"] for line in b.read_text().splitlines()) + "\n")
+    tok = str(REPO / "recipes/data/demo_tokenizer")
+    assert main(["data", "prepare", "--input", str(a), "--output", str(root / "a"), "--tokenizer", tok,
+                 "--workers", "2", "--quiet"]) == 0
+    assert main(["data", "prepare", "--input", str(b), "--output", str(root / "b"), "--tokenizer", tok,
+                 "--quiet"]) == 0
+    recipe = root / "tiny_blend.yaml"
+    recipe.write_text(f"base: tiny_zero2\nname: tiny_blend\nmodel: {{preset: tiny}}\n"
+                      f"training: {{steps: 8, schedule: {{warmup_steps: 2}}}}\n"
+                      f"data:\n  seq_len: 64\n  blend:\n  - {{path: {root / 'a'}, weight: 0.7}}\n"
+                      f"  - {{path: {root / 'b'}, weight: 0.3}}\n")
+    return {"a": str(root / "a"), "b": str(root / "b"), "corpus_a": a, "corpus_b": b, "recipe": str(recipe),
+            "root": root}

@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 from toolkit.adapters.megatron import check_megatron
 from toolkit.data import DataStream, build_dataset, check_files, check_fills_a_step
+from toolkit.data.blend import build_blend
+from toolkit.data.indexed import check_prepared
 from toolkit.errors import Problem, RecipeError, ToolkitError
 from toolkit.format.names import refuse_foreign
 from toolkit.megatron.backend import MegatronBackend
@@ -32,7 +34,7 @@ def check_before_start(recipe: Recipe) -> None:
             raise ToolkitError(f"{lock} was left by a DeepSpeed op build that was killed (no process holds it), and "
                                f"DeepSpeed would wait for it forever: delete it (rm {lock}) and start again")
     problems = check_paths(recipe)
-    if not any(p.key == "data.paths" for p in problems):
+    if recipe.data.blend is None and not any(p.key == "data.paths" for p in problems):
         problems += check_files(recipe.data)
     if problems:
         raise RecipeError(recipe.name, problems)
@@ -77,6 +79,18 @@ def _check_vocab(r: Recipe, tokenizer) -> None:
                                            f"set model.vocab_size to at least {len(tokenizer)}")])
 
 
+def build_train_data(plan: Plan, tokenizer):
+    """The training sequences, the same for both backends: a data.blend through Megatron-Core's builder
+    (training.steps x global batch samples), or data.paths / data.hub_dataset tokenized on the fly."""
+    r = plan.recipe
+    if r.data.blend is None:
+        return build_dataset(r.data, tokenizer, rank_zero_first)
+    problems = check_prepared(r.data, tokenizer)
+    if problems:
+        raise RecipeError(r.name, problems)
+    return build_blend(r.data, tokenizer, r.training.steps * plan.batch.global_batch, r.out_dir, r.training.seed)
+
+
 def train(recipe: Recipe) -> list[dict]:
     """Run the recipe to its last step (resuming when a checkpoint exists). Returns rank 0's logged records."""
     use_own_extensions_cache()
@@ -87,7 +101,7 @@ def train(recipe: Recipe) -> list[dict]:
 
         datasets.disable_progress_bars()  # one progress bar per job, not one per rank
     tokenizer = _load_tokenizer(r)
-    dataset = build_dataset(r.data, tokenizer, rank_zero_first)
+    dataset = build_train_data(plan, tokenizer)
     check_fills_a_step(len(dataset), batch.micro_batch, batch.grad_accum, layout.dp)
     # The output folder (log, TensorBoard events) is created only once the data is known to be usable: a run that
     # stops on bad data leaves nothing behind.
@@ -97,8 +111,9 @@ def train(recipe: Recipe) -> list[dict]:
         log.info(f"[toolkit] {note}")
     backend = build_backend(plan, info, tokenizer)
     stream = DataStream(dataset, batch.micro_batch, batch.grad_accum, layout.dp, backend.dp_rank, r.training.seed,
-                        r.data.num_workers)
-    log.info(f"[toolkit] data: {len(dataset):,} sequences of {r.data.seq_len} tokens, "
+                        r.data.num_workers, shuffle=r.data.blend is None)
+    blend = f" from a blend of {len(r.data.blend)} prepared datasets" if r.data.blend else ""
+    log.info(f"[toolkit] data: {len(dataset):,} sequences of {r.data.seq_len} tokens{blend}, "
              f"{stream.steps_per_epoch} steps per epoch")
     root, start = Path(r.checkpoint_dir), 0
     tag_dir = ckpt.find_resume(root, r.checkpoint.resume, log=log.info)  # names the choice and any skipped

@@ -130,6 +130,25 @@ def check_training(r: Recipe) -> list[Problem]:
     return out
 
 
+def check_blend(r: Recipe) -> list[Problem]:
+    """data.blend: at least one source, every weight above 0 (so they sum to a positive number), always packed."""
+    blend, out = r.data.blend, []
+    if blend is None:
+        return out
+    if not blend:
+        return [Problem("data.blend", "is an empty list", "list prepared datasets as [{path: PREFIX, weight: 1.0}], "
+                        "or remove data.blend to read data.paths")]
+    for i, source in enumerate(blend):
+        if source.weight <= 0:
+            out.append(Problem(f"data.blend[{i}].weight", f"{source.weight} for {source.path}: blend weights must be "
+                               f"above 0 (they sum to {sum(s.weight for s in blend):g})",
+                               "give every source a positive weight, e.g. 0.7 and 0.3, or remove the source"))
+    if not r.data.packing:
+        out.append(Problem("data.packing", "false, but a blend is always packed (GPTDataset cuts the documents into "
+                           "seq_len samples)", "set data.packing: true, or use data.paths for padded documents"))
+    return out
+
+
 def resolve(r: Recipe, world_size: int | None = None, source: str | None = None) -> Plan:
     """Check every rule for `world_size` ranks (default: the recipe's own) and derive the layout and batch."""
     p = r.parallel
@@ -139,6 +158,7 @@ def resolve(r: Recipe, world_size: int | None = None, source: str | None = None)
                                                      "or leave it out to use parallel.world_size")])
     world = world_size or p.world_size or (p.dp or 1) * p.tp * p.pp * p.cp
     problems = check_model(r) + check_model_parallel(r) + check_backend(r) + check_offload(r) + check_training(r)
+    problems += check_blend(r)
     dp, dp_problems = derive_dp(world, p.tp, p.pp, p.cp, p.dp)
     problems += dp_problems
     batch, notes = None, []
@@ -160,7 +180,13 @@ def check_paths(r: Recipe) -> list[Problem]:
     """Files the run will read or write, checked just before it starts (not by `validate`, so cluster recipes
     can be validated on a laptop)."""
     out = []
-    if r.data.hub_dataset is None:
+    for i, source in enumerate(r.data.blend or []):
+        missing = [s for s in (".bin", ".idx") if not Path(source.path + s).is_file()]
+        if missing:
+            out.append(Problem(f"data.blend[{i}].path", f"{source.path} has no {' or '.join(missing)} file (relative "
+                               f"paths are read from {os.getcwd()})", "give the --output prefix of `toolkit data "
+                               "prepare` (PREFIX, without .bin/.idx), or prepare the data first"))
+    if r.data.hub_dataset is None and r.data.blend is None:
         for pattern in r.data.paths:
             if not expand_glob(pattern):
                 out.append(Problem("data.paths", f"{pattern} matches no file (relative paths are read from "

@@ -57,6 +57,13 @@ class ModelConfig(_Section):
     """Std of the normal initialisation of a random model."""
 
 
+class BlendSource(_Section):
+    path: str
+    """Prefix of a prepared dataset (`toolkit data prepare --output PREFIX`): PREFIX.bin and PREFIX.idx."""
+    weight: float = Field(1.0)
+    """Relative share of the samples drawn from this source (the weights are normalised; each must be > 0)."""
+
+
 class DataConfig(_Section):
     paths: list[str] = Field(default_factory=lambda: ["recipes/data/demo_corpus/train.jsonl"])
     """Local text/jsonl/json/parquet files or globs, relative to the repo root or absolute."""
@@ -74,6 +81,9 @@ class DataConfig(_Section):
     """Concatenate documents (separated by EOS) and cut them into full seq_len blocks."""
     num_workers: int = Field(0, ge=0)
     """DataLoader worker processes per rank."""
+    blend: Optional[list[BlendSource]] = None
+    """Prepared datasets with weights, [{path, weight}], read through Megatron-Core's BlendedMegatronDatasetBuilder
+    and GPTDataset on both backends; when set, paths, hub_dataset, format and text_field are not used."""
 
 
 class OptimizerConfig(_Section):
