@@ -61,7 +61,7 @@ def uninterrupted(tmp_path_factory):
 
     def get(recipe: str, steps: int) -> list[dict]:
         if (recipe, steps) not in runs:
-            out = tmp_path_factory.mktemp(f"uninterrupted_{recipe}_{steps}")
+            out = tmp_path_factory.mktemp(f"uninterrupted_{Path(recipe).stem}_{steps}")  # a name or a path
             launch(recipe, [f"training.steps={steps}", *UNINTERRUPTED], nproc=2, out_dir=out)
             runs[recipe, steps] = read_metrics(out)
         return runs[recipe, steps]

@@ -13,8 +13,10 @@ COMMON = [f"training.steps={STEPS}", "training.schedule.warmup_steps=2", "loggin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["tiny_zero2", "tiny_zero3"])
-def test_resume_reproduces_uninterrupted_run(recipe, uninterrupted, tmp_path):
+@pytest.mark.parametrize("recipe", ["tiny_zero2", "tiny_zero3", "blend"])
+def test_resume_reproduces_uninterrupted_run(recipe, uninterrupted, tmp_path, request):
+    if recipe == "blend":  # tiny_zero2 on the tiny model, reading a 0.7/0.3 data.blend of two prepared sources
+        recipe = request.getfixturevalue("prepared_blend")["recipe"]
     straight = uninterrupted(recipe, STEPS)
 
     launch(recipe, [*COMMON, "training.stop_at_step=4"], nproc=2, out_dir=tmp_path / "split")
