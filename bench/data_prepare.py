@@ -13,7 +13,8 @@ Arrow:
                 tokens only (no .bin/.idx: the figure a plain Hugging Face pipeline reaches)
 For each: wall time (including Python start-up and imports), tokens/s over that wall time, the peak RSS of the
 main process (wait4's ru_maxrss, from the kernel) and the peak summed RSS of the process and its workers
-(VmRSS from /proc, sampled every 20 ms). The machine may be shared: compare the two rows of one run.
+(VmRSS from /proc, sampled every 20 ms); for prepare also its own time for tokenizing and writing (from
+PREFIX.tokenizer.json). The machine may be shared: compare the two rows of one run.
 """
 from __future__ import annotations
 
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--quiet"], {**base, "HF_DATASETS_CACHE": str(work / "cache_prepare")})
         record = json.loads((work / "prepared.tokenizer.json").read_text())
         prep["tokens"] = record["tokens"] - record["documents"]  # the EOS ids are not text tokens
+        prep["inner_s"] = record["seconds"]  # tokenizing and writing only: no start-up, no JSON -> Arrow read
         rows["prepare"] = prep
         plain = measure([sys.executable, "-c", DATASETS_MAP, str(corpus), str(TOKENIZER), str(args.workers)],
                         {**base, "HF_DATASETS_CACHE": str(work / "cache_map"), "TOKENIZERS_PARALLELISM": "false"})
@@ -146,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             r["tokens_per_s"] = r["tokens"] / r["wall_s"]
             print(f"{name:14}{r['wall_s']:8.1f}{r['tokens']:14,}{r['tokens_per_s']:12,.0f}{r['peak_rss_mib']:14,.0f}"
                   f"{r['peak_tree_rss_mib']:14,.0f}")
+        print(f"prepare without start-up and the JSON -> Arrow read: {prep['inner_s']:.1f} s, "
+              f"{prep['tokens'] / prep['inner_s']:,.0f} tokens/s")
         if rows["prepare"]["tokens"] != rows["datasets.map"]["tokens"]:
             raise SystemExit(f"the two tokenizations disagree: {rows['prepare']['tokens']:,} vs "
                              f"{rows['datasets.map']['tokens']:,} tokens")

@@ -176,8 +176,9 @@ def write_corpus(path: Path, words: list[str], docs: int, seed: int) -> Path:
 
 @pytest.fixture(scope="session")
 def prepared_blend(tmp_path_factory) -> dict:
-    """Two sources prepared with `toolkit data prepare` (letters-only words and numbers-only words), and a
-    recipe file that blends them 0.7/0.3 on the tiny model: {"a", "b": prefixes, "corpus_a", "recipe": path}."""
+    """Two sources prepared with `toolkit data prepare` (letters-only words and numbers-only words), and recipe
+    files that blend them 0.7/0.3 on the tiny model: "recipe" (tiny_zero2's layout), "recipe_megatron"
+    (tiny_dp2_distopt's); "a", "b": the prefixes."""
     from toolkit.cli import main
 
     root = tmp_path_factory.mktemp("blend")
@@ -189,10 +190,13 @@ def prepared_blend(tmp_path_factory) -> dict:
                  "--workers", "2", "--quiet"]) == 0
     assert main(["data", "prepare", "--input", str(b), "--output", str(root / "b"), "--tokenizer", tok,
                  "--quiet"]) == 0
-    recipe = root / "tiny_blend.yaml"
-    recipe.write_text(f"base: tiny_zero2\nname: tiny_blend\nmodel: {{preset: tiny}}\n"
-                      f"training: {{steps: 8, schedule: {{warmup_steps: 2}}}}\n"
-                      f"data:\n  seq_len: 64\n  blend:\n  - {{path: {root / 'a'}, weight: 0.7}}\n"
-                      f"  - {{path: {root / 'b'}, weight: 0.3}}\n")
-    return {"a": str(root / "a"), "b": str(root / "b"), "corpus_a": a, "corpus_b": b, "recipe": str(recipe),
-            "root": root}
+    recipes = {}
+    for backend, base in (("deepspeed", "tiny_zero2"), ("megatron", "tiny_dp2_distopt")):
+        recipes[backend] = root / f"{base}_blend.yaml"
+        recipes[backend].write_text(
+            f"base: {base}\nname: {base}_blend\nmodel: {{preset: tiny}}\n"
+            f"training: {{steps: 8, schedule: {{warmup_steps: 2}}}}\n"
+            f"data:\n  seq_len: 64\n  blend:\n  - {{path: {root / 'a'}, weight: 0.7}}\n"
+            f"  - {{path: {root / 'b'}, weight: 0.3}}\n")
+    return {"a": str(root / "a"), "b": str(root / "b"), "corpus_a": a, "corpus_b": b, "root": root,
+            "recipe": str(recipes["deepspeed"]), "recipe_megatron": str(recipes["megatron"])}

@@ -9,10 +9,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
-from conftest import launch, read_metrics, write_corpus
+from conftest import launch, write_corpus
 from toolkit.cli import main
 from toolkit.data import DataStream
 from toolkit.errors import RecipeError
@@ -43,7 +42,7 @@ def _plan(recipe: str, out_dir: Path, sets: list[str] = (), world: int = 2):
     return resolve(load_recipe(recipe, [f"output_dir={out_dir}", *sets]), world)
 
 
-def test_prepare_writes_what_megatron_reads_back(prepared_blend, tokenizer):
+def test_prepare_writes_what_megatron_reads_back(prepared_blend, tokenizer, tmp_path):
     """Megatron-Core's own IndexedDataset reads back one document per text document: its ids, then EOS."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -57,6 +56,11 @@ def test_prepare_writes_what_megatron_reads_back(prepared_blend, tokenizer):
     assert record["vocab_size"] == len(tokenizer) and record["documents"] == 300
     assert record["tokens"] == int(ds.sequence_lengths.sum()) and record["workers"] == 2
     assert not list(prepared_blend["root"].glob("*.partial"))
+    # one worker writes the same bytes as two (the fixture's)
+    assert main(["data", "prepare", "--input", str(prepared_blend["corpus_a"]), "--output", str(tmp_path / "a1"),
+                 "--tokenizer", TOKENIZER, "--workers", "1", "--quiet"]) == 0
+    for ext in (".bin", ".idx"):
+        assert Path(prepared_blend["a"] + ext).read_bytes() == (tmp_path / f"a1{ext}").read_bytes()
 
 
 def _token_set(prefix: str) -> set[int]:
@@ -124,7 +128,7 @@ def test_prepare_refuses_a_corpus_without_text(content, says, capsys, tmp_path):
     corpus.write_text(content)
     code, err = _prepare(capsys, tmp_path, [corpus])
     assert code == 2 and says in err and len(err.splitlines()) == 1, err
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]  # not even the output's folder
 
 
 def test_prepare_refuses_a_missing_input_and_an_existing_output(prepared_blend, capsys, tmp_path):
@@ -178,16 +182,3 @@ def test_data_prepared_with_another_tokenizer_is_refused(prepared_blend, tmp_pat
     assert "data.blend[0].path" in proc.stderr and "was prepared with tokenizer" in proc.stderr, proc.stderr[-2000:]
     assert "1 problem" in proc.stderr
     assert not (tmp_path / "run").exists()
-
-
-@pytest.mark.slow
-def test_megatron_trains_on_a_blend(prepared_blend, tmp_path):
-    """A short Megatron-Core run (DP2, distributed optimizer) reads the blend; the DeepSpeed run on the same blend is
-    the resume case in test_resume.py."""
-    proc = launch(prepared_blend["recipe"], ["parallel.backend=megatron", "parallel.zero_stage=1",
-                                             "training.steps=2", "logging.interval=1", "logging.sample_prompt="],
-                  nproc=2, out_dir=tmp_path)
-    assert "from a blend of 2 prepared datasets" in proc.stdout
-    losses = [m["loss"] for m in read_metrics(tmp_path)]
-    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
-    assert list((tmp_path / "data_cache").glob("*-document_index.npy"))

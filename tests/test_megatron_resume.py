@@ -11,8 +11,10 @@ COMMON = ["training.steps=6", "training.schedule.warmup_steps=2", "logging.inter
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe,nproc", [("tiny_tp2_pp2", 4), ("tiny_dp2_distopt", 2)])
-def test_resume_reproduces_uninterrupted_run(recipe, nproc, tmp_path):
+@pytest.mark.parametrize("recipe,nproc", [("tiny_tp2_pp2", 4), ("blend", 2)])
+def test_resume_reproduces_uninterrupted_run(recipe, nproc, tmp_path, request):
+    if recipe == "blend":  # DP2 + distributed optimizer (tiny_dp2_distopt), tiny model, a 0.7/0.3 data.blend
+        recipe = request.getfixturevalue("prepared_blend")["recipe_megatron"]
     launch(recipe, COMMON, nproc=nproc, out_dir=tmp_path / "straight")
     straight = read_metrics(tmp_path / "straight")
     launch(recipe, [*COMMON, "training.stop_at_step=3"], nproc=nproc, out_dir=tmp_path / "split")
@@ -26,6 +28,7 @@ def test_resume_reproduces_uninterrupted_run(recipe, nproc, tmp_path):
             "toolkit_meta.json", *[f"toolkit_rank{r:05d}.pt" for r in range(4)], "toolkit_started.json"]
     proc = launch(recipe, COMMON, nproc=nproc, out_dir=tmp_path / "split")
     assert "resumed from" in proc.stdout
+    assert ("from a blend of 2 prepared datasets" in proc.stdout) == recipe.endswith("_blend.yaml")
     split = read_metrics(tmp_path / "split")
     assert [m["step"] for m in split] == [1, 2, 3, 4, 5, 6]
     assert [m["loss"] for m in split] == [m["loss"] for m in straight]  # bit-identical on CPU

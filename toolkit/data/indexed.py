@@ -87,7 +87,7 @@ def _encode(span: tuple[int, int]):
     ids = tok([t or "" for t in texts], add_special_tokens=False)["input_ids"]
     eos = tok.eos_token_id
     docs = [x + [eos] for x in ids if x]
-    flat = numpy.fromiter((t for d in docs for t in d), dtype=_worker["dtype"], count=sum(map(len, docs)))
+    flat = numpy.concatenate([numpy.array(d, dtype=_worker["dtype"]) for d in docs]) if docs else numpy.array([])
     return flat, [len(d) for d in docs], end - start
 
 
@@ -123,8 +123,10 @@ def prepare(inputs: list[str], output: str, tokenizer: str, *, workers: int = 1,
     spans = [(i, min(i + DOCS_PER_TASK, len(raw))) for i in range(0, len(raw), DOCS_PER_TASK)]
     dest = prefix_files(output)
     partial = {k: p.with_name(p.name + ".partial") for k, p in dest.items()}
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
-    t0, tokens, docs = time.perf_counter(), 0, 0
+    parent = Path(output).absolute().parent
+    made = [d for d in (parent, *parent.parents) if not d.exists()]  # folders to remove again if this fails
+    parent.mkdir(parents=True, exist_ok=True)
+    t0, tokens, docs, done = time.perf_counter(), 0, 0, False
     builder = IndexedDatasetBuilder(str(partial["bin"]), dtype=dtype)
     try:
         with _progress(len(raw), progress) as bar, _pool(cfg, column, dtype, workers) as imap:
@@ -133,8 +135,8 @@ def prepare(inputs: list[str], output: str, tokenizer: str, *, workers: int = 1,
                 tokens, docs = tokens + len(flat), docs + len(lengths)
                 bar.update(seen)
         if tokens == 0:
-            raise ToolkitError(f"--input: {', '.join(files) or hub_dataset} holds no text (every document is empty); give "
-                               "files with text")
+            raise ToolkitError(f"--input: {', '.join(files) or hub_dataset} holds no text (every document is "
+                               "empty); give files with text")
         builder.finalize(str(partial["idx"]))
         seconds = time.perf_counter() - t0
         summary = {**tokenizer_fingerprint(tok, tokenizer), "documents": docs, "tokens": tokens,
@@ -143,10 +145,14 @@ def prepare(inputs: list[str], output: str, tokenizer: str, *, workers: int = 1,
         partial["tokenizer"].write_text(json.dumps(summary, indent=2) + "\n")
         for key in ("tokenizer", "bin", "idx"):  # the index last: .bin and .idx both present means complete
             os.replace(partial[key], dest[key])
+        done = True
     finally:
         builder.data_file.close()
         for p in partial.values():
             p.unlink(missing_ok=True)
+        for d in [] if done else made:  # deepest first
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
     return summary
 
 
