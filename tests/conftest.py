@@ -69,7 +69,7 @@ def uninterrupted(tmp_path_factory):
 
     def get(recipe: str, steps: int, nproc: int = 2) -> list[dict]:
         if (recipe, steps, nproc) not in runs:
-            out = tmp_path_factory.mktemp(f"uninterrupted_{recipe}_{steps}_{nproc}")
+            out = tmp_path_factory.mktemp(f"uninterrupted_{Path(recipe).stem}_{steps}_{nproc}")  # a name or a path
             launch(recipe, [f"training.steps={steps}", *UNINTERRUPTED], nproc=nproc, out_dir=out)
             runs[recipe, steps, nproc] = read_metrics(out)
         return runs[recipe, steps, nproc]
@@ -87,7 +87,7 @@ def stopped(tmp_path_factory):
     def get(recipe: str, steps: int, stop: int, nproc: int = 2) -> Path:
         key = (recipe, steps, stop, nproc)
         if key not in runs:
-            out = tmp_path_factory.mktemp(f"stopped_{recipe}_{steps}_{stop}_{nproc}")
+            out = tmp_path_factory.mktemp(f"stopped_{Path(recipe).stem}_{steps}_{stop}_{nproc}")
             launch(recipe, [f"training.steps={steps}", *UNINTERRUPTED, f"training.stop_at_step={stop}"],
                    nproc=nproc, out_dir=out)
             runs[key] = out
@@ -234,6 +234,44 @@ def tiny_hf_checkpoint(tmp_path_factory) -> Path:
 def tiny4l_hf_checkpoint(tmp_path_factory) -> Path:
     """The same with 4 layers (hidden 128, GQA 8/4), enough for pipeline 2 x 2 virtual chunks."""
     return _random_hf_checkpoint(tmp_path_factory.mktemp("tiny4l_hf"), "tiny-4l")
+
+
+def write_corpus(path: Path, words: list[str], docs: int, seed: int) -> Path:
+    """A JSON-lines corpus of `docs` documents made of `words` only (so each source has its own tokens)."""
+    import random
+
+    rng = random.Random(seed)
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(20, 80)))}) + "\n"
+                            for _ in range(docs)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def prepared_blend(tmp_path_factory) -> dict:
+    """Two sources prepared with `toolkit data prepare` (letters-only words and numbers-only words), and recipe
+    files that blend them 0.7/0.3 on the tiny model: "recipe" (tiny_zero2's layout), "recipe_megatron"
+    (tiny_dp2_distopt's); "a", "b": the prefixes."""
+    from toolkit.cli import main
+
+    root = tmp_path_factory.mktemp("blend")
+    a = write_corpus(root / "a.jsonl", ["cat", "dog", "mat", "sun", "tree", "bird", "happy", "little"], 300, 1)
+    b = write_corpus(root / "b.txt", [str(n) for n in range(10, 60)], 200, 2)
+    b.write_text("\n".join(json.loads(line)["text"] for line in b.read_text().splitlines()) + "\n")
+    tok = str(REPO / "recipes/data/demo_tokenizer")
+    assert main(["data", "prepare", "--input", str(a), "--output", str(root / "a"), "--tokenizer", tok,
+                 "--workers", "2", "--quiet"]) == 0
+    assert main(["data", "prepare", "--input", str(b), "--output", str(root / "b"), "--tokenizer", tok,
+                 "--quiet"]) == 0
+    recipes = {}
+    for backend, base in (("deepspeed", "tiny_zero2"), ("megatron", "tiny_dp2_distopt")):
+        recipes[backend] = root / f"{base}_blend.yaml"
+        recipes[backend].write_text(
+            f"base: {base}\nname: {base}_blend\nmodel: {{preset: tiny}}\n"
+            f"training: {{steps: 8, schedule: {{warmup_steps: 2}}}}\n"
+            f"data:\n  seq_len: 64\n  blend:\n  - {{path: {root / 'a'}, weight: 0.7}}\n"
+            f"  - {{path: {root / 'b'}, weight: 0.3}}\n")
+    return {"a": str(root / "a"), "b": str(root / "b"), "corpus_a": a, "corpus_b": b, "root": root,
+            "recipe": str(recipes["deepspeed"]), "recipe_megatron": str(recipes["megatron"])}
 
 
 def pytest_terminal_summary(terminalreporter):

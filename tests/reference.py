@@ -17,7 +17,7 @@ def reference_losses(hf_path, steps: int, schedule: list[str], model_out: dict |
     the held-out sequences, in one process, with no toolkit backend."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.data import DataStream
+    from toolkit.data import DataStream, build_dataset
     from toolkit.data.heldout import build_heldout, eval_sequences
     from toolkit.model import param_groups
     from toolkit.recipe import load_recipe, resolve
@@ -33,7 +33,7 @@ def reference_losses(hf_path, steps: int, schedule: list[str], model_out: dict |
                             eps=r.training.optimizer.eps, weight_decay=r.training.optimizer.weight_decay)
     sched = build_scheduler(opt, r.training)
     tok = AutoTokenizer.from_pretrained(r.data.tokenizer)
-    train, held = build_heldout(r, tok)
+    train, held = build_heldout(r, tok, build_dataset(r.data, tok))
     stream = DataStream(train, plan.batch.micro_batch, plan.batch.grad_accum, 1, 0,
                         r.training.seed)
     losses = []

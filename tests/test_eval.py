@@ -11,6 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from conftest import launch
+from toolkit.data import build_dataset
 from toolkit.data.heldout import build_heldout, check_eval_files, eval_micro_batches, eval_sequences
 from toolkit.errors import RecipeError, ToolkitError
 from toolkit.model import token_loss_sum
@@ -24,23 +25,27 @@ def tokenizer():
     return AutoTokenizer.from_pretrained("recipes/data/demo_tokenizer")
 
 
+def _heldout(r, tokenizer, **kwargs):
+    return build_heldout(r, tokenizer, build_dataset(r.data, tokenizer), **kwargs)
+
+
 def _rows(ds) -> list[tuple]:
     return [tuple(x.tolist()) for x in ds["input_ids"]]
 
 
 def test_split_holds_out_the_tail_and_never_trains_on_it(tokenizer):
-    whole, none = build_heldout(load_recipe("tiny_zero0", SMALL), tokenizer)
+    whole, none = _heldout(load_recipe("tiny_zero0", SMALL), tokenizer)
     assert none is None
-    train, held = build_heldout(load_recipe("tiny_zero0", [*SMALL, "eval.split=0.1", "eval.interval=5"]), tokenizer)
+    train, held = _heldout(load_recipe("tiny_zero0", [*SMALL, "eval.split=0.1", "eval.interval=5"]), tokenizer)
     n = len(whole)
     assert len(held) == int(n * 0.1) > 0 and len(train) + len(held) == n
     assert _rows(train) + _rows(held) == _rows(whole)  # the tail, in order: deterministic and disjoint
-    again, held_again = build_heldout(load_recipe("tiny_zero0", [*SMALL, "eval.split=0.1"]), tokenizer)
+    again, held_again = _heldout(load_recipe("tiny_zero0", [*SMALL, "eval.split=0.1"]), tokenizer)
     assert _rows(held_again) == _rows(held) and len(again) == len(train)  # held out even with evaluation off
 
 
 def test_ranks_evaluate_exactly_the_single_process_sequences(tokenizer):
-    _, held = build_heldout(load_recipe("tiny_zero0", [*SMALL, "eval.split=0.3"]), tokenizer)
+    _, held = _heldout(load_recipe("tiny_zero0", [*SMALL, "eval.split=0.3"]), tokenizer)
     count = eval_sequences(len(held), 2, 8)
     assert count == 16 and eval_sequences(len(held), None, 8) == 8 * (len(held) // 8)
     assert eval_sequences(len(held), 10_000, 8) == 8 * (len(held) // 8)  # capped at the full batches there are
@@ -90,10 +95,10 @@ def test_eval_section_must_name_one_source(sets, needle):
 
 def test_split_that_leaves_nothing_on_one_side_is_refused(tokenizer):
     with pytest.raises(ToolkitError, match=r"eval\.split: 0\.001 of \d+ sequences of 64 tokens holds out no full"):
-        build_heldout(load_recipe("tiny_zero0", [*SMALL, "eval.split=0.001"]), tokenizer)
+        _heldout(load_recipe("tiny_zero0", [*SMALL, "eval.split=0.001"]), tokenizer)
     with pytest.raises(ToolkitError, match=r"eval\.split: 0\.99 of \d+ sequences leaves \d for training, fewer than "
                                            "one global batch of 16"):
-        build_heldout(load_recipe("tiny_zero0", [*SMALL, "eval.split=0.99"]), tokenizer, global_batch=16)
+        _heldout(load_recipe("tiny_zero0", [*SMALL, "eval.split=0.99"]), tokenizer, global_batch=16)
 
 
 def test_missing_or_bad_eval_paths_are_named_before_the_run_starts(tmp_path):

@@ -30,7 +30,8 @@ LAYERS = [
 LEVEL = {unit: level for level, units in enumerate(LAYERS) for unit in units}
 HEAVY = {"torch", "deepspeed", "megatron", "transformers", "datasets", "transformer_engine"}
 # toolkit modules that cli.py may import inside a command: each pulls in torch, which `validate` never needs
-LAZY_FOR_STARTUP = {"toolkit.checkpoint.inspect", "toolkit.checkpoint.convert", "toolkit.megatron.runtime"}
+LAZY_FOR_STARTUP = {"toolkit.checkpoint.inspect", "toolkit.checkpoint.convert", "toolkit.megatron.runtime",
+                    "toolkit.data.indexed"}
 
 
 def unit_of(module: str) -> str:

@@ -12,9 +12,11 @@ STEPS, STOP = 6, 3
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe,nproc", [("tiny_tp2_pp2", 4), ("tiny_dp2_distopt", 2)])
-def test_resume_reproduces_uninterrupted_run(recipe, nproc, uninterrupted, stopped, tmp_path):
-    straight = uninterrupted(recipe, STEPS, nproc)  # shared with test_convert_layouts's resume at another layout
+@pytest.mark.parametrize("recipe,nproc", [("tiny_tp2_pp2", 4), ("blend", 2)])
+def test_resume_reproduces_uninterrupted_run(recipe, nproc, uninterrupted, stopped, tmp_path, request):
+    if recipe == "blend":  # DP2 + distributed optimizer (tiny_dp2_distopt), tiny model, a 0.7/0.3 data.blend
+        recipe = request.getfixturevalue("prepared_blend")["recipe_megatron"]
+    straight = uninterrupted(recipe, STEPS, nproc)  # TP2xPP2: shared with test_convert_layouts's resume at TP1xPP2
     shutil.copytree(stopped(recipe, STEPS, STOP, nproc), tmp_path / "split")
     tag = tmp_path / "split" / "checkpoints" / "step_00000003"
     meta = json.loads((tag / "toolkit_meta.json").read_text())
@@ -26,6 +28,7 @@ def test_resume_reproduces_uninterrupted_run(recipe, nproc, uninterrupted, stopp
             "toolkit_meta.json", *[f"toolkit_rank{r:05d}.pt" for r in range(4)], "toolkit_started.json"]
     proc = launch(recipe, [f"training.steps={STEPS}", *UNINTERRUPTED], nproc=nproc, out_dir=tmp_path / "split")
     assert "resumed from" in proc.stdout
+    assert ("from a blend of 2 prepared datasets" in proc.stdout) == recipe.endswith("_blend.yaml")
     split = read_metrics(tmp_path / "split")
     assert [m["step"] for m in split] == [1, 2, 3, 4, 5, 6]
     assert [m["loss"] for m in split] == [m["loss"] for m in straight]  # bit-identical on CPU

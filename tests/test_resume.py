@@ -13,8 +13,10 @@ COMMON = [f"training.steps={STEPS}", "training.schedule.warmup_steps=2", "loggin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["tiny_zero2", "tiny_zero3"])
-def test_resume_reproduces_uninterrupted_run(recipe, uninterrupted, tmp_path):
+@pytest.mark.parametrize("recipe", ["blend", "tiny_zero3"])
+def test_resume_reproduces_uninterrupted_run(recipe, uninterrupted, tmp_path, request):
+    if recipe == "blend":  # ZeRO-2 (tiny_zero2) on the tiny model, reading a 0.7/0.3 data.blend of prepared data
+        recipe = request.getfixturevalue("prepared_blend")["recipe"]
     straight = uninterrupted(recipe, STEPS)
 
     launch(recipe, [*COMMON, "training.stop_at_step=4"], nproc=2, out_dir=tmp_path / "split")
@@ -24,6 +26,7 @@ def test_resume_reproduces_uninterrupted_run(recipe, uninterrupted, tmp_path):
     assert meta["step"] == 4 and meta["layout"]["world_size"] == 2
     proc = launch(recipe, COMMON, nproc=2, out_dir=tmp_path / "split")
     assert "resumed from" in proc.stdout and "step 4" in proc.stdout
+    assert ("from a blend of 2 prepared datasets" in proc.stdout) == recipe.endswith("_blend.yaml")
     split = read_metrics(tmp_path / "split")
 
     assert [m["step"] for m in split] == list(range(1, STEPS + 1))

@@ -178,6 +178,17 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_data_prepare(args) -> int:
+    from toolkit.data.indexed import prepare  # lazy: pulls in torch and megatron for this command only
+
+    s = prepare(args.input, args.output, args.tokenizer, workers=args.workers, text_field=args.text_field,
+                fmt=args.format, hub_dataset=args.hub_dataset, overwrite=args.overwrite, progress=not args.quiet)
+    print(f"wrote {args.output}.bin/.idx: {s['documents']:,} documents, {s['tokens']:,} tokens in {s['seconds']:.1f} s "
+          f"({s['tokens'] / max(s['seconds'], 1e-9):,.0f} tokens/s, {args.workers} workers); tokenizer recorded in "
+          f"{args.output}.tokenizer.json")
+    return 0
+
+
 def cmd_slurm_render(args) -> int:
     if args.all:
         for path in write_shipped():
@@ -307,6 +318,25 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: SLURM_JOB_NUM_NODES, else 1)")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.set_defaults(func=cmd_doctor)
+    data = sub.add_parser("data", help="prepare training data")
+    p = data.add_subparsers(dest="what", required=True).add_parser(
+        "prepare", help="tokenize text/jsonl/parquet files (or a hub dataset) once into Megatron-Core's indexed "
+        "dataset (PREFIX.bin/.idx), for data.blend", description="Tokenize documents once, in parallel, into "
+        "Megatron-Core's indexed dataset format with its own IndexedDatasetBuilder (EOS appended to each document). "
+        "PREFIX.tokenizer.json records the tokenizer, so a recipe with another one is refused.")
+    p.add_argument("--input", nargs="+", default=[], help="text/jsonl/json/parquet files or globs")
+    p.add_argument("--hub-dataset", default=None, help="a `datasets` hub name instead of --input (needs network)")
+    p.add_argument("--output", required=True, help="output prefix: writes PREFIX.bin, PREFIX.idx, "
+                   "PREFIX.tokenizer.json")
+    p.add_argument("--tokenizer", required=True, help="tokenizer folder (or hub name), as the recipe's data.tokenizer")
+    p.add_argument("--workers", type=count("worker processes, e.g. 8", 4096), default=1,
+                   help="tokenizing processes (default 1)")
+    p.add_argument("--text-field", default="text", help="column holding the text in json/parquet (default text)")
+    p.add_argument("--format", choices=["auto", "text", "json", "parquet"], default="auto",
+                   help="input format (default: from the extension)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.bin/.idx")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_data_prepare)
     slurm = sub.add_parser("slurm", help="Slurm batch scripts for a recipe")
     p = slurm.add_subparsers(dest="what", required=True).add_parser(
         "render", help="print (or --out) the sbatch script that trains a recipe on nodes x GPUs, checked first",

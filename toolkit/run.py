@@ -10,8 +10,10 @@ import torch.distributed as dist
 
 from toolkit.adapters.megatron import check_megatron
 from toolkit.checkpoint.convert import convert_to_hf
-from toolkit.data import DataStream, check_files, check_fills_a_step
+from toolkit.data import DataStream, build_dataset, check_files, check_fills_a_step
+from toolkit.data.blend import build_blend
 from toolkit.data.heldout import build_heldout, check_eval_files, eval_micro_batches, eval_sequences
+from toolkit.data.indexed import check_prepared
 from toolkit.errors import Problem, RecipeError, ToolkitError
 from toolkit.format.names import refuse_foreign
 from toolkit.megatron.backend import MegatronBackend
@@ -35,7 +37,7 @@ def check_before_start(recipe: Recipe) -> None:
             raise ToolkitError(f"{lock} was left by a DeepSpeed op build that was killed (no process holds it), and "
                                f"DeepSpeed would wait for it forever: delete it (rm {lock}) and start again")
     problems = check_paths(recipe)
-    if not any(p.key == "data.paths" for p in problems):
+    if recipe.data.blend is None and not any(p.key == "data.paths" for p in problems):
         problems += check_files(recipe.data)
     if not any(p.key == "eval.paths" for p in problems):
         problems += check_eval_files(recipe)
@@ -82,6 +84,17 @@ def _check_vocab(r: Recipe, tokenizer) -> None:
                                            f"set model.vocab_size to at least {len(tokenizer)}")])
 
 
+def build_train_data(r: Recipe, global_batch: int, tokenizer):
+    """The training sequences, the same for both backends: a data.blend through Megatron-Core's builder
+    (training.steps x global batch samples), or data.paths / data.hub_dataset tokenized on the fly."""
+    if r.data.blend is None:
+        return build_dataset(r.data, tokenizer, rank_zero_first)
+    problems = check_prepared(r.data, tokenizer)
+    if problems:
+        raise RecipeError(r.name, problems)
+    return build_blend(r.data, tokenizer, r.training.steps * global_batch, r.out_dir, r.training.seed)
+
+
 def train(recipe: Recipe) -> list[dict]:
     """Run the recipe to its last step (resuming when a checkpoint exists). Returns rank 0's logged records."""
     use_own_extensions_cache()
@@ -99,7 +112,8 @@ def train(recipe: Recipe) -> list[dict]:
         notices.append("data.packing: chat conversations are padded one per sequence, not packed: Megatron with "
                        "Transformer Engine layers cannot keep packed conversations apart here (docs/sft.md)")
         r = r.model_copy(update={"data": r.data.model_copy(update={"packing": False})})
-    dataset, heldout = build_heldout(r, tokenizer, rank_zero_first, batch.global_batch)
+    dataset, heldout = build_heldout(r, tokenizer, build_train_data(r, batch.global_batch, tokenizer),
+                                     rank_zero_first, batch.global_batch)
     check_fills_a_step(len(dataset), batch.micro_batch, batch.grad_accum, layout.dp)
     evaluating = heldout is not None and bool(r.eval.interval)
     eval_count = eval_sequences(len(heldout), r.eval.batches, batch.global_batch) if evaluating else 0
@@ -111,8 +125,9 @@ def train(recipe: Recipe) -> list[dict]:
         log.info(f"[toolkit] {note}")
     backend = build_backend(plan, info, tokenizer)
     stream = DataStream(dataset, batch.micro_batch, batch.grad_accum, layout.dp, backend.dp_rank, r.training.seed,
-                        r.data.num_workers)
-    log.info(f"[toolkit] data: {len(dataset):,} sequences of {r.data.seq_len} tokens, "
+                        r.data.num_workers, shuffle=r.data.blend is None)
+    blend = f" from a blend of {len(r.data.blend)} prepared datasets" if r.data.blend else ""
+    log.info(f"[toolkit] data: {len(dataset):,} sequences of {r.data.seq_len} tokens{blend}, "
              f"{stream.steps_per_epoch} steps per epoch")
     eval_batches = None
     if evaluating:

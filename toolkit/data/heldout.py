@@ -31,12 +31,12 @@ def check_eval_files(r: Recipe) -> list[Problem]:
     return [Problem("eval.paths", p.message, p.fix) for p in check_files(cfg)]
 
 
-def build_heldout(r: Recipe, tokenizer, rank_zero_first=nullcontext, global_batch: int = 1):
-    """(training dataset, held-out dataset or None). eval.split holds out the last fraction of the packed training
-    sequences (the end of the corpus: only the document at the boundary is shared) and removes them from
-    training, whether or not evaluation is on, so turning it on does not change what is trained on. What is left
-    for training must fill one global batch."""
-    train = build_dataset(r.data, tokenizer, rank_zero_first)
+def build_heldout(r: Recipe, tokenizer, train, rank_zero_first=nullcontext, global_batch: int = 1):
+    """(training dataset, held-out dataset or None) from the training sequences `train`. eval.split holds out the
+    last fraction of them (the end of the corpus: only the document at the boundary is shared) and removes them
+    from training, whether or not evaluation is on, so turning it on does not change what is trained on. What is
+    left for training must fill one global batch. (A data.blend is held out from with eval.paths: the recipe check
+    refuses eval.split with it.)"""
     e = r.eval
     if e.split is not None:
         n = len(train)

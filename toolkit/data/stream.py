@@ -3,7 +3,7 @@
 A DistributedSampler (reseeded each epoch with set_epoch) hands each data-parallel rank a disjoint slice, so one
 optimizer step over all ranks sees the same sequences as a single process with the same global batch. The stream's
 position (epoch, micro-batches consumed) is saved with each checkpoint so a resumed run continues with exactly the
-next batch.
+next batch. Data that comes shuffled already (a Megatron-Core blend) is read in order instead (shuffle=False).
 """
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ class DataStream:
     """Per-rank micro-batches, step by step, across epochs, with a resumable position."""
 
     def __init__(self, dataset, micro_batch: int, grad_accum: int, dp: int, dp_rank: int, seed: int,
-                 num_workers: int = 0):
+                 num_workers: int = 0, shuffle: bool = True):
         self.dataset, self.micro, self.accum, self.num_workers = dataset, micro_batch, grad_accum, num_workers
-        self.sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=True, seed=seed,
+        self.shuffle, self.dp, self.dp_rank = shuffle, dp, dp_rank
+        self.sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=shuffle, seed=seed,
                                           drop_last=True)
         check_fills_a_step(len(dataset), micro_batch, grad_accum, dp)
         self.steps_per_epoch = len(self.sampler) // (micro_batch * grad_accum)
@@ -43,7 +44,10 @@ class DataStream:
     def _start_epoch(self):
         self.sampler.set_epoch(self.epoch)
         usable = self.steps_per_epoch * self.accum * self.micro  # drop the tail that cannot fill a whole step
-        indices = list(self.sampler)[:usable][self.consumed * self.micro:]
+        if self.shuffle:
+            indices = list(self.sampler)[:usable][self.consumed * self.micro:]
+        else:  # already shuffled (a Megatron-Core blend): every dp-th sample, lazily, however many there are
+            indices = range(self.dp_rank, len(self.sampler) * self.dp, self.dp)[:usable][self.consumed * self.micro:]
         loader = DataLoader(self.dataset, batch_size=self.micro, sampler=indices, num_workers=self.num_workers)
         self._it = iter(loader)
 

@@ -146,12 +146,19 @@ def load_raw(cfg: DataConfig):
                            f"{str(cause)[:200]}; fix or remove the file (or set data.format)") from None
 
 
-def tokenize_and_pack(raw, tokenizer, cfg: DataConfig):
-    """Token blocks of exactly seq_len ids (packing), or one truncated/padded document per row."""
+def text_column(raw, cfg: DataConfig) -> str:
+    """The column that holds the text: `text` for text files (and json/parquet that have one when the format is
+    auto), else data.text_field."""
     text_field = "text" if "text" in raw.column_names and cfg.format in ("text", "auto") else cfg.text_field
     if text_field not in raw.column_names:
         raise ToolkitError(f"data.text_field: column {text_field!r} not in the dataset (columns: "
                            f"{raw.column_names}); set data.text_field to the text column")
+    return text_field
+
+
+def tokenize_and_pack(raw, tokenizer, cfg: DataConfig):
+    """Token blocks of exactly seq_len ids (packing), or one truncated/padded document per row."""
+    text_field = text_column(raw, cfg)
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ToolkitError(f"data.tokenizer: {cfg.tokenizer} has no eos token, needed to separate documents")

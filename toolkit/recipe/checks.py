@@ -130,6 +130,28 @@ def check_training(r: Recipe) -> list[Problem]:
     return out
 
 
+def check_blend(r: Recipe) -> list[Problem]:
+    """data.blend: at least one source, every weight above 0 (so they sum to a positive number), always packed."""
+    blend, out = r.data.blend, []
+    if blend is None:
+        return out
+    if not blend:
+        return [Problem("data.blend", "is an empty list", "list prepared datasets as [{path: PREFIX, weight: 1.0}], "
+                        "or remove data.blend to read data.paths")]
+    for i, source in enumerate(blend):
+        if source.weight <= 0:
+            out.append(Problem(f"data.blend[{i}].weight", f"{source.weight} for {source.path}: blend weights must be "
+                               f"above 0 (they sum to {sum(s.weight for s in blend):g})",
+                               "give every source a positive weight, e.g. 0.7 and 0.3, or remove the source"))
+    if r.data.kind == "chat":
+        out.append(Problem("data.kind", "chat, but a data.blend holds pre-tokenized text without turns or loss masks",
+                           "read conversations from data.paths (or data.hub_dataset), or set data.kind: text"))
+    if not r.data.packing:
+        out.append(Problem("data.packing", "false, but a blend is always packed (GPTDataset cuts the documents into "
+                           "seq_len samples)", "set data.packing: true, or use data.paths for padded documents"))
+    return out
+
+
 def resolve(r: Recipe, world_size: int | None = None, source: str | None = None) -> Plan:
     """Check every rule for `world_size` ranks (default: the recipe's own) and derive the layout and batch."""
     p = r.parallel
@@ -139,7 +161,7 @@ def resolve(r: Recipe, world_size: int | None = None, source: str | None = None)
                                                      "or leave it out to use parallel.world_size")])
     world = world_size or p.world_size or (p.dp or 1) * p.tp * p.pp * p.cp
     problems = check_model(r) + check_model_parallel(r) + check_backend(r) + check_offload(r) + check_training(r)
-    problems += check_eval(r)
+    problems += check_eval(r) + check_blend(r)
     dp, dp_problems = derive_dp(world, p.tp, p.pp, p.cp, p.dp)
     problems += dp_problems
     batch, notes = None, []
@@ -165,6 +187,9 @@ def check_eval(r: Recipe) -> list[Problem]:
                         "keep eval.split (a fraction of data.paths) or eval.paths (files of their own), not both")]
     if e.paths is not None and not e.paths:
         return [Problem("eval.paths", "is an empty list", "list held-out files (or globs), or use eval.split")]
+    if e.split is not None and r.data.blend is not None:
+        return [Problem("eval.split", "holds out part of data.paths, but the training data is a data.blend",
+                        "hold out files of their own with eval.paths")]
     if e.interval and e.split is None and e.paths is None:
         return [Problem("eval.interval", f"{e.interval}, but no held-out data is named",
                         "set eval.split (e.g. 0.05 of the training data) or eval.paths (files of their own)")]
@@ -175,7 +200,13 @@ def check_paths(r: Recipe) -> list[Problem]:
     """Files the run will read or write, checked just before it starts (not by `validate`, so cluster recipes
     can be validated on a laptop)."""
     out = []
-    if r.data.hub_dataset is None:
+    for i, source in enumerate(r.data.blend or []):
+        missing = [s for s in (".bin", ".idx") if not Path(source.path + s).is_file()]
+        if missing:
+            out.append(Problem(f"data.blend[{i}].path", f"{source.path} has no {' or '.join(missing)} file (relative "
+                               f"paths are read from {os.getcwd()})", "give the --output prefix of `toolkit data "
+                               "prepare` (PREFIX, without .bin/.idx), or prepare the data first"))
+    if r.data.hub_dataset is None and r.data.blend is None:
         for pattern in r.data.paths:
             if not expand_glob(pattern):
                 out.append(Problem("data.paths", f"{pattern} matches no file (relative paths are read from "

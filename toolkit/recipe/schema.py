@@ -57,6 +57,13 @@ class ModelConfig(_Section):
     """Std of the normal initialisation of a random model."""
 
 
+class BlendSource(_Section):
+    path: str
+    """Prefix of a prepared dataset (`toolkit data prepare --output PREFIX`): PREFIX.bin and PREFIX.idx."""
+    weight: float = Field(1.0)
+    """Relative share of the samples drawn from this source (the weights are normalised; each must be > 0)."""
+
+
 class DataConfig(_Section):
     kind: Literal["text", "chat"] = "text"
     """text: raw documents for pretraining; chat: conversations (a list of {role, content} per row) rendered through
@@ -80,6 +87,9 @@ class DataConfig(_Section):
     conversations in one sequence, each attending only to itself (padded instead where the backend cannot)."""
     num_workers: int = Field(0, ge=0)
     """DataLoader worker processes per rank."""
+    blend: Optional[list[BlendSource]] = None
+    """Prepared datasets with weights, [{path, weight}], read through Megatron-Core's BlendedMegatronDatasetBuilder
+    and GPTDataset on both backends; when set, paths, hub_dataset, format and text_field are not used."""
 
 
 class EvalConfig(_Section):

@@ -1,0 +1,184 @@
+"""Prepared data (`toolkit data prepare`) and weighted blends (`data.blend`), read through Megatron-Core's own
+IndexedDataset, BlendedMegatronDatasetBuilder and GPTDataset: what prepare writes, the blend's proportions, the
+same sequences for both backends, and bad input refused in one line with nothing written."""
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import launch, write_corpus
+from toolkit.cli import main
+from toolkit.data import DataStream
+from toolkit.errors import RecipeError
+from toolkit.recipe import load_recipe, resolve
+from toolkit.run import build_train_data, check_before_start
+
+TOKENIZER = "recipes/data/demo_tokenizer"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(TOKENIZER)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group(tmp_path_factory):
+    """Megatron-Core's BlendedDataset asks for the rank when it caches its indices: a one-rank gloo group, as a
+    single-process run has."""
+    import torch.distributed as dist
+
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _plan(recipe: str, out_dir: Path, sets: list[str] = (), world: int = 2):
+    return resolve(load_recipe(recipe, [f"output_dir={out_dir}", *sets]), world)
+
+
+def test_prepare_writes_what_megatron_reads_back(prepared_blend, tokenizer, tmp_path):
+    """Megatron-Core's own IndexedDataset reads back one document per text document: its ids, then EOS."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    texts = [json.loads(line)["text"] for line in prepared_blend["corpus_a"].read_text().splitlines()]
+    ds = IndexedDataset(prepared_blend["a"])
+    assert len(ds) == len(texts) == 300 and ds.index.dtype.__name__ == "uint16"
+    for i in (0, 1, 150, 299):
+        want = tokenizer(texts[i], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        assert ds[i].tolist() == want
+    record = json.loads(Path(prepared_blend["a"] + ".tokenizer.json").read_text())
+    assert record["vocab_size"] == len(tokenizer) and record["documents"] == 300
+    assert record["tokens"] == int(ds.sequence_lengths.sum()) and record["workers"] == 2
+    assert not list(prepared_blend["root"].glob("*.partial"))
+    # one worker writes the same bytes as two (the fixture's)
+    assert main(["data", "prepare", "--input", str(prepared_blend["corpus_a"]), "--output", str(tmp_path / "a1"),
+                 "--tokenizer", TOKENIZER, "--workers", "1", "--quiet"]) == 0
+    for ext in (".bin", ".idx"):
+        assert Path(prepared_blend["a"] + ext).read_bytes() == (tmp_path / f"a1{ext}").read_bytes()
+
+
+def _token_set(prefix: str) -> set[int]:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    return {t for i in range(len(ds)) for t in ds[i].tolist()}
+
+
+def test_blend_draws_in_proportion_over_1000_samples(prepared_blend, tokenizer, tmp_path):
+    """0.7/0.3 over 1000 samples (125 steps x global batch 8), each sample told apart by its own tokens."""
+    plan = _plan(prepared_blend["recipe"], tmp_path, ["training.steps=125", "training.global_batch_size=8",
+                                                      "training.micro_batch_size=8"], world=1)
+    data = build_train_data(plan.recipe, plan.batch.global_batch, tokenizer)
+    assert len(data) == 1000
+    only_a = _token_set(prepared_blend["a"]) - _token_set(prepared_blend["b"])
+    stream = DataStream(data, 8, 1, 1, 0, seed=0, shuffle=False)
+    sources = []
+    for _ in range(125):
+        for row in stream.next_step()[0]["input_ids"]:
+            sources.append("a" if set(row.tolist()) & only_a else "b")
+    share = Counter(sources)["a"] / len(sources)
+    assert abs(share - 0.7) < 3 * (0.7 * 0.3 / 1000) ** 0.5  # three standard errors
+    assert sources == ["a" if data.source_of(i) == 0 else "b" for i in range(1000)]  # the stream reads in order
+    assert (tmp_path / "data_cache").is_dir()  # Megatron's index caches: in the run's folder ...
+    assert sorted(p.name for p in prepared_blend["root"].iterdir() if "cache" in p.name) == []  # ... not by the data
+
+
+def test_both_backends_are_fed_the_same_sequences(prepared_blend, tokenizer, tmp_path):
+    """The loop builds the data with one function whatever the backend; per step, the union over data-parallel
+    ranks of what each rank's stream yields is the same set of sequences for DeepSpeed ZeRO-2 (dp 2), Megatron
+    TP2 (dp 1) and Megatron DP2 with the distributed optimizer, all built from the same prepared files."""
+    steps = 4
+
+    def global_batches(recipe: str, sets: list[str]) -> list[list[tuple]]:
+        plan = _plan(prepared_blend["recipe"], tmp_path / recipe,
+                     [f"training.steps={steps}", f"parallel.backend={'deepspeed' if recipe == 'ds' else 'megatron'}",
+                      *sets])
+        data = build_train_data(plan.recipe, plan.batch.global_batch, tokenizer)
+        b, dp = plan.batch, plan.layout.dp
+        streams = [DataStream(data, b.micro_batch, b.grad_accum, dp, rank, 1234, shuffle=False) for rank in range(dp)]
+        return [sorted(tuple(row.tolist()) for s in streams for micro in s.next_step() for row in micro["input_ids"])
+                for _ in range(steps)]
+
+    deepspeed = global_batches("ds", ["parallel.zero_stage=2"])
+    assert global_batches("tp2", ["parallel.tp=2", "parallel.zero_stage=0"]) == deepspeed
+    assert global_batches("dp2", ["parallel.zero_stage=1"]) == deepspeed
+    assert len({seq for step in deepspeed for seq in step}) == steps * 16  # 16 distinct sequences per step
+    assert all(len(seq) == 64 for step in deepspeed for seq in step)
+
+
+# ---- bad input: one line naming the problem and the fix, exit code 2, nothing written --------------------------
+
+def _prepare(capsys, tmp_path, inputs, tokenizer=TOKENIZER):
+    code = main(["data", "prepare", "--input", *map(str, inputs), "--output", str(tmp_path / "out" / "x"),
+                 "--tokenizer", tokenizer, "--quiet"])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+@pytest.mark.parametrize("content,says", [("", "is empty"), ('{"text": ""}\n{"text": ""}\n', "holds no text"),
+                                          ("\x00\x01binary", "NUL bytes")])
+def test_prepare_refuses_a_corpus_without_text(content, says, capsys, tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(content)
+    code, err = _prepare(capsys, tmp_path, [corpus])
+    assert code == 2 and says in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]  # not even the output's folder
+
+
+def test_prepare_refuses_a_missing_input_and_an_existing_output(prepared_blend, capsys, tmp_path):
+    code, err = _prepare(capsys, tmp_path, [tmp_path / "nope.jsonl"])
+    assert code == 2 and "matches no file" in err and len(err.splitlines()) == 1
+    code = main(["data", "prepare", "--input", str(prepared_blend["corpus_b"]), "--output", prepared_blend["b"],
+                 "--tokenizer", TOKENIZER, "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "already exists" in err and "--overwrite" in err
+
+
+@pytest.mark.parametrize("weights,says", [((0.7, -0.3), "must be above 0"), ((0.0, 0.0), "they sum to 0"),
+                                          ((), "empty list")])
+def test_blend_weights_must_be_positive(weights, says, prepared_blend, capsys):
+    blend = "[" + ", ".join(f"{{path: {p}, weight: {w}}}" for p, w in zip((prepared_blend["a"], prepared_blend["b"]),
+                                                                        weights)) + "]"
+    code = main(["validate", "--recipe", prepared_blend["recipe"], "--set", f"data.blend={blend}"])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and "data.blend" in err, err
+
+
+def test_blend_path_without_bin_and_idx_is_refused_before_start(prepared_blend, tmp_path):
+    shutil.copy(prepared_blend["a"] + ".bin", tmp_path / "half.bin")  # the .idx is missing
+    r = load_recipe(prepared_blend["recipe"], [f"output_dir={tmp_path / 'run'}", "data.blend=[{path: "
+                                               f"{tmp_path / 'half'}}}, {{path: {tmp_path / 'none'}}}]"])
+    with pytest.raises(RecipeError) as e:
+        check_before_start(r)
+    assert [p.key for p in e.value.problems] == ["data.blend[0].path", "data.blend[1].path"]
+    assert "has no .idx file" in e.value.problems[0].message and ".bin or .idx" in e.value.problems[1].message
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_data_prepared_with_another_tokenizer_is_refused(prepared_blend, tmp_path):
+    """A tokenizer with the same size but two ids swapped is another vocabulary: a real launch stops on it with
+    one problem, exit code non-zero, and no output folder."""
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(TOKENIZER, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    x, y = sorted(vocab, key=vocab.get)[300:302]
+    vocab[x], vocab[y] = vocab[y], vocab[x]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    corpus = write_corpus(tmp_path / "c.jsonl", ["cat", "dog", "sun"], 50, 3)
+    assert main(["data", "prepare", "--input", str(corpus), "--output", str(tmp_path / "c"), "--tokenizer",
+                 str(other), "--quiet"]) == 0
+    proc = launch(prepared_blend["recipe"], [f"data.blend=[{{path: {tmp_path / 'c'}}}]",
+                                              "parallel.backend=megatron", "parallel.zero_stage=0"],
+                  nproc=1, out_dir=tmp_path / "run", launcher="python", check=False)
+    assert proc.returncode != 0
+    assert "data.blend[0].path" in proc.stderr and "was prepared with tokenizer" in proc.stderr, proc.stderr[-2000:]
+    assert "1 problem" in proc.stderr
+    assert not (tmp_path / "run").exists()
