@@ -231,6 +231,9 @@ class CheckpointConfig(_Section):
     """Complete checkpoints to keep; older ones are deleted after a newer one is complete."""
     resume: str = "auto"
     """auto: continue from the latest complete checkpoint if any; never; or a checkpoint folder."""
+    format: Literal["toolkit", "torch_dist"] = "toolkit"
+    """toolkit: per-rank safetensors files (both backends); torch_dist (Megatron backend only): Megatron-Core's
+    dist_checkpointing of the model and optimizer, resumable at another TP/PP/DP layout with no convert step."""
 
 
 class LoggingConfig(_Section):
