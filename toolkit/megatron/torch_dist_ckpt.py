@@ -91,11 +91,49 @@ def load(backend, tag_dir: Path) -> None:
         raise ToolkitError(f"{tag_dir} holds no torch_dist checkpoint (metadata.json and .metadata); it was saved "
                            "with checkpoint.format: toolkit: resume it with that format")
     safe_load.load_dcp_metadata(tag_dir / DCP_METADATA)
+    if backend.layout_meta["zero_stage"] == 1:
+        _prefill_adam_state(backend.optimizer)
     loaded = dist_checkpointing.load(sharded_state(backend, is_loading=True), str(tag_dir))
     for k, w in zip(_keys(backend.chunks), backend.chunks):
         w.module.load_state_dict(loaded[k], strict=True)
-    backend.optimizer.load_state_dict(loaded["optimizer"])
+    if backend.layout_meta["zero_stage"] == 1:
+        _load_distributed(backend.optimizer, loaded["optimizer"])
+    else:
+        backend.optimizer.load_state_dict(loaded["optimizer"])
     _unshare_steps(backend.optimizer)
+
+
+def _load_distributed(optimizer, state) -> None:
+    """DistributedOptimizer.load_state_dict in its two parts, working around its torch-AdamW fallback (no Apex or
+    Transformer Engine, as on CPU): the first part restores each parameter's Adam "step", but the fully_reshardable
+    parameter-state loader then expects "step" among the saved tensors, which the save leaves out. Set the steps
+    aside meanwhile (as checkpoint._load_distributed_state does for Megatron's legacy distopt files)."""
+    inner = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    parts = [state] if len(inner) == 1 else [state[i] for i in range(len(inner))]
+    for o, part in zip(inner, parts):
+        param_state = part.pop("param_state")
+        kind = part.pop("param_state_sharding_type")
+        if kind != "fully_reshardable":
+            raise ToolkitError(f"the distributed optimizer's state was saved as {kind!r}; the toolkit writes and "
+                               "reads 'fully_reshardable'")
+        o.load_state_dict(part)
+        steps = {p: s.pop("step") for p, s in o.optimizer.state.items() if "step" in s}
+        o.load_parameter_state_from_fully_reshardable(param_state)
+        for p, step in steps.items():
+            o.optimizer.state[p]["step"] = step
+
+
+def _prefill_adam_state(optimizer) -> None:
+    """The distributed optimizer's sharded_state_dict reads every parameter's Adam "step" even when loading (its
+    torch-AdamW fallback, without Apex or Transformer Engine, as on CPU), which a fresh optimizer has not got yet:
+    give it zeros, which the load then overwrites."""
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        base = o.optimizer
+        for group in base.param_groups:
+            for p in group["params"]:
+                if not base.state[p]:
+                    base.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                     "exp_avg_sq": torch.zeros_like(p)}
 
 
 def _unshare_steps(optimizer) -> None:
