@@ -306,12 +306,12 @@ def load(backend, tag_dir: Path, layout_meta: dict, micro_batch: int | None = No
                            "checkpoint.resume: never to start fresh")
     check_model(tag_dir, meta, _running_model(backend))
     _check_pickles(tag_dir)
-    with safe_load.weights_only_everywhere(tag_dir):  # also DeepSpeed's and Megatron's own torch.load calls
-        backend.load_state(tag_dir)
     state = safe_load.load(tag_dir / rank_file(0 if moved else dist.get_rank()))
     if moved:  # RNG streams cannot map onto another set of ranks: every rank takes rank 0's (no dropout here)
         state["data"] = moved_data_position(state["data"], meta.get("micro_batch"), saved.get("dp"), micro_batch,
                                             layout_meta["dp"], tag_dir)
+    with safe_load.weights_only_everywhere(tag_dir):  # also DeepSpeed's and Megatron's own torch.load calls
+        backend.load_state(tag_dir)
     set_rng_state(state["rng"])
     return state
 
