@@ -103,3 +103,28 @@ def test_default_format_is_unchanged():
     from toolkit.recipe import load_recipe
 
     assert load_recipe("tiny_tp2_pp2").checkpoint.format == "toolkit"
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (__import__("os").system, (f"touch {self.marker}",))
+
+
+def test_resume_refuses_a_planted_dcp_metadata_before_megatron_reads_it(tmp_path):
+    """Megatron-Core's load unpickles `.metadata` without restrictions: the resume path reads it first with only
+    DCP's records allowed, so a planted one is refused (no backend is touched) and its payload never runs."""
+    import pickle
+
+    from toolkit.megatron import torch_dist_ckpt
+
+    (tmp_path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (tmp_path / ".metadata").write_bytes(pickle.dumps({"evil": _Payload(tmp_path / "pwned")}))
+    with pytest.raises(ToolkitError, match="refused rather than unpickled|not allowed"):
+        torch_dist_ckpt.load(None, tmp_path)
+    assert not (tmp_path / "pwned").exists()
+    (tmp_path / ".metadata").unlink()
+    with pytest.raises(ToolkitError, match="holds no torch_dist checkpoint"):
+        torch_dist_ckpt.load(None, tmp_path)

@@ -85,12 +85,12 @@ def load(backend, tag_dir: Path) -> None:
     is a plain pickle that torch unpickles without restrictions: it is first read here with only DCP's record classes
     allowed (a planted one is refused, never run); common.pt and the shards load as weights only (the caller's
     safe_load.weights_only_everywhere)."""
-    from megatron.core import dist_checkpointing  # lazy: Megatron runs only
-
     if not is_torch_dist(tag_dir):
         raise ToolkitError(f"{tag_dir} holds no torch_dist checkpoint (metadata.json and .metadata); it was saved "
                            "with checkpoint.format: toolkit: resume it with that format")
-    safe_load.load_dcp_metadata(tag_dir / DCP_METADATA)
+    safe_load.load_dcp_metadata(tag_dir / DCP_METADATA)  # before Megatron is even imported
+    from megatron.core import dist_checkpointing  # lazy: Megatron runs only
+
     if backend.layout_meta["zero_stage"] == 1:
         _prefill_adam_state(backend.optimizer)
     loaded = dist_checkpointing.load(sharded_state(backend, is_loading=True), str(tag_dir))
