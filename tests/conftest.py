@@ -79,16 +79,16 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def stopped(tmp_path_factory):
-    """stopped(recipe, steps, stop, nproc=2) -> the output folder of the same run as `uninterrupted`'s, ended by
+    """stopped(recipe, steps, stop, nproc=2, extra=()) -> the output folder of the same run as `uninterrupted`'s, ended by
     training.stop_at_step=`stop` with a checkpoint there; launched once per session. Shared: a test that resumes
     it or writes into it works on a copy (shutil.copytree)."""
     runs: dict[tuple[str, int, int, int], Path] = {}
 
-    def get(recipe: str, steps: int, stop: int, nproc: int = 2) -> Path:
-        key = (recipe, steps, stop, nproc)
+    def get(recipe: str, steps: int, stop: int, nproc: int = 2, extra: tuple[str, ...] = ()) -> Path:
+        key = (recipe, steps, stop, nproc, *extra)  # extra: overrides that do not change a loss (checkpoint.format)
         if key not in runs:
             out = tmp_path_factory.mktemp(f"stopped_{Path(recipe).stem}_{steps}_{stop}_{nproc}")
-            launch(recipe, [f"training.steps={steps}", *UNINTERRUPTED, f"training.stop_at_step={stop}"],
+            launch(recipe, [f"training.steps={steps}", *UNINTERRUPTED, f"training.stop_at_step={stop}", *extra],
                    nproc=nproc, out_dir=out)
             runs[key] = out
         return runs[key]

@@ -138,11 +138,12 @@ def train(recipe: Recipe) -> list[dict]:
     root, start = Path(r.checkpoint_dir), 0
     tag_dir = ckpt.find_resume(root, r.checkpoint.resume, log=log.info)  # names the choice and any skipped
     if tag_dir is not None:
-        state = ckpt.load(backend, tag_dir, backend.layout_meta)
+        state = ckpt.load(backend, tag_dir, backend.layout_meta, batch.micro_batch)
         stream.load_state_dict(state["data"])
         start = state["step"]
         log.info(f"[toolkit] resumed from {tag_dir} at step {start}")
-    meta = {"layout": backend.layout_meta, "recipe": r.model_dump(mode="json"), "backend": backend.name}
+    meta = {"layout": backend.layout_meta, "recipe": r.model_dump(mode="json"), "backend": backend.name,
+            "checkpoint_format": r.checkpoint.format, "micro_batch": batch.micro_batch}
     if info.rank == 0:
         earlier = preempt.clear_marker(Path(r.out_dir))
         if earlier is not None:

@@ -108,7 +108,11 @@ def inspect_toolkit(tag_dir: Path) -> dict:
         model = Recipe.model_validate(meta["recipe"]).model
         report["architecture"] = model.model_dump(exclude={"preset", "hf_path", "pretrained"})
         report["parameters"] = count_params(model)["total"]
-    if meta.get("backend") == "megatron" and not problems:
+    if meta.get("backend") == "megatron" and meta.get("checkpoint_format") == "torch_dist":
+        report["format"] = "megatron torch_dist"  # checkpoint.format: torch_dist, read as Megatron-LM's iter_* folders
+        if not problems:
+            report["dtypes"] = _inspect_torch_dist(tag_dir, tag_dir)["dtypes"]
+    elif meta.get("backend") == "megatron" and not problems:
         report["dtypes"] = _megatron_dtypes(tag_dir)
     return report
 

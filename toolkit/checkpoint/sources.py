@@ -397,6 +397,8 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
             raise ToolkitError(f"{src} is not a complete checkpoint: {'; '.join(problems)}")
         meta = manifest.read_meta(src)
         backend = meta.get("backend")
+        if backend == "megatron" and meta.get("checkpoint_format") == "torch_dist":  # checkpoint.format: torch_dist
+            return TorchDistSource(src, vocab_size or meta["recipe"]["model"]["vocab_size"])
         if backend == "megatron":
             return ToolkitMegatronSource(src, meta, weights_only)
         if backend == "deepspeed":

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from toolkit.format.names import rank_tag
-from toolkit.megatron import runtime
+from toolkit.megatron import runtime, torch_dist_ckpt
 from toolkit.megatron.checkpoint import checkpoint_bytes, load_rank_state, save_rank_state, written_files
 from toolkit.megatron.runtime import eval_step, train_step
 from toolkit.model import to_hf_config
@@ -30,7 +30,7 @@ class MegatronBackend:
         if r.model.pretrained:
             runtime.load_hf_weights(chunks, r.model.hf_path, r, layout)
         self.chunks, self.optimizer = runtime.wrap_and_optimize(chunks, r, layout)
-        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_rank, self.rank = ps.get_data_parallel_rank(), info.rank
         self.rank_tag = rank_tag(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
         self.layout_meta = {"world_size": layout.world_size, "zero_stage": layout.zero_stage, "dp": layout.dp,
                             "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": layout.cp}
@@ -52,11 +52,17 @@ class MegatronBackend:
 
     def save_state(self, root: Path, tag: str) -> None:
 
-        save_rank_state(self, root / tag)
+        if self.recipe.checkpoint.format == torch_dist_ckpt.FORMAT:  # Megatron-Core's dist_checkpointing (collective)
+            torch_dist_ckpt.save(self, root / tag, int(tag.split("_")[-1]))
+        else:
+            save_rank_state(self, root / tag)
 
     def load_state(self, tag_dir: Path) -> None:
-
-        load_rank_state(self, tag_dir)
+        """By what the checkpoint holds (not by checkpoint.format): a run may resume in the other format."""
+        if torch_dist_ckpt.is_torch_dist(tag_dir):
+            torch_dist_ckpt.load(self, tag_dir)
+        else:
+            load_rank_state(self, tag_dir)
 
     @property
     def hf_config(self) -> dict:
@@ -67,6 +73,8 @@ class MegatronBackend:
     def rank_files(self, tag_dir: Path) -> list[str]:
         """The checkpoint files this rank wrote (it hashes them for the manifest)."""
 
+        if self.recipe.checkpoint.format == torch_dist_ckpt.FORMAT:
+            return torch_dist_ckpt.written_files(self.rank, tag_dir)
         return written_files(self, tag_dir)
 
     def checkpoint_bytes(self) -> int:

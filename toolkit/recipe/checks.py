@@ -80,6 +80,10 @@ def check_backend(r: Recipe) -> list[Problem]:
             out.append(Problem("parallel.backend", f"the deepspeed backend runs data parallel + ZeRO only, but the "
                                f"recipe asks for {', '.join(extra)}",
                                "set parallel.backend: megatron for tensor/pipeline/sequence/context parallelism"))
+        if r.checkpoint.format == "torch_dist":
+            out.append(Problem("checkpoint.format", "torch_dist is Megatron-Core's checkpoint format; the deepspeed "
+                               "backend saves DeepSpeed's own files", "use checkpoint.format: toolkit with backend: "
+                               "deepspeed, or parallel.backend: megatron"))
     else:
         if "nvme" in (p.offload_optimizer, p.offload_params):
             out.append(Problem("parallel.offload_optimizer" if p.offload_optimizer == "nvme" else

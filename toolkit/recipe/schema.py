@@ -250,6 +250,9 @@ class CheckpointConfig(_Section):
     export_hf: bool = False
     """At the end of training, convert the last checkpoint to a Hugging Face folder, <output_dir>/hf (with the
     tokenizer of data.tokenizer), as `toolkit convert --to hf` would."""
+    format: Literal["toolkit", "torch_dist"] = "toolkit"
+    """toolkit: per-rank safetensors files (both backends); torch_dist (Megatron backend only): Megatron-Core's
+    dist_checkpointing of the model and optimizer, resumable at another TP/PP/DP layout with no convert step."""
 
 
 class LoggingConfig(_Section):

@@ -285,12 +285,16 @@ def _describe(layout: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(layout.items()))
 
 
-def load(backend, tag_dir: Path, layout_meta: dict) -> dict:
+def load(backend, tag_dir: Path, layout_meta: dict, micro_batch: int | None = None) -> dict:
     """Restore the backend's model and optimizer state, then this rank's RNG. Returns the saved toolkit state.
-    Every pickle is read as weights only (toolkit/format/safe_load.py), also inside DeepSpeed and Megatron."""
+    Every pickle is read as weights only (toolkit/format/safe_load.py), also inside DeepSpeed and Megatron.
+    A torch_dist checkpoint (Megatron backend) also loads at another layout (`micro_batch`: this run's)."""
     meta = manifest.read_meta(tag_dir)
     saved = meta.get("layout", {})
-    if saved != layout_meta:
+    moved = saved != layout_meta
+    if moved and meta.get("checkpoint_format") == "torch_dist" and "tp" in layout_meta:
+        _check_reshard(tag_dir, saved, layout_meta)
+    elif moved:
         if "tp" in layout_meta:
             move = (f"toolkit convert {tag_dir} NEW_DIR --to megatron --tp {layout_meta['tp']} --pp "
                     f"{layout_meta['pp']} --vpp {layout_meta['vpp']}")
@@ -302,11 +306,39 @@ def load(backend, tag_dir: Path, layout_meta: dict) -> dict:
                            "checkpoint.resume: never to start fresh")
     check_model(tag_dir, meta, _running_model(backend))
     _check_pickles(tag_dir)
+    state = safe_load.load(tag_dir / rank_file(0 if moved else dist.get_rank()))
+    if moved:  # RNG streams cannot map onto another set of ranks: every rank takes rank 0's (no dropout here)
+        state["data"] = moved_data_position(state["data"], meta.get("micro_batch"), saved.get("dp"), micro_batch,
+                                            layout_meta["dp"], tag_dir)
     with safe_load.weights_only_everywhere(tag_dir):  # also DeepSpeed's and Megatron's own torch.load calls
         backend.load_state(tag_dir)
-    state = safe_load.load(tag_dir / rank_file(dist.get_rank()))
     set_rng_state(state["rng"])
     return state
+
+
+def _check_reshard(tag_dir: Path, saved: dict, layout_meta: dict) -> None:
+    """Megatron-Core reshards a torch_dist checkpoint over TP, PP, VPP, CP and DP, but the optimizer must be the
+    same kind (plain or distributed): their sharded states differ."""
+    if saved.get("zero_stage") != layout_meta["zero_stage"]:
+        kind = {0: "the plain optimizer", 1: "the distributed optimizer"}
+        raise ToolkitError(f"checkpoint {tag_dir} was saved with {kind.get(saved.get('zero_stage'), saved)}, this run "
+                           f"uses {kind[layout_meta['zero_stage']]}; set parallel.zero_stage: {saved.get('zero_stage')} "
+                           "to resume it (TP, PP and DP may differ), or checkpoint.resume: never to start fresh")
+
+
+def moved_data_position(data: dict, old_micro, old_dp, new_micro, new_dp: int, where: Path) -> dict:
+    """The data position in this run's micro-batches: every step reads the same global sequences at any data
+    parallelism (DistributedSampler deals one shuffled order round the ranks), so the sequences consumed this
+    epoch, consumed x micro x dp, stay the same."""
+    if old_micro is None or new_micro is None or old_dp is None:
+        raise ToolkitError(f"{where / META} does not record the micro-batch size and dp it was trained with, so its "
+                           "data position cannot move to another layout; resume it at its saved layout")
+    sequences = int(data["consumed_micro_batches"]) * int(old_micro) * int(old_dp)
+    if sequences % (new_micro * new_dp):
+        raise ToolkitError(f"checkpoint {where} consumed {sequences} sequences of this epoch, not a whole number of "
+                           f"this run's micro-batches x dp ({new_micro} x {new_dp}); keep training.global_batch_size "
+                           "and choose a micro_batch_size that divides it")
+    return {**data, "consumed_micro_batches": sequences // (new_micro * new_dp)}
 
 
 ARCHITECTURE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -1,0 +1,130 @@
+"""The Megatron backend saving and resuming in Megatron-Core's torch_dist format (`checkpoint.format: torch_dist`).
+
+One 4-rank launch (shared fixture `stopped`) trains tiny_tp2_pp2 at TP2 x PP2 for 3 of 6 steps and saves step 3
+through Megatron-Core's own `dist_checkpointing.save`. That checkpoint then
+- resumes at TP1 x PP2 x DP2 through Megatron-Core's resharding load, with no convert step, and continues the
+  uninterrupted TP2 x PP2 run's losses (the uninterrupted run is shared with test_megatron_resume and
+  test_convert_layouts);
+- loads with Megatron-Core's own `dist_checkpointing.load` into a fresh GPTModel's sharded_state_dict on one rank
+  (tests/megatron_dist_load_probe.py), giving the weights that `toolkit convert --to hf` reads from it.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, UNINTERRUPTED, free_port, launch, read_metrics
+
+from toolkit.checkpoint.convert import convert
+from toolkit.checkpoint.inspect import inspect
+from toolkit.errors import ToolkitError
+from toolkit.train.checkpoint import _check_reshard, moved_data_position
+
+STEPS, STOP = 6, 3
+TORCH_DIST = ("checkpoint.format=torch_dist",)
+
+
+@pytest.fixture(scope="module")
+def saved(stopped) -> Path:
+    return stopped("tiny_tp2_pp2", STEPS, STOP, 4, TORCH_DIST)
+
+
+@pytest.mark.slow
+def test_tp2_pp2_torch_dist_run_resumes_at_tp1_pp2_dp2(uninterrupted, saved, tmp_path):
+    straight = [m["loss"] for m in uninterrupted("tiny_tp2_pp2", STEPS, 4)]
+    shutil.copytree(saved, tmp_path / "run")
+    tag = tmp_path / "run" / "checkpoints" / "step_00000003"
+    names = sorted(p.name for p in tag.iterdir())
+    # Megatron-Core's files, not the toolkit's per-rank safetensors; the toolkit's own state and manifest beside them
+    assert {".metadata", "common.pt", "metadata.json", "toolkit_meta.json"} <= set(names)
+    assert not [n for n in names if n.endswith(".safetensors")]
+    assert [n for n in names if n.endswith(".distcp")] == [f"__{r}_{i}.distcp" for r in range(4) for i in range(2)]
+    meta = json.loads((tag / "toolkit_meta.json").read_text())
+    assert meta["checkpoint_format"] == "torch_dist" and (meta["layout"]["tp"], meta["layout"]["pp"]) == (2, 2)
+    assert set(meta["files"]) == set(names) - {"toolkit_meta.json", "toolkit_started.json"}  # the manifest hashes all
+    proc = launch("tiny_tp2_pp2", [f"training.steps={STEPS}", *UNINTERRUPTED, "parallel.tp=1", *TORCH_DIST],
+                  nproc=4, out_dir=tmp_path / "run")
+    assert "dp=2 tp=1 pp=2" in proc.stdout and "resumed from" in proc.stdout
+    split = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in split] == [1, 2, 3, 4, 5, 6]
+    got = [m["loss"] for m in split[STOP:]]
+    print("uninterrupted TP2xPP2:", straight[STOP:], "resumed from torch_dist at TP1xPP2xDP2:", got)
+    # only fp32 reduction order differs; fresh Adam moments at step 4 move the loss by ~1e-2, a wrong shard far more
+    assert got == pytest.approx(straight[STOP:], rel=1e-5)
+    last = tmp_path / "run" / "checkpoints" / "step_00000006"
+    assert json.loads((last / "toolkit_meta.json").read_text())["layout"]["dp"] == 2 and list(last.glob("*.distcp"))
+
+
+@pytest.mark.slow
+def test_megatron_core_loads_the_training_checkpoint_and_convert_reads_it(saved, tmp_path):
+    checkpoints = saved / "checkpoints"
+    report = inspect(checkpoints / "step_00000003")
+    assert report["format"] == "megatron torch_dist" and report["complete"], report["problems"]
+    hf = convert(checkpoints, tmp_path / "hf", "hf", progress=False, log=lambda *_: None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
+           str(REPO / "tests" / "megatron_dist_load_probe.py"), str(hf), str(checkpoints / "step_00000003"), "1x1x1"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "loaded 1x1x1" in proc.stdout  # every weight Megatron loaded equals the HF mapping of the converted one
+
+
+def test_data_position_moves_with_data_parallelism(tmp_path):
+    data = {"epoch": 1, "consumed_micro_batches": 6}
+    # 6 micro-batches of 8 at dp 1 = 48 sequences = 3 of 8 x dp 2
+    assert moved_data_position(data, 8, 1, 8, 2, tmp_path) == {"epoch": 1, "consumed_micro_batches": 3}
+    assert moved_data_position(data, 8, 1, 4, 1, tmp_path)["consumed_micro_batches"] == 12
+    with pytest.raises(ToolkitError, match="not a whole number"):
+        moved_data_position(data, 8, 1, 8, 5, tmp_path)
+    with pytest.raises(ToolkitError, match="does not record the micro-batch size"):
+        moved_data_position(data, None, 1, 8, 2, tmp_path)
+
+
+def test_switching_between_plain_and_distributed_optimizer_is_refused(tmp_path):
+    saved = {"tp": 2, "pp": 2, "dp": 1, "zero_stage": 0}
+    _check_reshard(tmp_path, saved, {**saved, "tp": 1, "dp": 2})  # TP/PP/DP may change
+    with pytest.raises(ToolkitError, match="saved with the plain optimizer, this run uses the distributed optimizer"):
+        _check_reshard(tmp_path, saved, {**saved, "zero_stage": 1})
+
+
+def test_torch_dist_with_deepspeed_is_refused_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "toolkit", "validate", "--recipe", "tiny_zero1", "--set",
+                           "checkpoint.format=torch_dist"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "1 problem" in proc.stderr and "checkpoint.format: torch_dist is Megatron-Core's checkpoint format" in \
+        proc.stderr
+
+
+def test_default_format_is_unchanged():
+    from toolkit.recipe import load_recipe
+
+    assert load_recipe("tiny_tp2_pp2").checkpoint.format == "toolkit"
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (__import__("os").system, (f"touch {self.marker}",))
+
+
+def test_resume_refuses_a_planted_dcp_metadata_before_megatron_reads_it(tmp_path):
+    """Megatron-Core's load unpickles `.metadata` without restrictions: the resume path reads it first with only
+    DCP's records allowed, so a planted one is refused (no backend is touched) and its payload never runs."""
+    import pickle
+
+    from toolkit.megatron import torch_dist_ckpt
+
+    (tmp_path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (tmp_path / ".metadata").write_bytes(pickle.dumps({"evil": _Payload(tmp_path / "pwned")}))
+    with pytest.raises(ToolkitError, match="refused rather than unpickled|not allowed"):
+        torch_dist_ckpt.load(None, tmp_path)
+    assert not (tmp_path / "pwned").exists()
+    (tmp_path / ".metadata").unlink()
+    with pytest.raises(ToolkitError, match="holds no torch_dist checkpoint"):
+        torch_dist_ckpt.load(None, tmp_path)

@@ -1,0 +1,146 @@
+"""The Megatron backend's checkpoints in Megatron-Core's own `torch_dist` format (`checkpoint.format: torch_dist`).
+
+A step folder then holds what Megatron-LM's save_checkpoint writes into an iter_* folder, through Megatron-Core's
+own `dist_checkpointing.save`: `__R_I.distcp` (every rank's shards), `.metadata` (torch DCP's index), `common.pt`
+and `metadata.json`. The state saved is Megatron-LM's: `args` (the model's Megatron-LM arguments at the saved
+layout, so `toolkit convert`, `toolkit inspect` and Megatron-LM's --use-checkpoint-args read it), `iteration`,
+`model` (or `model0..N` with virtual pipeline chunks) = each chunk's sharded_state_dict(), and `optimizer` = the
+optimizer's sharded_state_dict of those (Adam moments, fp32 main weights of a 16-bit model, step, grad scaler).
+The distributed optimizer saves its state as `fully_reshardable` (gathered to each model-parallel group's
+data-parallel rank 0, stored per parameter), so that, like the plain optimizer's, it loads at another TP x PP x DP.
+
+The toolkit's own per-run state (step, data position, RNG), its manifest and pointer stay as in the toolkit format
+(toolkit/train/checkpoint.py). Resuming calls `dist_checkpointing.load` with the sharded state dicts of this
+run's layout: Megatron-Core reshards on load, so TP, PP, VPP and DP may differ from the saved ones.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from toolkit.checkpoint.megatron_lm_write import model_args
+from toolkit.errors import ToolkitError
+from toolkit.families import dims_from_hf
+from toolkit.format import safe_load
+from toolkit.model import to_hf_config
+
+FORMAT = "torch_dist"
+DCP_METADATA = ".metadata"
+
+
+def _metadata(backend) -> dict:
+    """How Megatron-Core shapes the optimizer's sharded state: per parameter, whatever the layout."""
+    meta = {"chained_optim_avoid_prefix": True}
+    if backend.layout_meta["zero_stage"] == 1:
+        meta["distrib_optim_sharding_type"] = "fully_reshardable"
+    return meta
+
+
+def _keys(chunks: list) -> list[str]:
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def sharded_state(backend, is_loading: bool) -> dict:
+    """Megatron-LM's sharded state dict of this rank: model chunk(s) and optimizer (ShardedTensors)."""
+    meta = _metadata(backend)
+    state = {k: w.module.sharded_state_dict(metadata=meta) for k, w in zip(_keys(backend.chunks), backend.chunks)}
+    state["optimizer"] = backend.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=meta)
+    return state
+
+
+def _args(backend):
+    r, lm = backend.recipe, backend.layout_meta
+    divisible_by = r.parallel.megatron.make_vocab_size_divisible_by
+    config = to_hf_config(r.model).to_dict()
+    dims = dims_from_hf(to_hf_config(r.model), lm["tp"], divisible_by)
+    dtype = next(backend.chunks[0].module.parameters()).dtype
+    args = model_args(dims, config, lm["tp"], lm["pp"], lm["vpp"], divisible_by, dtype, FORMAT)
+    args.use_distributed_optimizer = lm["zero_stage"] == 1
+    args.data_parallel_size = lm["dp"]
+    return args
+
+
+def save(backend, tag_dir: Path, step: int) -> None:
+    """Collective over every rank: Megatron-Core's dist_checkpointing.save into the (existing) step folder."""
+    from megatron.core import dist_checkpointing  # lazy: Megatron runs only
+
+    state = {"args": _args(backend), "checkpoint_version": 3.0, "iteration": step,
+             "num_floating_point_operations_so_far": 0, **sharded_state(backend, is_loading=False)}
+    dist_checkpointing.save(state, str(tag_dir), async_sharded_save=False)
+
+
+def written_files(rank: int, tag_dir: Path) -> list[str]:
+    """This rank's shard files (rank 0's common.pt, metadata.json and .metadata are hashed by rank 0 too, as files
+    no rank claimed)."""
+    return sorted(p.name for p in tag_dir.glob(f"__{rank}_*.distcp"))
+
+
+def is_torch_dist(tag_dir: Path) -> bool:
+    return (tag_dir / "metadata.json").is_file() and (tag_dir / DCP_METADATA).is_file()
+
+
+def load(backend, tag_dir: Path) -> None:
+    """Restore model and optimizer at this run's layout through Megatron-Core's resharding load. DCP's `.metadata`
+    is a plain pickle that torch unpickles without restrictions: it is first read here with only DCP's record classes
+    allowed (a planted one is refused, never run); common.pt and the shards load as weights only (the caller's
+    safe_load.weights_only_everywhere)."""
+    if not is_torch_dist(tag_dir):
+        raise ToolkitError(f"{tag_dir} holds no torch_dist checkpoint (metadata.json and .metadata); it was saved "
+                           "with checkpoint.format: toolkit: resume it with that format")
+    safe_load.load_dcp_metadata(tag_dir / DCP_METADATA)  # before Megatron is even imported
+    from megatron.core import dist_checkpointing  # lazy: Megatron runs only
+
+    if backend.layout_meta["zero_stage"] == 1:
+        _prefill_adam_state(backend.optimizer)
+    loaded = dist_checkpointing.load(sharded_state(backend, is_loading=True), str(tag_dir))
+    for k, w in zip(_keys(backend.chunks), backend.chunks):
+        w.module.load_state_dict(loaded[k], strict=True)
+    if backend.layout_meta["zero_stage"] == 1:
+        _load_distributed(backend.optimizer, loaded["optimizer"])
+    else:
+        backend.optimizer.load_state_dict(loaded["optimizer"])
+    _unshare_steps(backend.optimizer)
+
+
+def _load_distributed(optimizer, state) -> None:
+    """DistributedOptimizer.load_state_dict in its two parts, working around its torch-AdamW fallback (no Apex or
+    Transformer Engine, as on CPU): the first part restores each parameter's Adam "step", but the fully_reshardable
+    parameter-state loader then expects "step" among the saved tensors, which the save leaves out. Set the steps
+    aside meanwhile (as checkpoint._load_distributed_state does for Megatron's legacy distopt files)."""
+    inner = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    parts = [state] if len(inner) == 1 else [state[i] for i in range(len(inner))]
+    for o, part in zip(inner, parts):
+        param_state = part.pop("param_state")
+        kind = part.pop("param_state_sharding_type")
+        if kind != "fully_reshardable":
+            raise ToolkitError(f"the distributed optimizer's state was saved as {kind!r}; the toolkit writes and "
+                               "reads 'fully_reshardable'")
+        o.load_state_dict(part)
+        steps = {p: s.pop("step") for p, s in o.optimizer.state.items() if "step" in s}
+        o.load_parameter_state_from_fully_reshardable(param_state)
+        for p, step in steps.items():
+            o.optimizer.state[p]["step"] = step
+
+
+def _prefill_adam_state(optimizer) -> None:
+    """The distributed optimizer's sharded_state_dict reads every parameter's Adam "step" even when loading (its
+    torch-AdamW fallback, without Apex or Transformer Engine, as on CPU), which a fresh optimizer has not got yet:
+    give it zeros, which the load then overwrites."""
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        base = o.optimizer
+        for group in base.param_groups:
+            for p in group["params"]:
+                if not base.state[p]:
+                    base.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                     "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _unshare_steps(optimizer) -> None:
+    """Give every parameter its own Adam step tensor: torch's AdamW increments each one in place, so a shared one
+    would advance once per parameter per step."""
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        base = getattr(o, "optimizer", None)
+        for s in (base.state.values() if base is not None else []):
+            if torch.is_tensor(s.get("step")):
+                s["step"] = s["step"].detach().clone()
