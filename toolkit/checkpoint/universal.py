@@ -245,7 +245,7 @@ def _zero12(tag: Path, zero: Path, models: list[str], optims: list[str], dp: int
         for name, (off, n) in layout.offsets.items():
             for key in STATES:
                 t = _cat(layout.gather(parts[key], off, off + n, layout.partition), shapes[name])
-                _save({"cat_dim": 0, "param": t.clone()}, zero / name / f"{key}.pt")
+                _save({"cat_dim": 0, "param": t}, zero / name / f"{key}.pt")  # torch.cat made it: a fresh tensor
             if step is not None:
                 _save(step.clone() if torch.is_tensor(step) else step, zero / name / "step.pt")
             written.add(name)
@@ -275,7 +275,7 @@ def _zero3(tag: Path, zero: Path, models: list[str], optims: list[str], dp: int)
                 for r in range(dp):
                     take = max(0, min(chunk, n - r * chunk))
                     pieces += _concat_slice([flats[key][r]], off, off + take) if take else []
-                _save(torch.cat(pieces).clone(), zero / name / f"{key}.pt")
+                _save(torch.cat(pieces), zero / name / f"{key}.pt")  # a fresh tensor, not a view of the file
             off += chunk
             count += 1
     opt = {k: v for k, v in osds[0].items() if k != "fp32_flat_groups"}
