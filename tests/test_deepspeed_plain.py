@@ -12,7 +12,6 @@ line, and nothing is written.
 from __future__ import annotations
 
 import argparse
-import enum
 import hashlib
 import json
 import os
@@ -25,6 +24,7 @@ import pytest
 import torch
 from conftest import REPO, free_port
 from safetensors.torch import load_file
+from universal_compare import assert_same_universal
 
 from toolkit import cli
 
@@ -237,39 +237,13 @@ def universal(runs, tmp_path_factory):
     return root, out
 
 
-def _comparable(x):
-    if isinstance(x, enum.Enum):
-        return repr(x)
-    if torch.is_tensor(x):
-        return ("tensor", x.dtype, tuple(x.shape), x.flatten().tolist())
-    if isinstance(x, dict):
-        return {k: _comparable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_comparable(v) for v in x]
-    return (type(x).__name__, _comparable(vars(x))) if hasattr(x, "__dict__") else x
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n, *_ in UNIVERSAL])
 def test_universal_equals_deepspeeds_ds_to_universal_file_by_file(name, universal):
     _, out = universal
-    ours, ds = out / "ours" / name, out / "ds" / name
-    files = sorted(str(p.relative_to(ours)) for p in ours.rglob("*")
-                   if p.is_file() and p.name != ".toolkit_output.json")
-    assert files == sorted(str(p.relative_to(ds)) for p in ds.rglob("*") if p.is_file())
+    files = assert_same_universal(out / "ours" / name, out / "ds" / name)
     assert len([f for f in files if f.endswith("/fp32.pt")]) >= 20
-    assert (ours / "latest_universal").read_text() == "global_step2"
-    for f in files:
-        if not f.endswith(".pt"):
-            assert (ours / f).read_bytes() == (ds / f).read_bytes(), f
-            continue
-        mine, theirs = torch.load(ours / f, weights_only=False), torch.load(ds / f, weights_only=False)
-        if f.endswith("zero/optimizer_state.pt") and "fp32_flat_groups" in theirs:
-            # ZeRO-3: DeepSpeed keeps rank 0's whole optimizer file there; its loader reads only the step and the
-            # param_groups, which is all we keep (universal.py): the rest must be equal
-            osd = theirs.pop("fp32_flat_groups") and theirs["optimizer_state_dict"]
-            osd["state"] = {k: {"step": v["step"]} for k, v in osd["state"].items()}
-        assert _comparable(mine) == _comparable(theirs), f
+    assert (out / "ours" / name / "latest_universal").read_text() == "global_step2"
 
 
 def _losses(folder: Path, name: str) -> dict:
@@ -317,7 +291,10 @@ def test_universal_bad_input_one_line_nothing_written(runs, tmp_path, capsys):
     for f in (no_optim / "global_step2").glob("*optim_states.pt"):
         f.unlink()
     (tmp_path / "taken").mkdir()
-    cases = [(no_optim, "holds no optimizer state"), (root / "llama_z0_bf16", "is a ZeRO-0 checkpoint"),
+    planted, marker = tmp_path / "planted", tmp_path / "payload_ran"
+    shutil.copytree(root / "uc_llama_z2_bf16", planted)
+    _plant(planted / "global_step2" / OPT.format(1), marker)
+    cases = [(planted, "holds a pickled posix.system"), (no_optim, "holds no optimizer state"), (root / "llama_z0_bf16", "is a ZeRO-0 checkpoint"),
              (root / "llama_z1_fp32.config", "is not a DeepSpeed checkpoint written by engine.save_checkpoint")]
     for src, message in cases:
         capsys.readouterr()
@@ -326,5 +303,5 @@ def test_universal_bad_input_one_line_nothing_written(runs, tmp_path, capsys):
         assert err.startswith("error: ") and "\n" not in err and message in err, err
     assert cli.main(["convert", str(root / "uc_llama_z2_bf16"), str(tmp_path / "taken"), "--to", "universal"]) != 0
     assert "already exists; pass --overwrite" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["no_optim", "taken"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["no_optim", "planted", "taken"] and not marker.exists()
     assert not any((tmp_path / "taken").iterdir())

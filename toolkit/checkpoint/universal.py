@@ -1,5 +1,6 @@
-"""DeepSpeed's universal checkpoint format: written from a ZeRO-1/2/3 checkpoint (`toolkit convert CKPT OUT --to
-universal`), and read back (`toolkit convert OUT HF --to hf`).
+"""DeepSpeed's universal checkpoint format: written from a ZeRO-1/2/3 checkpoint, plain (`engine.save_checkpoint` in
+a user's script) or the toolkit's own (`toolkit convert CKPT OUT --to universal`), and read back (`toolkit convert
+OUT HF --to hf`).
 
 A universal checkpoint holds every parameter whole, by name, with its optimizer state, so DeepSpeed's own
 `load_universal_checkpoint` (`"checkpoint": {"load_universal": true}` in the DeepSpeed config) resumes it at any
@@ -44,11 +45,14 @@ from toolkit.checkpoint.deepspeed_io import (
     _Zero12Layout,
     load_rank_file,
     optim_states,
+    read_meta,
     zero3_model_states,
 )
 from toolkit.checkpoint.deepspeed_plain import PlainDeepSpeedSource, _stage_of, is_plain, resolve_tag
+from toolkit.checkpoint.sources import follow_pointer
 from toolkit.errors import ToolkitError
 from toolkit.format import manifest, paths, safe_load
+from toolkit.format.names import META
 
 POINTER = "latest_universal"
 ZERO = "zero"
@@ -163,10 +167,7 @@ def write_universal(src: str | Path, dst: str | Path, overwrite: bool = False, l
     """Write DST as a universal checkpoint of the ZeRO-1/2/3 checkpoint SRC (see the module docstring)."""
     src, dst = Path(src), Path(dst)
     output.check_destination(src, dst, overwrite)
-    if not is_plain(src):
-        raise ToolkitError(f"{src} is not a DeepSpeed checkpoint written by engine.save_checkpoint (a folder with "
-                           "`latest`, or a global_step* folder): --to universal converts those")
-    tag = resolve_tag(src)
+    tag = _tag_of(src)
     probe = PlainDeepSpeedSource(tag)  # checks that every rank's file is there and all are of one save
     try:
         stage, dp, ok = probe.stage, probe.dp, probe.report["optimizer_complete"]
@@ -199,6 +200,20 @@ def write_universal(src: str | Path, dst: str | Path, overwrite: bool = False, l
             f"{time.monotonic() - t0:.1f} s")
         output.replace(tmp, dst)
     return dst
+
+
+def _tag_of(src: Path) -> Path:
+    """The step folder to convert: a plain checkpoint's (its `latest`, or the global_step* folder given), or a toolkit
+    DeepSpeed checkpoint's (its latest_complete, or the step_* folder given; manifest checked first)."""
+    if is_plain(src):
+        return resolve_tag(src)
+    tag = follow_pointer(src)
+    if (tag / META).is_file():
+        read_meta(tag)  # every file against the manifest; refuses another backend
+        return tag
+    raise ToolkitError(f"{src} is not a DeepSpeed checkpoint written by engine.save_checkpoint (a folder with "
+                       "`latest`, a global_step* folder, or a toolkit DeepSpeed checkpoint): --to universal "
+                       "converts those")
 
 
 def _save(obj, file: Path) -> None:
