@@ -29,6 +29,8 @@ from universal_compare import assert_same_universal
 from toolkit import cli
 
 UNIVERSAL = [("uc_llama_z2_bf16", "llama", 2, "bf16"), ("uc_qwen_z3_fp32", "qwen2", 3, "fp32")]
+# also written as universal checkpoints and compared (no resume): ZeRO-1, and ZeRO-3 with a frozen parameter
+UNIVERSAL_ALSO = [n for n, *_ in UNIVERSAL] + ["llama_z1_fp32", "qwen_z3_fp32"]
 RUNS = {
     3: [dict(name="llama_z3_bf16", model="llama", stage=3, dtype="bf16", steps=2, extra_step=True),
         dict(name="qwen_z2_fp32", model="qwen2", stage=2, dtype="fp32", steps=2, freeze=True),
@@ -219,13 +221,13 @@ def test_config_missing_or_of_another_model_is_refused(runs, tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------------- universal
 @pytest.fixture(scope="module")
 def universal(runs, tmp_path_factory):
-    """The DP2 checkpoints of UNIVERSAL, written as universal checkpoints by the toolkit (ours/) and by DeepSpeed's own
+    """The DP2 checkpoints of UNIVERSAL_ALSO, written as universal checkpoints by the toolkit (ours/) and by DeepSpeed's own
     ds_to_universal.py (ds/), then resumed from ours/ with DeepSpeed's load_universal_checkpoint at DP1 and DP3 (one
     launch each) for the last 2 of the 4 steps."""
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     root, out = runs(2), tmp_path_factory.mktemp("universal")
-    for name, *_ in UNIVERSAL:
+    for name in UNIVERSAL_ALSO:
         assert cli.main(["convert", str(root / name), str(out / "ours" / name), "--to", "universal", "--quiet"]) == 0
         ds_to_universal(argparse.Namespace(  # as `python -m deepspeed.checkpoint.ds_to_universal`, in this process
             input_folder=str(root / name / "global_step2"), output_folder=str(out / "ds" / name / "global_step2"),
@@ -238,7 +240,7 @@ def universal(runs, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n, *_ in UNIVERSAL])
+@pytest.mark.parametrize("name", UNIVERSAL_ALSO)
 def test_universal_equals_deepspeeds_ds_to_universal_file_by_file(name, universal):
     _, out = universal
     files = assert_same_universal(out / "ours" / name, out / "ds" / name)
@@ -266,7 +268,7 @@ def test_universal_resumes_in_deepspeed_at_another_dp_and_the_loss_continues(nam
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n, *_ in UNIVERSAL])
+@pytest.mark.parametrize("name", UNIVERSAL_ALSO)
 def test_universal_reads_back_to_hf_as_the_zero_checkpoint_does(name, universal, tmp_path, capsys):
     root, out = universal
     for flag in ([], ["--fp32"]):
@@ -281,6 +283,8 @@ def test_universal_reads_back_to_hf_as_the_zero_checkpoint_does(name, universal,
     report = json.loads(capsys.readouterr().out)
     assert report["format"] == "deepspeed universal checkpoint" and report["step"] == 2 and report["complete"]
     assert report["layout"]["dp"] == 2 and report["optimizer_state"].startswith("complete")
+    assert report["architecture"]["tied"] == ({"lm_head.weight": "model.embed_tokens.weight"} if "qwen" in name
+                                              else None)
 
 
 @pytest.mark.slow
@@ -294,7 +298,10 @@ def test_universal_bad_input_one_line_nothing_written(runs, tmp_path, capsys):
     planted, marker = tmp_path / "planted", tmp_path / "payload_ran"
     shutil.copytree(root / "uc_llama_z2_bf16", planted)
     _plant(planted / "global_step2" / OPT.format(1), marker)
-    cases = [(planted, "holds a pickled posix.system"), (no_optim, "holds no optimizer state"), (root / "llama_z0_bf16", "is a ZeRO-0 checkpoint"),
+    universal = tmp_path / "uc"
+    assert cli.main(["convert", str(root / "uc_llama_z2_bf16"), str(universal), "--to", "universal", "--quiet"]) == 0
+    cases = [(universal, "is already a universal checkpoint"), (planted, "holds a pickled posix.system"),
+             (no_optim, "holds no optimizer state"), (root / "llama_z0_bf16", "is a ZeRO-0 checkpoint"),
              (root / "llama_z1_fp32.config", "is not a DeepSpeed checkpoint written by engine.save_checkpoint")]
     for src, message in cases:
         capsys.readouterr()
@@ -303,5 +310,6 @@ def test_universal_bad_input_one_line_nothing_written(runs, tmp_path, capsys):
         assert err.startswith("error: ") and "\n" not in err and message in err, err
     assert cli.main(["convert", str(root / "uc_llama_z2_bf16"), str(tmp_path / "taken"), "--to", "universal"]) != 0
     assert "already exists; pass --overwrite" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["no_optim", "planted", "taken"] and not marker.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["no_optim", "planted", "taken", "uc"]
+    assert not marker.exists()
     assert not any((tmp_path / "taken").iterdir())

@@ -205,6 +205,9 @@ def write_universal(src: str | Path, dst: str | Path, overwrite: bool = False, l
 def _tag_of(src: Path) -> Path:
     """The step folder to convert: a plain checkpoint's (its `latest`, or the global_step* folder given), or a toolkit
     DeepSpeed checkpoint's (its latest_complete, or the step_* folder given; manifest checked first)."""
+    if is_universal(src):
+        raise ToolkitError(f"{src} is already a universal checkpoint: DeepSpeed loads it at any DP size as it is "
+                           "(checkpoint.load_universal); convert it --to hf for the weights")
     if is_plain(src):
         return resolve_tag(src)
     tag = follow_pointer(src)
