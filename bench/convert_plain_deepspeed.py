@@ -12,7 +12,11 @@ kernel (wait4; it counts the rank files' memory-mapped pages the converter touch
   cp             cp -r of the checkpoint's tag folder, then sync
   zero_to_fp32   python CKPT/zero_to_fp32.py CKPT OUT --safe_serialization
   toolkit        toolkit convert CKPT OUT --to hf --fp32 --no-verify --quiet
-and both outputs are compared tensor by tensor (they must be equal bit for bit).
+  ds_to_universal  python -m deepspeed.checkpoint.ds_to_universal --input_folder TAG --output_folder OUT/TAG
+                   (its default 4 extract / 2 merge worker processes)
+  toolkit universal  toolkit convert CKPT OUT --to universal --quiet
+and both pairs of outputs are compared tensor by tensor (they must be equal bit for bit; for the universal
+checkpoints every zero/<param>/*.pt file).
 """
 from __future__ import annotations
 
@@ -65,15 +69,36 @@ def compare(ours: Path, theirs: Path) -> int:
     return 0
 
 
+def compare_universal(ours: Path, theirs: Path) -> int:
+    """Run in a child: every zero/<param>/*.pt tensor file of ds_to_universal.py's output equals ours."""
+    import torch
+
+    files = sorted(str(p.relative_to(theirs)) for p in (theirs / "zero").rglob("*.pt") if p.parent.name != "zero")
+    bad = []
+    for f in files:
+        a, b = torch.load(ours / f, weights_only=True), torch.load(theirs / f, weights_only=True)
+        a, b = (a["param"], b["param"]) if isinstance(a, dict) else (a, b)
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            bad.append(f)
+    if bad or not files:
+        print(f"universal outputs differ: {bad[:5]} ({len(files)} files)")
+        return 1
+    print(f"universal outputs equal: {len(files)} files")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=list(SIZES), default="0.1b")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     ap.add_argument("--compare", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--compare-universal", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.compare:
         return compare(Path(args.compare[0]), Path(args.compare[1]))
+    if args.compare_universal:
+        return compare_universal(Path(args.compare_universal[0]), Path(args.compare_universal[1]))
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="bench_plain_ds_") as work:
         work = Path(work)
         t0 = time.perf_counter()
@@ -88,6 +113,11 @@ def main(argv=None) -> int:
             ("toolkit convert", [sys.executable, "-m", "toolkit", "convert", str(ckpt), str(work / "hf"), "--to",
                                  "hf", "--fp32", "--no-verify", "--quiet", "--config", str(work / "ckpt.config")],
              work / "hf"),
+            ("ds_to_universal", [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                                 str(tag), "--output_folder", str(work / "dsu" / tag.name), "--inject_missing_state"],
+             work / "dsu"),
+            ("toolkit universal", [sys.executable, "-m", "toolkit", "convert", str(ckpt), str(work / "uc"), "--to",
+                                   "universal", "--quiet"], work / "uc"),
         ]
         rows = []
         for label, cmd, out in steps:
@@ -103,9 +133,15 @@ def main(argv=None) -> int:
         same = subprocess.run([sys.executable, __file__, "--compare", str(work / "hf"), str(work / "z2f")],
                               capture_output=True, text=True)
         print("  " + (same.stdout.strip() or same.stderr[-500:]))
+        dsu, uc = rows[3]["wall_s"], rows[4]["wall_s"]
+        print(f"  toolkit --to universal is x{dsu / uc:.2f} the speed of ds_to_universal.py, peak RSS "
+              f"{rows[4]['peak_rss_mib'] / rows[3]['peak_rss_mib']:.2f} of its", flush=True)
+        same_uc = subprocess.run([sys.executable, __file__, "--compare-universal", str(work / "uc" / tag.name),
+                                  str(work / "dsu" / tag.name)], capture_output=True, text=True)
+        print("  " + (same_uc.stdout.strip() or same_uc.stderr[-500:]))
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
-        return same.returncode
+        return same.returncode or same_uc.returncode
 
 
 if __name__ == "__main__":

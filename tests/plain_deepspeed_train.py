@@ -5,8 +5,13 @@ the engine's own gathered 16-bit weights (`engine.save_16bit_model`).
     deepspeed --num_gpus 3 tests/plain_deepspeed_train.py --out DIR --runs RUNS_JSON
 
 RUNS_JSON is a list of {"name", "model": "llama"|"qwen2", "stage", "dtype": "bf16"|"fp16"|"fp32", "steps",
-"extra_step": bool, "config_beside": bool, "freeze": bool, "sizes": {config overrides}, "no_16bit": bool}; the
-runs train one after another in this one launch (one process start for several checkpoints). Each writes
+"extra_step": bool, "config_beside": bool, "freeze": bool, "sizes": {config overrides}, "no_16bit": bool,
+"global_batch": G, "save_at": N, "resume_universal": DIR}; the runs train one after another in this one launch (one
+process start for several checkpoints). With "global_batch" every step draws one global batch of G sequences from
+a seed of its own and each rank takes its slice (so the batches do not depend on the world size), the mean loss
+of every step goes to DIR/NAME.losses.json, and the checkpoint is saved after "save_at" steps (training goes on to
+"steps"); "resume_universal" first loads that universal checkpoint folder with DeepSpeed's own
+`load_universal_checkpoint` (`checkpoint.load_universal` in the config) and trains from its step. Each writes
 DIR/NAME/ (the checkpoint: `latest`, global_stepN/),
 DIR/NAME.16bit/model16.bin (the engine's gathered 16-bit weights) and DIR/NAME.config/config.json (the model
 config, kept outside the checkpoint unless config_beside: then it is also in DIR/NAME/).
@@ -41,13 +46,17 @@ def build(model: str, ds_config: dict, freeze: bool, sizes: dict):
 
 def train_one(run: dict, out: Path) -> None:
     stage, dtype = run["stage"], run["dtype"]
-    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
+    world, rank = dist.get_world_size(), dist.get_rank()
+    micro = run["global_batch"] // world if "global_batch" in run else 2
+    ds_config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
                  "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
                  "gradient_clipping": 1.0}
     if dtype == "bf16":
         ds_config["bf16"] = {"enabled": True}
     elif dtype == "fp16":
         ds_config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    if run.get("resume_universal"):
+        ds_config["checkpoint"] = {"load_universal": True}
     torch.manual_seed(1234)
     sizes = {**SIZES, **run.get("sizes", {})}
     net, config = build(run["model"], ds_config, run.get("freeze", False), sizes)
@@ -55,17 +64,39 @@ def train_one(run: dict, out: Path) -> None:
     # a torch optimizer, as HF Trainer passes one: no JIT-compiled DeepSpeed op (FusedAdam) to wait for
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
     engine, _, _, _ = deepspeed.initialize(model=net, optimizer=optimizer, config=ds_config)
-    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    gen = torch.Generator().manual_seed(100 + rank)
     ckpt = out / run["name"]
+    losses = []
+    if run.get("resume_universal"):
+        engine.load_checkpoint(run["resume_universal"])
 
     def step() -> None:
-        ids = torch.randint(0, sizes["vocab_size"], (2, 16), generator=gen)
+        if "global_batch" in run:  # the same global batch at any world size: a seed per step, a slice per rank
+            seeded = torch.Generator().manual_seed(1000 + engine.global_steps)
+            ids = torch.randint(0, sizes["vocab_size"], (run["global_batch"], 16), generator=seeded)
+            ids = ids[rank * micro:(rank + 1) * micro]
+        else:
+            ids = torch.randint(0, sizes["vocab_size"], (2, 16), generator=gen)
         loss = engine(input_ids=ids, labels=ids).loss
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append([engine.global_steps, mean.item() / world])
         engine.backward(loss)
         engine.step()
 
-    for _ in range(run["steps"]):
+    for i in range(run["steps"]):
         step()
+        if run.get("save_at") == i + 1:
+            engine.save_checkpoint(str(ckpt))
+    if "global_batch" in run and rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{run['name']}.losses.json").write_text(json.dumps(losses))
+    if "save_at" in run or run.get("resume_universal"):
+        if rank == 0:
+            config.save_pretrained(out / f"{run['name']}.config")
+        dist.barrier()
+        engine.destroy()
+        return
     engine.save_checkpoint(str(ckpt))
     if not run.get("no_16bit"):
         engine.save_16bit_model(str(out / f"{run['name']}.16bit"), "model16.bin")

@@ -218,6 +218,27 @@ def test_reshard_round_trip_is_exact_and_pads_for_three_ranks(zero2_dp2, tmp_pat
         assert m["loss"] == pytest.approx(straight[m["step"]], rel=1e-5)
 
 
+@pytest.mark.slow
+def test_toolkit_checkpoint_to_universal_equals_deepspeeds_ds_to_universal(zero2_dp2, tmp_path):
+    """A toolkit-written DeepSpeed checkpoint (two optimizer groups: with and without weight decay) through
+    `--to universal` (its latest_complete names step 8) equals DeepSpeed's own ds_to_universal.py file by file."""
+    import argparse
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+    from universal_compare import assert_same_universal
+
+    from toolkit import cli
+
+    assert cli.main(["convert", str(zero2_dp2 / "checkpoints"), str(tmp_path / "ours"), "--to", "universal",
+                     "--quiet"]) == 0
+    ds_to_universal(argparse.Namespace(
+        input_folder=str(zero2_dp2 / "checkpoints" / "step_00000008"),
+        output_folder=str(tmp_path / "ds" / "step_00000008"), num_extract_workers=1, num_merge_workers=1,
+        keep_temp_folder=False, strict=True, inject_missing_state=True))
+    files = assert_same_universal(tmp_path / "ours", tmp_path / "ds")
+    assert len([f for f in files if f.endswith("/step.pt")]) >= 10
+
+
 def _assert_same(a, b, where: str) -> None:
     if isinstance(a, dict):
         assert set(a) == set(b), f"{where}: keys {set(a) ^ set(b)}"

@@ -11,6 +11,7 @@ line, and nothing is written.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -23,9 +24,13 @@ import pytest
 import torch
 from conftest import REPO, free_port
 from safetensors.torch import load_file
+from universal_compare import assert_same_universal
 
 from toolkit import cli
 
+UNIVERSAL = [("uc_llama_z2_bf16", "llama", 2, "bf16"), ("uc_qwen_z3_fp32", "qwen2", 3, "fp32")]
+# also written as universal checkpoints and compared (no resume): ZeRO-1, and ZeRO-3 with a frozen parameter
+UNIVERSAL_ALSO = [n for n, *_ in UNIVERSAL] + ["llama_z1_fp32", "qwen_z3_fp32"]
 RUNS = {
     3: [dict(name="llama_z3_bf16", model="llama", stage=3, dtype="bf16", steps=2, extra_step=True),
         dict(name="qwen_z2_fp32", model="qwen2", stage=2, dtype="fp32", steps=2, freeze=True),
@@ -33,15 +38,18 @@ RUNS = {
     2: [dict(name="llama_z1_fp32", model="llama", stage=1, dtype="fp32", steps=2),
         dict(name="llama_z2_bf16", model="llama", stage=2, dtype="bf16", steps=2),
         dict(name="qwen_z3_fp32", model="qwen2", stage=3, dtype="fp32", steps=2, freeze=True),
-        dict(name="llama_z0_bf16", model="llama", stage=0, dtype="bf16", steps=1)],
+        dict(name="llama_z0_bf16", model="llama", stage=0, dtype="bf16", steps=1),
+        # universal checkpoints (test_universal_*): 4 uninterrupted steps on one global batch per step, saved at 2
+        *[dict(name=n, model=m, stage=z, dtype=d, steps=4, save_at=2, global_batch=6) for n, m, z, d in UNIVERSAL]],
 }
-CASES = [(world, run["name"]) for world, runs in RUNS.items() for run in runs]
+CASES = [(world, run["name"]) for world, runs in RUNS.items() for run in runs if "save_at" not in run]
 TIED = {"qwen_z2_fp32", "qwen_z1_bf16", "qwen_z3_fp32"}
 
 
-def _train(world: int, out: Path) -> Path:
+def _train(world: int, out: Path, runs: list | None = None) -> Path:
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(world), "--master_port",
-           str(free_port()), "tests/plain_deepspeed_train.py", "--out", str(out), "--runs", json.dumps(RUNS[world])]
+           str(free_port()), "tests/plain_deepspeed_train.py", "--out", str(out), "--runs",
+           json.dumps(RUNS[world] if runs is None else runs)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd[:6])} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -208,3 +216,100 @@ def test_config_missing_or_of_another_model_is_refused(runs, tmp_path, capsys):
     assert "is a plain DeepSpeed checkpoint (engine.save_checkpoint, no toolkit files): it converts --to hf" in (
         capsys.readouterr().err)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+# ---------------------------------------------------------------------------------------------------- universal
+@pytest.fixture(scope="module")
+def universal(runs, tmp_path_factory):
+    """The DP2 checkpoints of UNIVERSAL_ALSO, written as universal checkpoints by the toolkit (ours/) and by DeepSpeed's own
+    ds_to_universal.py (ds/), then resumed from ours/ with DeepSpeed's load_universal_checkpoint at DP1 and DP3 (one
+    launch each) for the last 2 of the 4 steps."""
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    root, out = runs(2), tmp_path_factory.mktemp("universal")
+    for name in UNIVERSAL_ALSO:
+        assert cli.main(["convert", str(root / name), str(out / "ours" / name), "--to", "universal", "--quiet"]) == 0
+        ds_to_universal(argparse.Namespace(  # as `python -m deepspeed.checkpoint.ds_to_universal`, in this process
+            input_folder=str(root / name / "global_step2"), output_folder=str(out / "ds" / name / "global_step2"),
+            num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+            inject_missing_state=True))  # a plain checkpoint has no universal_checkpoint_info: DeepSpeed needs this
+    for world in (1, 3):
+        _train(world, out / f"dp{world}", [dict(name=n, model=m, stage=z, dtype=d, steps=2, global_batch=6,
+                                                resume_universal=str(out / "ours" / n)) for n, m, z, d in UNIVERSAL])
+    return root, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", UNIVERSAL_ALSO)
+def test_universal_equals_deepspeeds_ds_to_universal_file_by_file(name, universal):
+    _, out = universal
+    files = assert_same_universal(out / "ours" / name, out / "ds" / name)
+    assert len([f for f in files if f.endswith("/fp32.pt")]) >= 20
+    assert (out / "ours" / name / "latest_universal").read_text() == "global_step2"
+
+
+def _losses(folder: Path, name: str) -> dict:
+    return {step: loss for step, loss in json.loads((folder / f"{name}.losses.json").read_text())}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("name", [n for n, *_ in UNIVERSAL])
+def test_universal_resumes_in_deepspeed_at_another_dp_and_the_loss_continues(name, world, universal):
+    root, out = universal
+    whole, resumed = _losses(root, name), _losses(out / f"dp{world}", name)
+    assert sorted(whole) == [0, 1, 2, 3] and sorted(resumed) == [2, 3]  # resumed at the saved step 2
+    # Step 2 runs on exactly the restored weights: only the per-rank batch split (DP2 -> DP1/DP3) reorders sums.
+    # Step 3 follows one update from the restored fp32 masters and Adam moments. Measured (bf16 Llama, fp32 Qwen2):
+    # step 2 within 1.5e-7, step 3 within 2.1e-5 (bf16) of the uninterrupted run.
+    assert resumed[2] == pytest.approx(whole[2], rel=1e-6)
+    assert resumed[3] == pytest.approx(whole[3], rel=1e-4)
+    assert abs(whole[3] - whole[2]) > 1e-3 * abs(whole[2])  # the steps differ more than the tolerance: it can fail
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", UNIVERSAL_ALSO)
+def test_universal_reads_back_to_hf_as_the_zero_checkpoint_does(name, universal, tmp_path, capsys):
+    root, out = universal
+    for flag in ([], ["--fp32"]):
+        conf = ["--config", str(root / f"{name}.config")]
+        assert convert(out / "ours" / name, tmp_path / f"u{flag}", *conf, *flag) == 0
+        assert convert(root / name, tmp_path / f"z{flag}", *conf, *flag) == 0
+        got = load_file(tmp_path / f"u{flag}" / "model.safetensors")
+        ref = load_file(tmp_path / f"z{flag}" / "model.safetensors")
+        assert set(got) == set(ref) and all(got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]) for k in ref)
+    capsys.readouterr()
+    assert cli.main(["inspect", str(out / "ours" / name), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["format"] == "deepspeed universal checkpoint" and report["step"] == 2 and report["complete"]
+    assert report["layout"]["dp"] == 2 and report["optimizer_state"].startswith("complete")
+    assert report["architecture"]["tied"] == ({"lm_head.weight": "model.embed_tokens.weight"} if "qwen" in name
+                                              else None)
+
+
+@pytest.mark.slow
+def test_universal_bad_input_one_line_nothing_written(runs, tmp_path, capsys):
+    root = runs(2)
+    no_optim = tmp_path / "no_optim"
+    shutil.copytree(root / "uc_llama_z2_bf16", no_optim)
+    for f in (no_optim / "global_step2").glob("*optim_states.pt"):
+        f.unlink()
+    (tmp_path / "taken").mkdir()
+    planted, marker = tmp_path / "planted", tmp_path / "payload_ran"
+    shutil.copytree(root / "uc_llama_z2_bf16", planted)
+    _plant(planted / "global_step2" / OPT.format(1), marker)
+    universal = tmp_path / "uc"
+    assert cli.main(["convert", str(root / "uc_llama_z2_bf16"), str(universal), "--to", "universal", "--quiet"]) == 0
+    cases = [(universal, "is already a universal checkpoint"), (planted, "holds a pickled posix.system"),
+             (no_optim, "holds no optimizer state"), (root / "llama_z0_bf16", "is a ZeRO-0 checkpoint"),
+             (root / "llama_z1_fp32.config", "is not a DeepSpeed checkpoint written by engine.save_checkpoint")]
+    for src, message in cases:
+        capsys.readouterr()
+        assert cli.main(["convert", str(src), str(tmp_path / "out"), "--to", "universal", "--quiet"]) != 0
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err and message in err, err
+    assert cli.main(["convert", str(root / "uc_llama_z2_bf16"), str(tmp_path / "taken"), "--to", "universal"]) != 0
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["no_optim", "planted", "taken", "uc"]
+    assert not marker.exists()
+    assert not any((tmp_path / "taken").iterdir())

@@ -37,6 +37,7 @@ from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.plain_to_hf import convert_plain_to_hf
 from toolkit.checkpoint.sources import TOKENIZER_FILES, WEIGHT, Source, follow_pointer, meta_shards, open_source
 from toolkit.checkpoint.torch_dist_write import TorchDistTarget
+from toolkit.checkpoint.universal import UniversalSource, is_universal, resolve_universal, write_universal
 from toolkit.checkpoint.verify import Digests, import_early, read_back, release, verify_logits
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
@@ -228,6 +229,13 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     """Convert SRC into DST (see the module docstring). Returns DST. `config`: the Hugging Face config of a plain
     DeepSpeed checkpoint (toolkit/checkpoint/plain_to_hf.py)."""
     src, dst = Path(src), Path(dst)
+    if to == "universal":  # DeepSpeed's universal checkpoint from a ZeRO checkpoint (toolkit/checkpoint/universal.py)
+        return write_universal(src, dst, overwrite, log)
+    if to == "hf" and is_universal(src):
+        if dtype is not None and dtype not in DTYPES:
+            raise ToolkitError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        return convert_plain_to_hf(src, dst, config, fp32, DTYPES[dtype] if dtype else None, overwrite, verify, log,
+                                   reader=UniversalSource, resolve=resolve_universal, kind="universal")
     if to == "hf" and is_plain(src):
         if dtype is not None and dtype not in DTYPES:
             raise ToolkitError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -238,7 +246,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     if to == "deepspeed":
         return _to_deepspeed(src, dst, dp, overwrite)
     if to not in ("hf", "megatron", "torch_dist", "megatron_lm"):
-        raise ToolkitError(f"--to {to!r} is not one of hf, megatron, torch_dist, megatron_lm, deepspeed")
+        raise ToolkitError(f"--to {to!r} is not one of hf, megatron, torch_dist, megatron_lm, deepspeed, universal")
     if to == "hf" and (tp, pp, vpp) != (1, 1, 1):
         raise ToolkitError("--tp/--pp/--vpp describe a Megatron target; a Hugging Face folder is not sharded")
     source = open_source(src, vocab_size, fp32, weights_only)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from toolkit.checkpoint import megatron_lm, torch_dist
 from toolkit.checkpoint.deepspeed_plain import inspect_plain, is_plain
+from toolkit.checkpoint.universal import inspect_universal, is_universal
 from toolkit.checkpoint.sources import refusal
 from toolkit.errors import ToolkitError
 from toolkit.families import dims_from_hf, iter_entries
@@ -37,6 +38,8 @@ def inspect(path: str | Path) -> dict:
     if (path / "latest_checkpointed_iteration.txt").is_file() or path.name.startswith("iter_"):
         report = inspect_megatron_lm(path)
         return _agree(report, path, report.pop("padded_vocab"))
+    if is_universal(path):  # DeepSpeed's universal format (universal.py)
+        return inspect_universal(path)
     if is_plain(path):  # engine.save_checkpoint in a user's own script: DeepSpeed's records only
         return inspect_plain(path)
     raise ToolkitError(f"{path} is not a checkpoint this toolkit reads: expected a Hugging Face folder (config.json + "

@@ -90,14 +90,14 @@ def check_against_config(source: PlainDeepSpeedSource, config_file: Path):
 
 def convert_plain_to_hf(src: str | Path, dst: str | Path, config: str | Path | None = None, fp32: bool = False,
                         dtype: torch.dtype | None = None, overwrite: bool = False, verify: bool = True,
-                        log=print) -> Path:
+                        log=print, reader=PlainDeepSpeedSource, resolve=resolve_tag, kind: str = "plain") -> Path:
     """Convert a plain DeepSpeed checkpoint (folder with `latest`, or a global_stepN folder) to a Hugging Face
-    folder; see the module docstring."""
+    folder; see the module docstring. `reader`/`resolve`: another source of the same interface (universal.py)."""
     src, dst = Path(src), Path(dst)
     output.check_destination(src, dst, overwrite)
-    tag = resolve_tag(src)
+    tag = resolve(src)
     config_file = find_config(src, tag, config)
-    source = PlainDeepSpeedSource(tag, fp32=fp32)
+    source = reader(tag, fp32=fp32)
     try:
         cls = check_against_config(source, config_file)
         names = source.names()
@@ -107,8 +107,8 @@ def convert_plain_to_hf(src: str | Path, dst: str | Path, config: str | Path | N
         with output.scratch_folder(dst, "partial") as tmp:
             manifest.require_space(dst.parent, total, manifest.free_bytes(tmp), str(dst), "the tensors to write")
             what = "fp32 master" if fp32 else "model states"
-            kind = f"DeepSpeed ZeRO-{source.stage} dp={source.dp} step {source.step} ({what})"
-            log(f"converting plain {kind} at {tag} -> hf ({len(names)} tensors; {total / 2**30:.2f} GiB to write)")
+            what_src = f"DeepSpeed ZeRO-{source.stage} dp={source.dp} step {source.step} ({what})"
+            log(f"converting {kind} {what_src} at {tag} -> hf ({len(names)} tensors; {total / 2**30:.2f} GiB to write)")
             t0 = time.monotonic()
             for file, spec in zip(files, shards):
                 writer = st.Writer(tmp / file, spec, {"format": "pt"})
