@@ -182,8 +182,9 @@ def packed_attention_mask(position_ids):
 
 def _loss(mask, output_tensor, norm=None):
     """Mean loss over the micro-batch's predicted tokens. Under context parallelism each rank holds part of every
-    sequence: divide by the token count of the whole CP group and scale by cp, because the gradient reduction
-    averages over dp x cp ranks (as Megatron-LM's pretrain_gpt does).
+    sequence: divide by the token count of the whole CP group. Megatron-Core's schedule (0.16, a loss function
+    returning two values) then multiplies by cp, because the gradient reduction averages over dp x cp ranks, so
+    the CP ranks' losses add up to the sequence's mean (tests/test_megatron_loss.py).
 
     With `norm` (chat data, see token_norm) the loss is per token of the whole step instead: the micro-batch's sum
     divided by norm = (the step's loss tokens over all DP ranks) / (dp x micro-batches), so after the schedule's
@@ -198,8 +199,8 @@ def _loss(mask, output_tensor, norm=None):
         torch.distributed.all_reduce(totals, group=ps.get_context_parallel_group())
     if norm is not None:
         return local / norm, {"loss": (totals[0] / norm).clone()}
-    loss = local * cp / totals[1]
-    return loss, {"loss": (totals[0] / totals[1]).clone()}  # a copy: the schedule divides `loss` in place
+    loss = local / totals[1]
+    return loss, {"loss": (totals[0] / totals[1]).clone()}  # a copy: the schedule scales `loss` in place
 
 
 def token_norm(batches: list[dict], device):
