@@ -69,7 +69,8 @@ def uninterrupted(tmp_path_factory):
 
     def get(recipe: str, steps: int, nproc: int = 2) -> list[dict]:
         if (recipe, steps, nproc) not in runs:
-            out = tmp_path_factory.mktemp(f"uninterrupted_{Path(recipe).stem}_{steps}_{nproc}")  # a name or a path
+            # the recipe is a name or a path
+            out = tmp_path_factory.mktemp(f"uninterrupted_{Path(recipe).stem}_{steps}_{nproc}")
             launch(recipe, [f"training.steps={steps}", *UNINTERRUPTED], nproc=nproc, out_dir=out)
             runs[recipe, steps, nproc] = read_metrics(out)
         return runs[recipe, steps, nproc]
@@ -107,8 +108,9 @@ def probe_many(tp: int, pp: int, vpp: int, jobs: dict, folder) -> dict:
     spec = [{"hf": str(hf), "ckpt": str(ckpt) if ckpt else None, "out": str(folder / f"{name}.pt")}
             for name, (hf, ckpt) in jobs.items()]
     (folder / "jobs.json").write_text(json.dumps(spec))
+    probe = REPO / "tests" / "megatron_logits_probe.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp * pp), "--master_port",
-           str(free_port()), str(REPO / "tests" / "megatron_logits_probe.py"), "--jobs", str(folder / "jobs.json"), str(tp), str(pp), str(vpp)]
+           str(free_port()), str(probe), "--jobs", str(folder / "jobs.json"), str(tp), str(pp), str(vpp)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -135,7 +137,8 @@ def megatron_logits(tmp_path_factory, tiny4l_hf_checkpoint):
                 for name, tied in (("untied", False), ("tied", True)):
                     c = chain(tied, tmp_path_factory)
                     jobs[name] = (c["hf"], c[layout])
-            done[layout] = probe_many(tp, pp, vpp, jobs, tmp_path_factory.mktemp("logits_tp{}_pp{}_vpp{}".format(*layout)))
+            folder = tmp_path_factory.mktemp("logits_tp{}_pp{}_vpp{}".format(*layout))
+            done[layout] = probe_many(tp, pp, vpp, jobs, folder)
         return done[layout]
 
     return get
