@@ -1,8 +1,11 @@
 """Shared fixtures: a tiny pretrained Llama checkpoint and a launcher for real multi-process runs."""
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +59,38 @@ def launch(recipe: str, overrides: list[str], nproc: int, out_dir: Path, launche
     return proc
 
 
+# ------------------------------------------------------------------ fixtures shared by the session's workers
+# The suite runs in pytest-xdist workers (the README's test command: `-n 2 --dist loadfile`), each a session of its
+# own. A session fixture that launches training or converts a model is made ONCE for all of them: the first worker
+# that needs it makes it under a file lock in the folder the workers share, the others wait and read it.
+def _shared_root(tmp_path_factory) -> Path:
+    base = tmp_path_factory.getbasetemp()  # under xdist: <session>/popen-gwN, one per worker
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def shared_name(*parts) -> str:
+    """A folder name for a fixture's arguments (recipes may be paths): readable, and unique by a hash."""
+    readable = "_".join(Path(str(p)).stem if "/" in str(p) else str(p) for p in parts)
+    return f"{readable[:80]}_{hashlib.sha1(repr(parts).encode()).hexdigest()[:10]}"
+
+
+def once(tmp_path_factory, name: str, make) -> Path:
+    """The folder `name` with what make(folder) put there, made by the first worker that asks. A failed make leaves
+    no marker, so the next asker tries again (and reports the same failure in its own test)."""
+    root = _shared_root(tmp_path_factory)
+    folder, made = root / name, root / f"{name}.made"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            made.touch()
+    return folder
+
+
 # The uninterrupted run that resume, preemption and fault-injection tests compare against: checkpoints, the sample
 # prompt and TensorBoard do not change a loss (the resume tests prove it), so one run per recipe serves them all.
 UNINTERRUPTED = ["training.schedule.warmup_steps=2", "logging.interval=1", "checkpoint.interval=1000",
@@ -68,10 +103,10 @@ def uninterrupted(tmp_path_factory):
     runs: dict[tuple[str, int, int], list[dict]] = {}
 
     def get(recipe: str, steps: int, nproc: int = 2) -> list[dict]:
-        if (recipe, steps, nproc) not in runs:
-            # the recipe is a name or a path
-            out = tmp_path_factory.mktemp(f"uninterrupted_{Path(recipe).stem}_{steps}_{nproc}")
-            launch(recipe, [f"training.steps={steps}", *UNINTERRUPTED], nproc=nproc, out_dir=out)
+        if (recipe, steps, nproc) not in runs:  # the recipe is a name or a path
+            out = once(tmp_path_factory, shared_name("uninterrupted", recipe, steps, nproc),
+                       lambda out: launch(recipe, [f"training.steps={steps}", *UNINTERRUPTED], nproc=nproc,
+                                          out_dir=out))
             runs[recipe, steps, nproc] = read_metrics(out)
         return runs[recipe, steps, nproc]
 
@@ -88,10 +123,10 @@ def stopped(tmp_path_factory):
     def get(recipe: str, steps: int, stop: int, nproc: int = 2, extra: tuple[str, ...] = ()) -> Path:
         key = (recipe, steps, stop, nproc, *extra)  # extra: overrides that do not change a loss (checkpoint.format)
         if key not in runs:
-            out = tmp_path_factory.mktemp(f"stopped_{Path(recipe).stem}_{steps}_{stop}_{nproc}")
-            launch(recipe, [f"training.steps={steps}", *UNINTERRUPTED, f"training.stop_at_step={stop}", *extra],
-                   nproc=nproc, out_dir=out)
-            runs[key] = out
+            runs[key] = once(tmp_path_factory, shared_name("stopped", *key),
+                             lambda out: launch(recipe, [f"training.steps={steps}", *UNINTERRUPTED,
+                                                         f"training.stop_at_step={stop}", *extra],
+                                                nproc=nproc, out_dir=out))
         return runs[key]
 
     return get
@@ -100,11 +135,9 @@ def stopped(tmp_path_factory):
 PARITY_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2)]  # where the tiny4l model is probed
 
 
-def probe_many(tp: int, pp: int, vpp: int, jobs: dict, folder) -> dict:
-    """{name: {"ids", "logits"}} of Megatron's model at tp x pp x vpp for each job name -> (hf_path, megatron
-    checkpoint or None), all from one launch (megatron_logits calls this once per layout)."""
-    import torch  # lazy: collection stays light
-
+def probe_many(tp: int, pp: int, vpp: int, jobs: dict, folder) -> None:
+    """Writes folder/NAME.pt = {"ids", "logits"} of Megatron's model at tp x pp x vpp for each job name ->
+    (hf_path, megatron checkpoint or None), all from one launch (megatron_logits calls this once per layout)."""
     spec = [{"hf": str(hf), "ckpt": str(ckpt) if ckpt else None, "out": str(folder / f"{name}.pt")}
             for name, (hf, ckpt) in jobs.items()]
     (folder / "jobs.json").write_text(json.dumps(spec))
@@ -114,7 +147,6 @@ def probe_many(tp: int, pp: int, vpp: int, jobs: dict, folder) -> dict:
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-5000:]
-    return {name: torch.load(folder / f"{name}.pt", weights_only=True) for name in jobs}
 
 
 @pytest.fixture(scope="session")
@@ -128,17 +160,23 @@ def megatron_logits(tmp_path_factory, tiny4l_hf_checkpoint):
     done: dict[tuple[int, int, int], dict] = {}
 
     def get(tp: int, pp: int, vpp: int) -> dict:
+        import torch  # lazy: collection stays light
+
         layout = (tp, pp, vpp)
+        names = (["tiny4l"] if layout in PARITY_LAYOUTS else []) + (["untied", "tied"] if layout in CHAIN else [])
         if layout not in done:
-            jobs = {}
-            if layout in PARITY_LAYOUTS:
-                jobs["tiny4l"] = (tiny4l_hf_checkpoint, None)
-            if layout in CHAIN:
-                for name, tied in (("untied", False), ("tied", True)):
-                    c = chain(tied, tmp_path_factory)
-                    jobs[name] = (c["hf"], c[layout])
-            folder = tmp_path_factory.mktemp("logits_tp{}_pp{}_vpp{}".format(*layout))
-            done[layout] = probe_many(tp, pp, vpp, jobs, folder)
+            def make(folder: Path) -> None:
+                jobs = {}
+                if "tiny4l" in names:
+                    jobs["tiny4l"] = (tiny4l_hf_checkpoint, None)
+                if layout in CHAIN:
+                    for name, tied in (("untied", False), ("tied", True)):
+                        c = chain(tied, tmp_path_factory)
+                        jobs[name] = (c["hf"], c[layout])
+                probe_many(tp, pp, vpp, jobs, folder)
+
+            folder = once(tmp_path_factory, "logits_tp{}_pp{}_vpp{}".format(*layout), make)
+            done[layout] = {name: torch.load(folder / f"{name}.pt", weights_only=True) for name in names}
         return done[layout]
 
     return get
@@ -186,7 +224,8 @@ def pytest_collection_finish(session):
     """With slow tests selected, build DeepSpeed's JIT ops in the background at the lowest CPU priority
     (tests/build_ops.py): the compile uses the time single-process tests leave a core idle."""
     global _op_builder
-    if os.environ.get("TOOLKIT_NO_OP_PREBUILD") != "1" and any(i.get_closest_marker("slow") for i in session.items):
+    first_worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"  # one builder per run, not per worker
+    if first_worker and os.environ.get("TOOLKIT_NO_OP_PREBUILD") != "1" and any(i.get_closest_marker("slow") for i in session.items):
         _op_builder = subprocess.Popen([sys.executable, str(REPO / "tests" / "build_ops.py")], cwd=REPO,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                        preexec_fn=lambda: os.nice(19),
@@ -194,6 +233,8 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: its launches go to the controller's summary
+        session.config.workeroutput["launches"] = json.dumps(LAUNCHES)
     if _op_builder is not None and _op_builder.poll() is None:
         # the builder (its handler raises SystemExit, so torch's finally removes the lock), ninja and the compilers,
         # which ninja starts in process groups of their own
@@ -230,13 +271,13 @@ def _random_hf_checkpoint(folder: Path, preset: str) -> Path:
 def tiny_hf_checkpoint(tmp_path_factory) -> Path:
     """A randomly initialised tiny Llama (2 layers, GQA 4/2) as a Hugging Face safetensors folder: the shared
     initial weights."""
-    return _random_hf_checkpoint(tmp_path_factory.mktemp("tiny_hf"), "tiny")
+    return once(tmp_path_factory, "tiny_hf", lambda folder: _random_hf_checkpoint(folder, "tiny"))
 
 
 @pytest.fixture(scope="session")
 def tiny4l_hf_checkpoint(tmp_path_factory) -> Path:
     """The same with 4 layers (hidden 128, GQA 8/4), enough for pipeline 2 x 2 virtual chunks."""
-    return _random_hf_checkpoint(tmp_path_factory.mktemp("tiny4l_hf"), "tiny-4l")
+    return once(tmp_path_factory, "tiny4l_hf", lambda folder: _random_hf_checkpoint(folder, "tiny-4l"))
 
 
 def write_corpus(path: Path, words: list[str], docs: int, seed: int) -> Path:
@@ -249,14 +290,12 @@ def write_corpus(path: Path, words: list[str], docs: int, seed: int) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def prepared_blend(tmp_path_factory) -> dict:
-    """Two sources prepared with `toolkit data prepare` (letters-only words and numbers-only words), and recipe
-    files that blend them 0.7/0.3 on the tiny model: "recipe" (tiny_zero2's layout), "recipe_megatron"
-    (tiny_dp2_distopt's); "a", "b": the prefixes."""
+BLEND_BASES = (("deepspeed", "tiny_zero2"), ("megatron", "tiny_dp2_distopt"))
+
+
+def _make_blend(root: Path) -> None:
     from toolkit.cli import main
 
-    root = tmp_path_factory.mktemp("blend")
     a = write_corpus(root / "a.jsonl", ["cat", "dog", "mat", "sun", "tree", "bird", "happy", "little"], 300, 1)
     b = write_corpus(root / "b.txt", [str(n) for n in range(10, 60)], 200, 2)
     b.write_text("\n".join(json.loads(line)["text"] for line in b.read_text().splitlines()) + "\n")
@@ -265,16 +304,37 @@ def prepared_blend(tmp_path_factory) -> dict:
                  "--workers", "2", "--quiet"]) == 0
     assert main(["data", "prepare", "--input", str(b), "--output", str(root / "b"), "--tokenizer", tok,
                  "--quiet"]) == 0
-    recipes = {}
-    for backend, base in (("deepspeed", "tiny_zero2"), ("megatron", "tiny_dp2_distopt")):
-        recipes[backend] = root / f"{base}_blend.yaml"
-        recipes[backend].write_text(
+    for _, base in BLEND_BASES:
+        (root / f"{base}_blend.yaml").write_text(
             f"base: {base}\nname: {base}_blend\nmodel: {{preset: tiny}}\n"
             f"training: {{steps: 8, schedule: {{warmup_steps: 2}}}}\n"
             f"data:\n  seq_len: 64\n  blend:\n  - {{path: {root / 'a'}, weight: 0.7}}\n"
             f"  - {{path: {root / 'b'}, weight: 0.3}}\n")
-    return {"a": str(root / "a"), "b": str(root / "b"), "corpus_a": a, "corpus_b": b, "root": root,
+
+
+@pytest.fixture(scope="session")
+def prepared_blend(tmp_path_factory) -> dict:
+    """Two sources prepared with `toolkit data prepare` (letters-only words and numbers-only words), and recipe
+    files that blend them 0.7/0.3 on the tiny model: "recipe" (tiny_zero2's layout), "recipe_megatron"
+    (tiny_dp2_distopt's); "a", "b": the prefixes."""
+    root = once(tmp_path_factory, "blend", _make_blend)
+    recipes = {backend: root / f"{base}_blend.yaml" for backend, base in BLEND_BASES}
+    return {"a": str(root / "a"), "b": str(root / "b"), "corpus_a": root / "a.jsonl", "corpus_b": root / "b.txt",
+            "root": root,
             "recipe": str(recipes["deepspeed"]), "recipe_megatron": str(recipes["megatron"])}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: half the cores (a training launch runs 2-4 ranks), at least 2 (one worker's single-process tests
+    leave a core idle), at most 8."""
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist's controller: collect each worker's launches for the summary."""
+    LAUNCHES.extend(tuple(x) for x in json.loads(getattr(node, "workeroutput", {}).get("launches", "[]")))
 
 
 def pytest_terminal_summary(terminalreporter):

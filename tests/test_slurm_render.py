@@ -237,7 +237,8 @@ def fake_slurm(tmp_path) -> dict:
 def source_and_run(snippet: str, env: dict, script: Path = JOB_SH):
     """Source the job body (which defines its functions and runs nothing) and run `snippet` after it; the inputs
     a batch script would set come from `env` (RANKS_PER_NODE)."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "NCCL_", "GLOO_"))}
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("SLURM_", "MASTER_", "NCCL_", "GLOO_")) and k != "OMP_NUM_THREADS"}
     return run(["bash", "-c", f'source "$1"; {snippet}', "bash", str(script)], env={**clean, **env})
 
 
