@@ -134,7 +134,8 @@ def _documents(blended, samples) -> list[set[int]]:
 def test_split_of_a_blend_holds_out_documents_never_trained_on(prepared_blend, tokenizer, tmp_path):
     """eval.split 0.1 over a 2-source blend is Megatron's split string "0.9,0.1,0": the held-out samples read only
     the last 10% of each source's documents, which no training sample reads; the builder is asked for what
-    evaluation reads (eval.batches x global batch); the documents are held out with evaluation off too."""
+    evaluation reads (eval.batches x global batch), the same samples whatever training.steps; the documents are
+    held out with evaluation off too."""
     plan = _plan(prepared_blend["recipe"], tmp_path / "on", ["training.steps=20"])  # eval: interval 4, batches 1
     train, held = build_data(plan.recipe, plan.batch.global_batch, tokenizer)
     assert len(train) == 20 * 16 and len(held) == 16
@@ -146,7 +147,11 @@ def test_split_of_a_blend_holds_out_documents_never_trained_on(prepared_blend, t
     off = _plan(prepared_blend["recipe"], tmp_path / "off", ["training.steps=20", "eval.interval=0"])
     train_off, held_off = build_data(off.recipe, off.batch.global_batch, tokenizer)
     assert held_off is None and all(train[i]["input_ids"].equal(train_off[i]["input_ids"]) for i in range(len(train)))
-    whole = _plan(prepared_blend["recipe"], tmp_path / "whole", ["training.steps=20", "eval.split=null", "eval.interval=0"])
+    shorter = _plan(prepared_blend["recipe"], tmp_path / "shorter", ["training.steps=5"])
+    _, held_shorter = build_data(shorter.recipe, shorter.batch.global_batch, tokenizer)
+    assert all(held[i]["input_ids"].equal(held_shorter[i]["input_ids"]) for i in range(16))  # not on training.steps
+    whole = _plan(prepared_blend["recipe"], tmp_path / "whole",
+                  ["training.steps=20", "eval.split=null", "eval.interval=0"])
     assert max(_documents(build_train_data(whole.recipe, 16, tokenizer).dataset, range(320))[0]) >= 270
 
 
