@@ -16,7 +16,7 @@ from conftest import launch, write_corpus
 from toolkit.cli import main
 from toolkit.data import DataStream
 from toolkit.data.heldout import eval_micro_batches, eval_sequences
-from toolkit.errors import RecipeError
+from toolkit.errors import RecipeError, ToolkitError
 from toolkit.recipe import load_recipe, resolve
 from toolkit.run import build_data, build_train_data, check_before_start
 
@@ -155,6 +155,14 @@ def test_split_of_a_blend_holds_out_documents_never_trained_on(prepared_blend, t
     assert max(_documents(build_train_data(whole.recipe, 16, tokenizer).dataset, range(320))[0]) >= 270
 
 
+def test_split_that_holds_out_no_document_of_a_source_is_refused(prepared_blend, tokenizer, tmp_path):
+    plan = _plan(prepared_blend["recipe"], tmp_path / "run", ["eval.split=0.002"])  # 0.6 of a's 300, 0.4 of b's 200
+    with pytest.raises(ToolkitError, match=r"^eval\.split: 0\.002 of the 200 documents of \S+/b holds out none; "
+                                           r"raise eval\.split to at least 0\.005, or add documents to that source$"):
+        build_data(plan.recipe, plan.batch.global_batch, tokenizer)
+    assert not (tmp_path / "run").exists()  # refused before Megatron-Core writes its index caches
+
+
 def test_eval_blend_is_the_validation_split_of_its_own_blend(prepared_blend, tokenizer, tmp_path):
     """eval.blend is Megatron's blend_per_split for the valid split: the held-out samples are read from its
     datasets only, training reads the same samples as without it, and with eval.batches null the builder is asked
@@ -215,10 +223,11 @@ def test_blend_weights_must_be_positive(weights, says, prepared_blend, capsys):
 def test_blend_path_without_bin_and_idx_is_refused_before_start(prepared_blend, tmp_path):
     shutil.copy(prepared_blend["a"] + ".bin", tmp_path / "half.bin")  # the .idx is missing
     r = load_recipe(prepared_blend["recipe"], [f"output_dir={tmp_path / 'run'}", "data.blend=[{path: "
-                                               f"{tmp_path / 'half'}}}, {{path: {tmp_path / 'none'}}}]"])
+                                               f"{tmp_path / 'half'}}}, {{path: {tmp_path / 'none'}}}]",
+                                               "eval.split=null", f"eval.blend=[{{path: {tmp_path / 'none'}}}]"])
     with pytest.raises(RecipeError) as e:
         check_before_start(r)
-    assert [p.key for p in e.value.problems] == ["data.blend[0].path", "data.blend[1].path"]
+    assert [p.key for p in e.value.problems] == ["data.blend[0].path", "data.blend[1].path", "eval.blend[0].path"]
     assert "has no .idx file" in e.value.problems[0].message and ".bin or .idx" in e.value.problems[1].message
     assert not (tmp_path / "run").exists()
 
