@@ -180,6 +180,11 @@ def test_eval_blend_is_the_validation_split_of_its_own_blend(prepared_blend, tok
     documents = IndexedDataset(prepared_blend["held"])  # kept while its memory-mapped lengths are read
     once = int(documents.sequence_lengths.sum()) // 64
     assert len(held_all) == 16 * (once // 16) > 32
+    big = _plan(prepared_blend["recipe_megatron"], tmp_path / "big", ["eval.batches=null", "training.steps=2",
+                                                                      "training.global_batch_size=256"])
+    with pytest.raises(ToolkitError, match=rf"^eval\.blend: the held-out documents fill {once} samples of 64 tokens, "
+                                           "fewer than one global batch of 256; set eval.batches"):
+        build_data(big.recipe, big.batch.global_batch, tokenizer)
 
 
 # ---- bad input: one line naming the problem and the fix, exit code 2, nothing written --------------------------

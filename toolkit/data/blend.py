@@ -23,7 +23,6 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from toolkit.data.heldout import eval_sequences
 from toolkit.data.indexed import tokenizer_fingerprint
 from toolkit.errors import ToolkitError
 from toolkit.recipe.schema import BlendSource, DataConfig, EvalConfig
@@ -101,10 +100,12 @@ def build_blend(cfg: DataConfig, tokenizer, num_samples: int, out_dir: str | Pat
     tokens = _held_out_tokens(GPTDataset, config, e) if e.split is not None or evaluating else []
     held = global_batch * (e.batches or 0) if evaluating else 0  # Megatron goes over a small source again if needed
     if evaluating and not e.batches:  # one pass over the held-out documents, in whole global batches
-        try:
-            held = eval_sequences(sum(t // cfg.seq_len for t in tokens), None, global_batch)
-        except ToolkitError as err:
-            raise ToolkitError(f"{'eval.blend' if e.blend is not None else 'eval.split'}: {err}") from None
+        once = sum(t // cfg.seq_len for t in tokens)
+        if once < global_batch:
+            raise ToolkitError(f"{'eval.blend' if e.blend is not None else 'eval.split'}: the held-out documents fill "
+                               f"{once} samples of {cfg.seq_len} tokens, fewer than one global batch of {global_batch};"
+                               " set eval.batches (they are then read again), hold out more, or lower the batch")
+        held = global_batch * (once // global_batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, held, 0], lambda: True,
