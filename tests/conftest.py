@@ -304,24 +304,30 @@ def _make_blend(root: Path) -> None:
                  "--workers", "2", "--quiet"]) == 0
     assert main(["data", "prepare", "--input", str(b), "--output", str(root / "b"), "--tokenizer", tok,
                  "--quiet"]) == 0
-    for _, base in BLEND_BASES:
+    held = write_corpus(root / "held.jsonl", ["cat", "dog", "sun", "tree", *map(str, range(10, 30))], 60, 3)
+    assert main(["data", "prepare", "--input", str(held), "--output", str(root / "held"), "--tokenizer", tok,
+                 "--quiet"]) == 0
+    evals = {"deepspeed": "{interval: 4, batches: 1, split: 0.1}",
+             "megatron": f"{{interval: 3, batches: 2, blend: [{{path: {root / 'held'}}}]}}"}
+    for backend, base in BLEND_BASES:
         (root / f"{base}_blend.yaml").write_text(
             f"base: {base}\nname: {base}_blend\nmodel: {{preset: tiny}}\n"
             f"training: {{steps: 8, schedule: {{warmup_steps: 2}}}}\n"
             f"data:\n  seq_len: 64\n  blend:\n  - {{path: {root / 'a'}, weight: 0.7}}\n"
-            f"  - {{path: {root / 'b'}, weight: 0.3}}\n")
+            f"  - {{path: {root / 'b'}, weight: 0.3}}\neval: {evals[backend]}\n")
 
 
 @pytest.fixture(scope="session")
 def prepared_blend(tmp_path_factory) -> dict:
-    """Two sources prepared with `toolkit data prepare` (letters-only words and numbers-only words), and recipe
-    files that blend them 0.7/0.3 on the tiny model: "recipe" (tiny_zero2's layout), "recipe_megatron"
-    (tiny_dp2_distopt's); "a", "b": the prefixes."""
+    """Two sources prepared with `toolkit data prepare` (letters-only words and numbers-only words), a held-out
+    third ("held": both kinds of words), and recipe files that blend a and b 0.7/0.3 on the tiny model and
+    evaluate: "recipe" (tiny_zero2's layout; eval.split 0.1 of each source's documents, every 4 steps),
+    "recipe_megatron" (tiny_dp2_distopt's; eval.blend of "held", every 3 steps); "a", "b": the prefixes."""
     root = once(tmp_path_factory, "blend", _make_blend)
     recipes = {backend: root / f"{base}_blend.yaml" for backend, base in BLEND_BASES}
-    return {"a": str(root / "a"), "b": str(root / "b"), "corpus_a": root / "a.jsonl", "corpus_b": root / "b.txt",
-            "root": root,
-            "recipe": str(recipes["deepspeed"]), "recipe_megatron": str(recipes["megatron"])}
+    return {"a": str(root / "a"), "b": str(root / "b"), "held": str(root / "held"), "corpus_a": root / "a.jsonl",
+            "corpus_b": root / "b.txt", "root": root, "recipe": str(recipes["deepspeed"]),
+            "recipe_megatron": str(recipes["megatron"])}
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1,6 +1,7 @@
 """Prepared data (`toolkit data prepare`) and weighted blends (`data.blend`), read through Megatron-Core's own
 IndexedDataset, BlendedMegatronDatasetBuilder and GPTDataset: what prepare writes, the blend's proportions, the
-same sequences for both backends, and bad input refused in one line with nothing written."""
+same sequences for both backends, the held-out set of a blend (eval.split: documents never trained on; eval.blend:
+datasets of their own), and bad input refused in one line with nothing written."""
 from __future__ import annotations
 
 import json
@@ -14,9 +15,10 @@ from transformers import AutoTokenizer
 from conftest import launch, write_corpus
 from toolkit.cli import main
 from toolkit.data import DataStream
-from toolkit.errors import RecipeError
+from toolkit.data.heldout import eval_micro_batches, eval_sequences
+from toolkit.errors import RecipeError, ToolkitError
 from toolkit.recipe import load_recipe, resolve
-from toolkit.run import build_train_data, check_before_start
+from toolkit.run import build_data, build_train_data, check_before_start
 
 TOKENIZER = "recipes/data/demo_tokenizer"
 
@@ -95,21 +97,94 @@ def test_both_backends_are_fed_the_same_sequences(prepared_blend, tokenizer, tmp
     TP2 (dp 1) and Megatron DP2 with the distributed optimizer, all built from the same prepared files."""
     steps = 4
 
-    def global_batches(recipe: str, sets: list[str]) -> list[list[tuple]]:
+    def global_batches(recipe: str, sets: list[str]) -> tuple[list[list[tuple]], list[tuple]]:
+        """(each step's sequences, the held-out sequences evaluated), over all data-parallel ranks."""
         plan = _plan(prepared_blend["recipe"], tmp_path / recipe,
                      [f"training.steps={steps}", f"parallel.backend={'deepspeed' if recipe == 'ds' else 'megatron'}",
                       *sets])
-        data = build_train_data(plan.recipe, plan.batch.global_batch, tokenizer)
+        data, held = build_data(plan.recipe, plan.batch.global_batch, tokenizer)
         b, dp = plan.batch, plan.layout.dp
         streams = [DataStream(data, b.micro_batch, b.grad_accum, dp, rank, 1234, shuffle=False) for rank in range(dp)]
+        count = eval_sequences(len(held), plan.recipe.eval.batches, b.global_batch)
+        evaluated = sorted(tuple(row.tolist()) for rank in range(dp)
+                           for micro in eval_micro_batches(held, count, b.micro_batch, dp, rank)
+                           for row in micro["input_ids"])
         return [sorted(tuple(row.tolist()) for s in streams for micro in s.next_step() for row in micro["input_ids"])
-                for _ in range(steps)]
+                for _ in range(steps)], evaluated
 
-    deepspeed = global_batches("ds", ["parallel.zero_stage=2"])
-    assert global_batches("tp2", ["parallel.tp=2", "parallel.zero_stage=0"]) == deepspeed
-    assert global_batches("dp2", ["parallel.zero_stage=1"]) == deepspeed
+    deepspeed, held = global_batches("ds", ["parallel.zero_stage=2"])  # the recipe's eval.split 0.1, one batch
+    assert global_batches("tp2", ["parallel.tp=2", "parallel.zero_stage=0"]) == (deepspeed, held)
+    assert global_batches("dp2", ["parallel.zero_stage=1"]) == (deepspeed, held)
     assert len({seq for step in deepspeed for seq in step}) == steps * 16  # 16 distinct sequences per step
     assert all(len(seq) == 64 for step in deepspeed for seq in step)
+    assert len(set(held)) == len(held) == 16 and not set(held) & {seq for step in deepspeed for seq in step}
+
+
+def _documents(blended, samples) -> list[set[int]]:
+    """Per source of a Megatron-Core BlendedDataset, the document ids its `samples` read (GPTDataset's document
+    and sample indices: sample j spans document_index[sample_index[j][0] .. sample_index[j + 1][0]])."""
+    out = [set() for _ in blended.datasets]
+    for i in samples:
+        k, j = int(blended.dataset_index[i]), int(blended.dataset_sample_index[i])
+        ds = blended.datasets[k]
+        out[k] |= set(ds.document_index[ds.sample_index[j][0]:ds.sample_index[j + 1][0] + 1].tolist())
+    return out
+
+
+def test_split_of_a_blend_holds_out_documents_never_trained_on(prepared_blend, tokenizer, tmp_path):
+    """eval.split 0.1 over a 2-source blend is Megatron's split string "0.9,0.1,0": the held-out samples read only
+    the last 10% of each source's documents, which no training sample reads; the builder is asked for what
+    evaluation reads (eval.batches x global batch), the same samples whatever training.steps; the documents are
+    held out with evaluation off too."""
+    plan = _plan(prepared_blend["recipe"], tmp_path / "on", ["training.steps=20"])  # eval: interval 4, batches 1
+    train, held = build_data(plan.recipe, plan.batch.global_batch, tokenizer)
+    assert len(train) == 20 * 16 and len(held) == 16
+    trained = _documents(train.dataset, range(len(train)))
+    evaluated = _documents(held.dataset, range(len(held)))
+    for k, docs in enumerate((300, 200)):
+        assert evaluated[k] and evaluated[k] <= set(range(docs * 9 // 10, docs)), k  # the tail of each source
+        assert trained[k] and not trained[k] & evaluated[k] and max(trained[k]) < docs * 9 // 10, k
+    off = _plan(prepared_blend["recipe"], tmp_path / "off", ["training.steps=20", "eval.interval=0"])
+    train_off, held_off = build_data(off.recipe, off.batch.global_batch, tokenizer)
+    assert held_off is None and all(train[i]["input_ids"].equal(train_off[i]["input_ids"]) for i in range(len(train)))
+    shorter = _plan(prepared_blend["recipe"], tmp_path / "shorter", ["training.steps=5"])
+    _, held_shorter = build_data(shorter.recipe, shorter.batch.global_batch, tokenizer)
+    assert all(held[i]["input_ids"].equal(held_shorter[i]["input_ids"]) for i in range(16))  # not on training.steps
+    whole = _plan(prepared_blend["recipe"], tmp_path / "whole",
+                  ["training.steps=20", "eval.split=null", "eval.interval=0"])
+    assert max(_documents(build_train_data(whole.recipe, 16, tokenizer).dataset, range(320))[0]) >= 270
+
+
+def test_split_that_holds_out_no_document_of_a_source_is_refused(prepared_blend, tokenizer, tmp_path):
+    plan = _plan(prepared_blend["recipe"], tmp_path / "run", ["eval.split=0.002"])  # 0.6 of a's 300, 0.4 of b's 200
+    with pytest.raises(ToolkitError, match=r"^eval\.split: 0\.002 of the 200 documents of \S+/b holds out none; "
+                                           r"raise eval\.split to at least 0\.005, or add documents to that source$"):
+        build_data(plan.recipe, plan.batch.global_batch, tokenizer)
+    assert not (tmp_path / "run").exists()  # refused before Megatron-Core writes its index caches
+
+
+def test_eval_blend_is_the_validation_split_of_its_own_blend(prepared_blend, tokenizer, tmp_path):
+    """eval.blend is Megatron's blend_per_split for the valid split: the held-out samples are read from its
+    datasets only, training reads the same samples as without it, and with eval.batches null the builder is asked
+    for as many whole global batches as the held-out documents fill once."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    plan = _plan(prepared_blend["recipe_megatron"], tmp_path / "on", ["training.steps=6"])  # eval: batches 2
+    train, held = build_data(plan.recipe, plan.batch.global_batch, tokenizer)
+    assert len(held) == 32 and held.dataset.dataset_path == prepared_blend["held"]
+    no_eval = _plan(prepared_blend["recipe_megatron"], tmp_path / "off", ["training.steps=6", "eval.blend=null", "eval.interval=0"])
+    alone = build_train_data(no_eval.recipe, 16, tokenizer)
+    assert all(train[i]["input_ids"].equal(alone[i]["input_ids"]) for i in range(len(train)))
+    everything = _plan(prepared_blend["recipe_megatron"], tmp_path / "all", ["training.steps=6", "eval.batches=null"])
+    _, held_all = build_data(everything.recipe, 16, tokenizer)
+    documents = IndexedDataset(prepared_blend["held"])  # kept while its memory-mapped lengths are read
+    once = int(documents.sequence_lengths.sum()) // 64
+    assert len(held_all) == 16 * (once // 16) > 32
+    big = _plan(prepared_blend["recipe_megatron"], tmp_path / "big", ["eval.batches=null", "training.steps=2",
+                                                                      "training.global_batch_size=256"])
+    with pytest.raises(ToolkitError, match=rf"^eval\.blend: the held-out documents fill {once} samples of 64 tokens, "
+                                           "fewer than one global batch of 256; set eval.batches"):
+        build_data(big.recipe, big.batch.global_batch, tokenizer)
 
 
 # ---- bad input: one line naming the problem and the fix, exit code 2, nothing written --------------------------
@@ -153,18 +228,19 @@ def test_blend_weights_must_be_positive(weights, says, prepared_blend, capsys):
 def test_blend_path_without_bin_and_idx_is_refused_before_start(prepared_blend, tmp_path):
     shutil.copy(prepared_blend["a"] + ".bin", tmp_path / "half.bin")  # the .idx is missing
     r = load_recipe(prepared_blend["recipe"], [f"output_dir={tmp_path / 'run'}", "data.blend=[{path: "
-                                               f"{tmp_path / 'half'}}}, {{path: {tmp_path / 'none'}}}]"])
+                                               f"{tmp_path / 'half'}}}, {{path: {tmp_path / 'none'}}}]",
+                                               "eval.split=null", f"eval.blend=[{{path: {tmp_path / 'none'}}}]"])
     with pytest.raises(RecipeError) as e:
         check_before_start(r)
-    assert [p.key for p in e.value.problems] == ["data.blend[0].path", "data.blend[1].path"]
+    assert [p.key for p in e.value.problems] == ["data.blend[0].path", "data.blend[1].path", "eval.blend[0].path"]
     assert "has no .idx file" in e.value.problems[0].message and ".bin or .idx" in e.value.problems[1].message
     assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow
 def test_data_prepared_with_another_tokenizer_is_refused(prepared_blend, tmp_path):
-    """A tokenizer with the same size but two ids swapped is another vocabulary: a real launch stops on it with
-    one problem, exit code non-zero, and no output folder."""
+    """A tokenizer with the same size but two ids swapped is another vocabulary: a real launch stops on it (in
+    data.blend and in eval.blend) with one line per source, exit code non-zero, and no output folder."""
     other = tmp_path / "other_tokenizer"
     shutil.copytree(TOKENIZER, other)
     spec = json.loads((other / "tokenizer.json").read_text())
@@ -175,10 +251,11 @@ def test_data_prepared_with_another_tokenizer_is_refused(prepared_blend, tmp_pat
     corpus = write_corpus(tmp_path / "c.jsonl", ["cat", "dog", "sun"], 50, 3)
     assert main(["data", "prepare", "--input", str(corpus), "--output", str(tmp_path / "c"), "--tokenizer",
                  str(other), "--quiet"]) == 0
-    proc = launch(prepared_blend["recipe"], [f"data.blend=[{{path: {tmp_path / 'c'}}}]",
+    c = f"[{{path: {tmp_path / 'c'}}}]"  # for training and as the held-out eval.blend: both are checked
+    proc = launch(prepared_blend["recipe"], [f"data.blend={c}", "eval.split=null", f"eval.blend={c}",
                                               "parallel.backend=megatron", "parallel.zero_stage=0"],
                   nproc=1, out_dir=tmp_path / "run", launcher="python", check=False)
     assert proc.returncode != 0
     assert "data.blend[0].path" in proc.stderr and "was prepared with tokenizer" in proc.stderr, proc.stderr[-2000:]
-    assert "1 problem" in proc.stderr
+    assert "eval.blend[0].path" in proc.stderr and "2 problems" in proc.stderr
     assert not (tmp_path / "run").exists()

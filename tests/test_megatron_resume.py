@@ -7,6 +7,7 @@ import shutil
 import pytest
 
 from conftest import UNINTERRUPTED, launch, read_metrics
+from reference import assert_blend_val_loss
 
 STEPS, STOP = 6, 3
 
@@ -32,6 +33,10 @@ def test_resume_reproduces_uninterrupted_run(recipe, nproc, uninterrupted, stopp
     split = read_metrics(tmp_path / "split")
     assert [m["step"] for m in split] == [1, 2, 3, 4, 5, 6]
     assert [m["loss"] for m in split] == [m["loss"] for m in straight]  # bit-identical on CPU
+    if recipe.endswith("_blend.yaml"):  # eval.blend of a prepared dataset of its own, 2 global batches every 3 steps
+        assert "eval: every 3 steps and at the end, 32 of 32 held-out sequences (eval.blend of 1 " in proc.stdout
+        assert_blend_val_loss(recipe, tmp_path / "split", [f"training.steps={STEPS}", *UNINTERRUPTED], split,
+                             straight, [3, 6])
 
 
 def test_resume_on_another_layout_is_refused(tmp_path):

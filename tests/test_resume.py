@@ -6,6 +6,7 @@ import json
 import pytest
 
 from conftest import launch, read_metrics
+from reference import assert_blend_val_loss
 
 STEPS = 8
 COMMON = [f"training.steps={STEPS}", "training.schedule.warmup_steps=2", "logging.interval=1",
@@ -33,3 +34,6 @@ def test_resume_reproduces_uninterrupted_run(recipe, uninterrupted, tmp_path, re
     # bit-identical on CPU: same layout, same data position, same RNG, optimizer and scheduler state
     assert [m["loss"] for m in split] == [m["loss"] for m in straight]
     assert [m["lr"] for m in split] == [m["lr"] for m in straight]
+    if recipe.endswith("_blend.yaml"):  # eval.split 0.1 of each source's documents, one global batch every 4 steps
+        assert "eval: every 4 steps and at the end, 16 of 16 held-out sequences (eval.split 0.1)" in proc.stdout
+        assert_blend_val_loss(recipe, tmp_path / "split", COMMON, split, straight, [4, 8])

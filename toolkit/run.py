@@ -89,10 +89,24 @@ def build_train_data(r: Recipe, global_batch: int, tokenizer):
     (training.steps x global batch samples), or data.paths / data.hub_dataset tokenized on the fly."""
     if r.data.blend is None:
         return build_dataset(r.data, tokenizer, rank_zero_first)
-    problems = check_prepared(r.data, tokenizer)
+    return build_data(r, global_batch, tokenizer)[0]
+
+
+def build_data(r: Recipe, global_batch: int, tokenizer):
+    """(training sequences, held-out sequences or None), the same for both backends. A data.blend and its held-out
+    set (eval.split or eval.blend) come from one call of Megatron-Core's builder; on-the-fly data and eval.paths
+    files go through build_heldout."""
+    if r.data.blend is None:
+        return build_heldout(r, tokenizer, build_dataset(r.data, tokenizer, rank_zero_first), rank_zero_first,
+                             global_batch)
+    problems = check_prepared(r.data, tokenizer) + check_prepared(r.data, tokenizer, r.eval.blend or [], "eval.blend")
     if problems:
         raise RecipeError(r.name, problems)
-    return build_blend(r.data, tokenizer, r.training.steps * global_batch, r.out_dir, r.training.seed)
+    train, held = build_blend(r.data, tokenizer, r.training.steps * global_batch, r.out_dir, r.training.seed,
+                              r.eval, global_batch)
+    if r.eval.paths:
+        return build_heldout(r, tokenizer, train, rank_zero_first, global_batch)
+    return train, held
 
 
 def train(recipe: Recipe) -> list[dict]:
@@ -112,8 +126,7 @@ def train(recipe: Recipe) -> list[dict]:
         notices.append("data.packing: chat conversations are padded one per sequence, not packed: Megatron with "
                        "Transformer Engine layers cannot keep packed conversations apart here (docs/sft.md)")
         r = r.model_copy(update={"data": r.data.model_copy(update={"packing": False})})
-    dataset, heldout = build_heldout(r, tokenizer, build_train_data(r, batch.global_batch, tokenizer),
-                                     rank_zero_first, batch.global_batch)
+    dataset, heldout = build_data(r, batch.global_batch, tokenizer)
     check_fills_a_step(len(dataset), batch.micro_batch, batch.grad_accum, layout.dp)
     evaluating = heldout is not None and bool(r.eval.interval)
     eval_count = eval_sequences(len(heldout), r.eval.batches, batch.global_batch) if evaluating else 0
@@ -133,6 +146,8 @@ def train(recipe: Recipe) -> list[dict]:
     if evaluating:
         eval_batches = eval_micro_batches(heldout, eval_count, batch.micro_batch, layout.dp, backend.dp_rank)
         source = f"eval.split {r.eval.split}" if r.eval.split is not None else f"eval.paths {r.eval.paths}"
+        if r.eval.blend is not None:
+            source = f"eval.blend of {len(r.eval.blend)} prepared datasets"
         log.info(f"[toolkit] eval: every {r.eval.interval} steps and at the end, {eval_count} of "
                  f"{len(heldout):,} held-out sequences ({source})")
     root, start = Path(r.checkpoint_dir), 0

@@ -1,11 +1,12 @@
 """The held-out data of the validation loss: where it comes from, and which sequences each data-parallel rank
 evaluates.
 
-Every held-out source is built in `build_heldout` (eval.split: the tail of the training sequences; eval.paths:
-files of their own). A new source (e.g. a blend of prepared datasets) is one more branch there. The sequences
-evaluated are the first `eval.batches x global batch` of the held-out set, the same at every evaluation and at
-every parallel layout; `eval_micro_batches` deals them out to the data-parallel ranks, whose (sum of token losses,
-token count) pairs are summed over all ranks before dividing, so the value does not depend on the layout.
+Every on-the-fly held-out source is built in `build_heldout` (eval.split: the tail of the training sequences;
+eval.paths: files of their own); a data.blend's (eval.split, eval.blend) comes from Megatron-Core's builder with
+the training samples (`toolkit.data.blend`). The sequences evaluated are the first `eval.batches x global batch`
+of the held-out set, the same at every evaluation and at every parallel layout; `eval_micro_batches` deals them
+out to the data-parallel ranks, whose (sum of token losses, token count) pairs are summed over all ranks before
+dividing, so the value does not depend on the layout.
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def build_heldout(r: Recipe, tokenizer, train, rank_zero_first=nullcontext, glob
     """(training dataset, held-out dataset or None) from the training sequences `train`. eval.split holds out the
     last fraction of them (the end of the corpus: only the document at the boundary is shared) and removes them
     from training, whether or not evaluation is on, so turning it on does not change what is trained on. What is
-    left for training must fill one global batch. (A data.blend is held out from with eval.paths: the recipe check
-    refuses eval.split with it.)"""
+    left for training must fill one global batch. (A data.blend's eval.split is Megatron's split string, in
+    toolkit.data.blend; with a data.blend only the eval.paths branch is taken here.)"""
     e = r.eval
     if e.split is not None:
         n = len(train)

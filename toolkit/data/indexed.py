@@ -43,11 +43,12 @@ def tokenizer_fingerprint(tokenizer, name: str) -> dict:
             "eos_token_id": tokenizer.eos_token_id, "vocab_sha256": digest}
 
 
-def check_prepared(cfg: DataConfig, tokenizer) -> list[Problem]:
-    """Each blend source must have been prepared with the recipe's tokenizer (same vocabulary, same EOS). A
-    source without the record (prepared by Megatron-LM's own tools) cannot be checked and is accepted."""
+def check_prepared(cfg: DataConfig, tokenizer, sources: list | None = None, key: str = "data.blend") -> list[Problem]:
+    """Each blend source (data.blend's, or `sources` named `key`, e.g. eval.blend's) must have been prepared with
+    the recipe's tokenizer (same vocabulary, same EOS). A source without the record (prepared by Megatron-LM's own
+    tools) cannot be checked and is accepted."""
     ours, out = tokenizer_fingerprint(tokenizer, cfg.tokenizer), []
-    for i, source in enumerate(cfg.blend or []):
+    for i, source in enumerate(cfg.blend or [] if sources is None else sources):
         record = prefix_files(source.path)["tokenizer"]
         if not record.is_file():
             continue
@@ -55,11 +56,11 @@ def check_prepared(cfg: DataConfig, tokenizer) -> list[Problem]:
             theirs = json.loads(record.read_text())
             same = all(theirs[k] == ours[k] for k in ("vocab_size", "eos_token_id", "vocab_sha256"))
         except (ValueError, KeyError, TypeError):
-            out.append(Problem(f"data.blend[{i}].path", f"{record} is not a tokenizer record written by toolkit "
+            out.append(Problem(f"{key}[{i}].path", f"{record} is not a tokenizer record written by toolkit "
                                "data prepare", f"delete it, or prepare {source.path} again"))
             continue
         if not same:
-            out.append(Problem(f"data.blend[{i}].path", f"{source.path} was prepared with tokenizer "
+            out.append(Problem(f"{key}[{i}].path", f"{source.path} was prepared with tokenizer "
                                f"{theirs.get('name')!r} ({theirs.get('vocab_size')} ids), not data.tokenizer "
                                f"{cfg.tokenizer!r} ({ours['vocab_size']} ids, another vocabulary)",
                                f"prepare it again with --tokenizer {cfg.tokenizer}, or set data.tokenizer to the "

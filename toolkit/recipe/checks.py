@@ -191,13 +191,31 @@ def check_eval(r: Recipe) -> list[Problem]:
                         "keep eval.split (a fraction of data.paths) or eval.paths (files of their own), not both")]
     if e.paths is not None and not e.paths:
         return [Problem("eval.paths", "is an empty list", "list held-out files (or globs), or use eval.split")]
-    if e.split is not None and r.data.blend is not None:
-        return [Problem("eval.split", "holds out part of data.paths, but the training data is a data.blend",
-                        "hold out files of their own with eval.paths")]
+    if e.blend is not None:
+        return _check_eval_blend(r)
     if e.interval and e.split is None and e.paths is None:
         return [Problem("eval.interval", f"{e.interval}, but no held-out data is named",
-                        "set eval.split (e.g. 0.05 of the training data) or eval.paths (files of their own)")]
+                        "set eval.split (e.g. 0.05 of the training data), eval.paths (files of their own) or "
+                        "eval.blend (prepared datasets of their own)")]
     return []
+
+
+def _check_eval_blend(r: Recipe) -> list[Problem]:
+    """eval.blend: alone, with a data.blend for training, at least one source, every weight above 0."""
+    e = r.eval
+    for key, other in (("eval.split", e.split), ("eval.paths", e.paths)):
+        if other is not None:
+            return [Problem(key, "set together with eval.blend; the held-out data comes from one of them",
+                            f"keep eval.blend (prepared datasets of their own) or {key}, not both")]
+    if r.data.blend is None:
+        return [Problem("eval.blend", "holds prepared datasets, but training reads data.paths (tokenized on the fly)",
+                        "train on a data.blend too, or hold out files with eval.paths (or eval.split)")]
+    if not e.blend:
+        return [Problem("eval.blend", "is an empty list", "list prepared held-out datasets as [{path: PREFIX, "
+                        "weight: 1.0}], or remove eval.blend")]
+    return [Problem(f"eval.blend[{i}].weight", f"{s.weight} for {s.path}: blend weights must be above 0",
+                    "give every source a positive weight, or remove the source")
+            for i, s in enumerate(e.blend) if s.weight <= 0]
 
 
 def check_paths(r: Recipe) -> list[Problem]:
@@ -210,6 +228,11 @@ def check_paths(r: Recipe) -> list[Problem]:
             out.append(Problem(f"data.blend[{i}].path", f"{source.path} has no {' or '.join(missing)} file (relative "
                                f"paths are read from {os.getcwd()})", "give the --output prefix of `toolkit data "
                                "prepare` (PREFIX, without .bin/.idx), or prepare the data first"))
+    for i, source in enumerate(r.eval.blend or []):
+        missing = [s for s in (".bin", ".idx") if not Path(source.path + s).is_file()]
+        if missing:
+            out.append(Problem(f"eval.blend[{i}].path", f"{source.path} has no {' or '.join(missing)} file",
+                               "give the --output prefix of `toolkit data prepare` (without .bin/.idx)"))
     if r.data.hub_dataset is None and r.data.blend is None:
         for pattern in r.data.paths:
             if not expand_glob(pattern):

@@ -98,14 +98,20 @@ class EvalConfig(_Section):
     logged); 0 or null turns evaluation off. Logged as val_loss and val_ppl (exp of val_loss)."""
     batches: Optional[int] = Field(None, gt=0)
     """Global batches per evaluation, each of training.global_batch_size held-out sequences (global, so every
-    parallel layout evaluates the same sequences); null = every full global batch of the held-out data. The same
-    sequences are evaluated each time. The value is the token-weighted mean loss over all of them."""
+    parallel layout evaluates the same sequences); null = every full global batch of the held-out data (with a
+    data.blend: as many as the held-out documents fill once). The same sequences are evaluated each time. The value
+    is the token-weighted mean loss over all of them."""
     split: Optional[float] = Field(None, gt=0, lt=1)
     """Hold out this fraction (between 0 and 1) of the packed training sequences for evaluation: the last ones of
-    the corpus, always the same, and never trained on. Use split or paths, not both."""
+    the corpus, always the same, and never trained on. With a data.blend: the last fraction of every source's
+    documents (Megatron-Core's split string, e.g. "0.95,0.05,0"). Use one of split, paths and blend."""
     paths: Optional[list[str]] = None
     """Held-out files of their own (globs allowed; the format, text_field, tokenizer, seq_len and packing of the
-    data section apply). Use split or paths, not both."""
+    data section apply). Use one of split, paths and blend."""
+    blend: Optional[list[BlendSource]] = None
+    """Held-out prepared datasets of their own, [{path, weight}] like data.blend (which training must read): the
+    validation split of Megatron-Core's builder (its blend_per_split), prepared with data.tokenizer. Use one of
+    split, paths and blend."""
 
 
 class OptimizerConfig(_Section):
