@@ -34,6 +34,10 @@ CONFIGS = {  # family -> (transformers config class, causal LM class, its own fi
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, rms_norm_eps=1e-6)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rms_norm_eps=1e-6)),
+    # 4 experts of width 48, top 2 renormalised (as Qwen3-30B-A3B routes); no dense layer
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=32, rms_norm_eps=1e-6, num_experts=4,
+                                                                 num_experts_per_tok=2, moe_intermediate_size=48,
+                                                                 norm_topk_prob=True)),
 }
 
 
@@ -49,6 +53,8 @@ def tiny_model(family: str, seed: int = 7, **change):
                 p.copy_((1.0 if "norm" in name else 0.0) + 0.5 * torch.randn_like(p))
             elif "q_proj" in name or "k_proj" in name:
                 p.mul_(10)  # sharper attention than a random init gives, so that positions and heads matter
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0, 1.0)  # decisive routing: no near-tie between experts that rounding could flip
     return model
 
 

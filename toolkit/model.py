@@ -25,8 +25,9 @@ def to_hf_config(m: ModelConfig, tokenizer=None):
     if m.rope_scaling:
         rope.update(m.rope_scaling)
         rope["rope_theta"] = m.rope_theta
+    own = family.hf_config_from_recipe(m) if family.hf_config_from_recipe else {}
     return getattr(transformers, family.hf_config_class)(
-        **family.hf_config_fields, head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
+        **family.hf_config_fields, **own, head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
         vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
         num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_kv_heads or m.num_attention_heads,

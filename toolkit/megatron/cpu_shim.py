@@ -7,6 +7,8 @@ It redirects CUDA device requests to the CPU and answers the CUDA queries Megatr
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -60,6 +62,51 @@ def _cpu_factory(fn):
     return wrapper
 
 
+class _Stream:
+    """Stands in for torch.cuda.Stream / Event: CPU work is already in order, so waits and records do nothing."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def record_event(self, *a, **k):
+        return _Stream()
+
+    def synchronize(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+
+def _moe_without_cuda() -> None:
+    """Megatron-Core 0.16's MoE layer: moe_utils names te_general_gemm only when Transformer Engine imports (its
+    own torch.mm fallback then fails with a NameError), and the alltoall token dispatcher copies split sizes to the
+    host on a side torch.cuda.Stream, as numpy arrays only when they were on the GPU (CPU tensors reach
+    all_to_all_single, which takes sequences of ints). Define the missing name as None (Megatron's fallback), give it
+    a stream, and hand it numpy split sizes on the CPU too."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher  # lazy: Megatron runs only
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    torch.cuda.Stream = torch.cuda.Event = _Stream
+    torch.cuda.current_stream = lambda *a, **k: _CURRENT
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+_CURRENT = _Stream()
+
+
 def install() -> None:
     """Activate the shim for the rest of the process (idempotent)."""
     global _installed
@@ -83,5 +130,6 @@ def install() -> None:
         setattr(torch, name, _cpu_factory(getattr(torch, name)))
     mrandom._get_cuda_rng_state = cpu_state
     mrandom._set_cuda_rng_state = set_state
+    _moe_without_cuda()
     _CudaToCpu().__enter__()  # stays active for the life of the process
     _installed = True
