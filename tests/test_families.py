@@ -69,28 +69,34 @@ def models(tmp_path_factory):
     return out
 
 
-def probe(models, layouts: list[tuple[int, int]], out_dir) -> dict:
-    """Megatron's logits for every family at every layout ({(tp, pp): {family: result}}), from one torchrun launch
-    (all layouts use the same number of ranks)."""
-    nproc = {tp * pp for tp, pp in layouts}.pop()
+def probe(models, layouts: list[tuple[int, ...]], out_dir) -> dict:
+    """Megatron's logits for every family at every layout ({(tp, pp[, ep]): {family: result}}), from one torchrun
+    launch (all layouts use the same number of ranks; an ep > 1 layout runs on ranks of its dp, MoE families only)."""
+    nproc = {max(lay[0] * lay[1], lay[2] if len(lay) > 2 else 1) for lay in layouts}.pop()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), str(PROBE), ",".join(f"{tp}x{pp}" for tp, pp in layouts), str(out_dir),
+           str(free_port()), str(PROBE), ",".join("x".join(map(str, lay)) for lay in layouts), str(out_dir),
            *(str(f) for f, _ in models.values())]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-5000:]
-    return {(tp, pp): {family: torch.load(out_dir / f"{family}_tp{tp}_pp{pp}.pt", weights_only=True)
-                       for family in models} for tp, pp in layouts}
+    def name(lay):
+        return f"tp{lay[0]}_pp{lay[1]}" + (f"_ep{lay[2]}" if len(lay) > 2 else "")
+
+    return {lay: {family: torch.load(out_dir / f"{family}_{name(lay)}.pt", weights_only=True)
+                  for family in models if len(lay) < 3 or "moe" in family} for lay in layouts}
 
 
-def assert_logits_match(models, got: dict, where: str, tp: int = 1, pp: int = 1) -> None:
+def assert_logits_match(models, got: dict, where: str, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
     from toolkit.plan.megatron_states import chunk_params
 
     for family, (folder, model) in models.items():
+        if family not in got:
+            continue
         assert got[family]["family"] == family  # the recipe took the family from config.json's model_type
-        # the planner's per-rank parameters (q/k/v bias, q/k norms) are what Megatron built on the last stage
+        # the planner's per-rank parameters (q/k/v bias, q/k norms, router and local experts) are what Megatron built
         r = load_recipe("tiny_zero0", ["model.preset=null", f"model.hf_path={folder}", "parallel.backend=megatron"])
-        planned = [(re.sub(r"layers\.\d+\.", "layers.N.", n), k) for n, k, _ in chunk_params(r, tp, pp, 1, pp - 1, 0)]
+        planned = [(re.sub(r"layers\.\d+\.", "layers.N.", n), k)
+                   for n, k, _ in chunk_params(r, tp, pp, 1, pp - 1, 0, ep)]
         built = [(re.sub(r"layers\.\d+\.", "layers.N.", n), k) for n, k in got[family]["params"]]
         assert planned == built, f"{family} at {where}: the planner's parameters differ from Megatron's"
         with torch.no_grad():
@@ -106,10 +112,13 @@ def test_megatron_core_logits_equal_transformers_tp1(models, tmp_path):
 
 @pytest.mark.slow
 def test_megatron_core_logits_equal_transformers_tp2_and_pp2(models, tmp_path):
-    """TP2, then PP2, on the same two ranks of one launch."""
-    got = probe(models, [(2, 1), (1, 2)], tmp_path)
-    for (tp, pp), per_family in got.items():
-        assert_logits_match(models, per_family, f"TP{tp} x PP{pp}", tp, pp)
+    """TP2, then PP2, then (the MoE family) EP2 with Megatron's alltoall token dispatch over gloo, on the same two
+    ranks of one launch."""
+    got = probe(models, [(2, 1), (1, 2), (1, 1, 2)], tmp_path)
+    assert "qwen3_moe" in got[(1, 1, 2)]
+    for (tp, pp, *ep), per_family in got.items():
+        assert_logits_match(models, per_family, f"TP{tp} x PP{pp}" + (f" x EP{ep[0]}" if ep else ""), tp, pp,
+                            ep[0] if ep else 1)
 
 
 def test_hf_to_megatron_tp2_pp2_and_back_is_bit_exact(models, tmp_path):
