@@ -125,9 +125,8 @@ def test_hf_to_megatron_tp2_pp2_and_back_is_bit_exact(models, tmp_path):
     for family, (folder, model) in models.items():
         mega = convert(folder, tmp_path / f"{family}_tp2pp2", "megatron", 2, 2, progress=False, log=lambda *_: None)
         back = convert(mega, tmp_path / f"{family}_back", "hf", progress=False, log=lambda *_: None)
-        got, want = load_file(str(back / "model.safetensors")), model.state_dict()
-        if model.config.tie_word_embeddings:
-            want.pop("lm_head.weight")
+        # the tensors as saved (save_pretrained drops a tied lm_head; transformers 5 stores MoE experts one by one)
+        got, want = load_file(str(back / "model.safetensors")), load_file(str(folder / "model.safetensors"))
         assert set(got) == set(want), family
         assert all(torch.equal(got[n], want[n]) for n in got), family
         config = json.loads((back / "config.json").read_text())

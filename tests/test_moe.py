@@ -4,6 +4,7 @@ families in tests/test_families.py's shared launches; here: the map by name (a g
 rules, HF <-> Megatron EP2 conversion bit-exact, and EP2 training against the single-process loop."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,8 +15,9 @@ from safetensors.torch import load_file
 from test_families import tiny_model
 from test_megatron_parity import LOSS_RTOL, SCHEDULE, STEPS
 
+from toolkit.checkpoint.convert import convert
 from toolkit.errors import RecipeError, ToolkitError
-from toolkit.families import dims_from_hf, hf_to_megatron, megatron_to_hf
+from toolkit.families import dims_from_hf, hf_to_megatron, megatron_to_hf, qwen3_moe
 from toolkit.model import to_hf_config
 from toolkit.recipe import load_recipe, resolve
 
@@ -63,6 +65,43 @@ def test_ep2_splits_experts_and_round_trips_bit_exactly(moe):
     copy["decoder.layers.0.mlp.router.weight"] = copy["decoder.layers.0.mlp.router.weight"] + 1
     with pytest.raises(ToolkitError, match="differs between expert-parallel ranks"):
         megatron_to_hf(shards, dims, tp=2, pp=1, ep=2)
+
+
+def test_convert_hf_to_megatron_ep2_and_back_is_bit_exact(moe, tmp_path):
+    """`toolkit convert` both ways at TP2 x EP2 (its own read-back and logit checks on): one file per (tp, ep) rank,
+    and the Hugging Face folder it writes back holds the saved tensors bit for bit and loads in transformers."""
+    import transformers
+
+    folder, model, disk = moe
+    mega = convert(folder, tmp_path / "mg", "megatron", tp=2, ep=2, progress=False, log=lambda *_: None)
+    tag = next(mega.glob("step_*"))
+    assert sorted(p.name for p in tag.glob("model_*")) == [f"model_tp0{t}_pp000_ep00{e}.safetensors"
+                                                            for t in range(2) for e in range(2)]
+    assert json.loads((tag / "toolkit_meta.json").read_text())["layout"]["ep"] == 2
+    back = convert(mega, tmp_path / "back", "hf", progress=False, log=lambda *_: None)
+    got = load_file(str(back / "model.safetensors"))
+    assert set(got) == set(disk) and all(torch.equal(got[k], disk[k]) for k in disk)
+    again = transformers.Qwen3MoeForCausalLM.from_pretrained(back)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+
+
+def test_a_gate_up_swap_in_the_expert_map_is_caught_by_verification(moe, tmp_path):
+    """The conversion's logit check places Megatron tensors by the family's separate MODULES table: an expert map
+    with gate= and up= exchanged fails it, and nothing is written."""
+    folder, _, _ = moe
+    real = qwen3_moe.FAMILY.layer
+
+    def swapped(d):
+        return [dataclasses.replace(pm, hf_names=pm.hf_names[::-1]) if "linear_fc1" in pm.megatron_name else pm
+                for pm in real(d)]
+
+    object.__setattr__(qwen3_moe.FAMILY, "layer", swapped)  # a frozen dataclass; restored below
+    try:
+        with pytest.raises(ToolkitError, match=r"verification failed: after decoder layer 0"):
+            convert(folder, tmp_path / "bad", "megatron", ep=2, progress=False, log=lambda *_: None)
+        assert not (tmp_path / "bad").exists()
+    finally:
+        object.__setattr__(qwen3_moe.FAMILY, "layer", real)
 
 
 @pytest.mark.parametrize("sets,needle", [
@@ -119,3 +158,6 @@ def test_ep2_training_reproduces_single_process_losses(tmp_path):
     assert json.loads((tag / "toolkit_meta.json").read_text())["layout"]["ep"] == 2
     assert {p.name for p in tag.glob("model_*")} == {"model_tp00_pp000_ep000.safetensors",
                                                       "model_tp00_pp000_ep001.safetensors"}
+    # what EP2 training wrote converts to Hugging Face (read back and logit-checked), and transformers loads it
+    hf = convert(tmp_path / "run" / "checkpoints", tmp_path / "trained_hf", "hf", progress=False, log=lambda *_: None)
+    assert transformers.Qwen3MoeForCausalLM.from_pretrained(hf).config.num_experts == 4

@@ -172,7 +172,11 @@ def check_megatron_shards(shards: Mapping, entries: Iterable[Entry], tp: int, pp
             for e in holders(entry, ep):
                 expected[(rank_key(entry.pp_rank, r, e, ep), entry.chunk)].add(entry.megatron_name)
     return [problem for (k, c), names in sorted(expected.items())
-            for problem in _check_chunk_names(f"ranks (pp, tp{', ep' * (ep > 1)}) {k}, chunk {c}", shards[k][c], names)]
+            for problem in _check_chunk_names(_where(k, c), shards[k][c], names)]
+
+
+def _where(key: tuple[int, ...], chunk: int) -> str:
+    return ", ".join(f"{n}_rank {v}" for n, v in zip(("pp", "tp", "ep"), key)) + f", chunk {chunk}"
 
 
 def _check_chunk_names(where: str, state: Mapping[str, object], names: set[str]) -> list[Problem]:

@@ -153,6 +153,9 @@ class Family:
 
     hf_config_from_recipe: Callable[[Any], Mapping[str, Any]] | None = None
     """The family's own transformers config fields from a recipe's model section (MoE: experts, top-k)."""
+    in_memory: Callable[[str, Dims], tuple[tuple[str, ...], Callable] | None] | None = None
+    """For a parameter name of transformers' model that is not stored under its own name (Qwen3-MoE's fused
+    experts): the stored tensors it is made of, and the function that makes it from them; None for the others."""
     megatron_from_recipe: Callable[[Any], Mapping[str, Any]] | None = None
     """The family's own TransformerConfig fields that depend on the recipe's model section (MoE: num_moe_experts,
     moe_router_topk, ...), beyond the fixed megatron_fields."""

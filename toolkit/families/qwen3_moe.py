@@ -12,6 +12,7 @@ per expert. Megatron-Core's local spec (what runs without Transformer Engine) bu
 expert-parallel rank."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from toolkit.errors import ToolkitError
@@ -30,6 +31,7 @@ from toolkit.families.mapping import (
     replicated,
     row_parallel,
 )
+from toolkit.families.rules import _torch
 
 
 def dims(config: Any, tp: int = 1, divisible_by: int = 128) -> Dims:
@@ -89,14 +91,38 @@ def from_recipe_megatron(m: Any) -> dict:
             "moe_grouped_gemm": False, "moe_permute_fusion": False}
 
 
-# where verification puts a Megatron checkpoint's tensors in transformers' model (toolkit/checkpoint/verify.py)
+def in_memory(name: str, d: Dims):
+    """transformers 5's fused expert tensors from the stored per-expert ones: gate_up_proj[e] = cat(gate_e, up_e)
+    (its forward takes `gate, up = ....chunk(2)`), down_proj[e] = down_e."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
+    if m is None:
+        return None
+    stem = f"model.layers.{m.group(1)}.mlp.experts"
+    if m.group(2) == "down_proj":
+        return tuple(f"{stem}.{e}.down_proj.weight" for e in range(d.experts)), _torch().stack
+    names = tuple(f"{stem}.{e}.{kind}_proj.weight" for e in range(d.experts) for kind in ("gate", "up"))
+
+    def fuse(tensors):
+        pairs = zip(tensors[0::2], tensors[1::2])  # (gate_e, up_e) by the names above
+        return _torch().stack([_torch().cat([gate, up], 0) for gate, up in pairs])
+
+    return names, fuse
+
+
+# where verification puts a Megatron checkpoint's tensors in transformers' model (toolkit/checkpoint/verify.py);
+# {e}: the routed expert, {x}: its index on its expert-parallel rank
 MODULES = {k: v for k, v in qwen3.MODULES.items() if ".mlp." not in k}
 MODULES["decoder.layers.{j}.mlp.router.weight"] = {"weight": "model.layers.{i}.mlp.gate.weight"}
+MODULES["decoder.layers.{j}.mlp.experts.local_experts.{x}.linear_fc1.weight"] = {
+    "gate": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "up": "model.layers.{i}.mlp.experts.{e}.up_proj.weight"}
+MODULES["decoder.layers.{j}.mlp.experts.local_experts.{x}.linear_fc2.weight"] = {
+    "weight": "model.layers.{i}.mlp.experts.{e}.down_proj.weight"}
 
 FAMILY = Family(name="qwen3_moe", model_types=("qwen3_moe",), hf_architecture="Qwen3MoeForCausalLM", dims=dims,
                 layer=layer, embedding=llama.embedding, final_norm=llama.final_norm, output=llama.output,
                 hf_config_class="Qwen3MoeConfig",
                 hf_config_fields={"use_sliding_window": False, "attention_bias": False, "decoder_sparse_step": 1,
                                   "mlp_only_layers": []},
-                megatron_fields={"qk_layernorm": True}, modules=MODULES, hf_config_from_recipe=from_recipe_hf,
+                megatron_fields={"qk_layernorm": True}, modules=MODULES, in_memory=in_memory,
+                hf_config_from_recipe=from_recipe_hf,
                 megatron_from_recipe=from_recipe_megatron)
