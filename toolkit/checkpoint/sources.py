@@ -19,7 +19,7 @@ from toolkit.checkpoint.deepspeed_plain import is_plain
 from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import check_megatron_shards, holders, iter_entries, raise_problems, rank_key
 from toolkit.families.mapping import Dims, check_dims
-from toolkit.families.registry import dims_from_hf
+from toolkit.families.registry import dims_from_hf, family_of_config
 from toolkit.format import manifest, paths
 from toolkit.format import safetensors_stream as st
 from toolkit.format.names import META, POINTER, chunk_key, model_file, optim_file, split_key
@@ -344,7 +344,19 @@ class DeepSpeedHFSource(Source):
         self.kind = f"DeepSpeed ZeRO-{meta['layout']['zero_stage']} ({'fp32 master' if fp32 else 'model states'})"
 
     def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
-        return [self._ds.get(n) for n in hf_names]
+        return [self._get(n) for n in hf_names]
+
+    def _get(self, name: str) -> torch.Tensor:
+        """A stored (Hugging Face file) name; a MoE expert's is cut out of transformers' fused tensor, the last one
+        gathered kept for the next expert of the same layer."""
+        family = family_of_config(self.config)
+        spec = family.from_memory(name, self.dims()) if family.from_memory else None
+        if spec is None:
+            return self._ds.get(name)
+        fused, take = spec
+        if getattr(self, "_fused", (None,))[0] != fused:
+            self._fused = (fused, self._ds.get(fused))
+        return take(self._fused[1]).clone()
 
     def dtype(self) -> torch.dtype:
         return torch.float32 if self._fp32 else self._ds.dtype  # the masters are fp32 whatever the training dtype

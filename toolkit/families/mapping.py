@@ -156,6 +156,9 @@ class Family:
     in_memory: Callable[[str, Dims], tuple[tuple[str, ...], Callable] | None] | None = None
     """For a parameter name of transformers' model that is not stored under its own name (Qwen3-MoE's fused
     experts): the stored tensors it is made of, and the function that makes it from them; None for the others."""
+    from_memory: Callable[[str, Dims], tuple[str, Callable] | None] | None = None
+    """The inverse, for checkpoints of transformers' model (DeepSpeed's): the name of the tensor a stored name
+    lives in, and the function that takes it out; None for a name stored as itself."""
     megatron_from_recipe: Callable[[Any], Mapping[str, Any]] | None = None
     """The family's own TransformerConfig fields that depend on the recipe's model section (MoE: num_moe_experts,
     moe_router_topk, ...), beyond the fixed megatron_fields."""

@@ -109,6 +109,19 @@ def in_memory(name: str, d: Dims):
     return names, fuse
 
 
+def from_memory(name: str, d: Dims):
+    """The inverse of in_memory, for checkpoints of transformers' model (DeepSpeed's): the fused tensor a stored
+    per-expert name lives in, and the function that takes it out (gate: the first half of gate_up_proj[e])."""
+    m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+    if m is None:
+        return None
+    stem, e, kind = m.group(1), int(m.group(2)), m.group(3)
+    if kind == "down":
+        return f"{stem}.down_proj", lambda fused: fused[e]
+    half = {"gate": 0, "up": 1}[kind]
+    return f"{stem}.gate_up_proj", lambda fused: fused[e].chunk(2, 0)[half]
+
+
 # where verification puts a Megatron checkpoint's tensors in transformers' model (toolkit/checkpoint/verify.py);
 # {e}: the routed expert, {x}: its index on its expert-parallel rank
 MODULES = {k: v for k, v in qwen3.MODULES.items() if ".mlp." not in k}
@@ -123,6 +136,6 @@ FAMILY = Family(name="qwen3_moe", model_types=("qwen3_moe",), hf_architecture="Q
                 hf_config_class="Qwen3MoeConfig",
                 hf_config_fields={"use_sliding_window": False, "attention_bias": False, "decoder_sparse_step": 1,
                                   "mlp_only_layers": []},
-                megatron_fields={"qk_layernorm": True}, modules=MODULES, in_memory=in_memory,
+                megatron_fields={"qk_layernorm": True}, modules=MODULES, in_memory=in_memory, from_memory=from_memory,
                 hf_config_from_recipe=from_recipe_hf,
                 megatron_from_recipe=from_recipe_megatron)

@@ -102,6 +102,37 @@ def _moe_without_cuda() -> None:
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    _uneven_collectives()
+
+
+def _uneven_collectives() -> None:
+    """Under TP x EP the alltoall dispatcher gathers a different number of tokens from each TP rank (all_gather
+    into a list of unequal tensors) and reduce-scatters them back (reduce_scatter from unequal ones), which NCCL
+    does and gloo refuses ("invalid tensor size"). On the CPU: gather equal padded tensors and cut them, and
+    reduce-scatter as an all_reduce of the whole followed by this rank's slice (the same sums)."""
+    dist = torch.distributed
+    gather, scatter = dist.all_gather, dist.reduce_scatter
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if len({t.shape for t in tensor_list} | {tensor.shape}) == 1:
+            return gather(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros(rows, *tensor.shape[1:])
+        padded[: tensor.shape[0]] = tensor
+        bufs = [torch.empty_like(padded) for _ in tensor_list]
+        gather(bufs, padded, group=group)
+        for out, buf in zip(tensor_list, bufs):
+            out.copy_(buf[: out.shape[0]])
+        return None
+
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        whole = torch.cat(list(input_list))
+        dist.all_reduce(whole, op=op, group=group)
+        start = sum(t.shape[0] for t in input_list[:dist.get_rank(group)])
+        output.copy_(whole[start:start + output.shape[0]])
+        return None
+
+    dist.all_gather, dist.reduce_scatter = all_gather, reduce_scatter
 
 
 _CURRENT = _Stream()
