@@ -131,6 +131,24 @@ def test_planner_counts_total_and_active_parameters_of_qwen3_30b_a3b():
     assert tiny["total"] - tiny["active"] == 2 * (4 - 2) * per_expert  # 2 layers, 2 of 4 experts skipped per token
 
 
+def test_real_size_recipe_is_qwen3_30b_a3b_and_ep_divides_its_experts_per_rank():
+    """recipes/qwen3_30b_a3b_ep8_pp2: the published size (30.5B total, 3.3B active), and each of its ranks holds
+    16 of the 128 experts of its 24 layers: about 2.6B parameters instead of 15.3B without expert parallelism."""
+    from toolkit.metrics import count_params, flops_per_token
+    from toolkit.plan.megatron_states import megatron_params
+
+    r = load_recipe("qwen3_30b_a3b_ep8_pp2")
+    plan = resolve(r)
+    assert (plan.layout.ep, plan.layout.pp, plan.layout.dp) == (8, 2, 8)
+    counts = count_params(r.model)
+    assert round(counts["total"] / 1e9, 1) == 30.5 and abs(counts["active"] / 1e9 - 3.3) < 0.06
+    per_rank = megatron_params(r, 1, 2, 1, 0, 0, ep=8)
+    assert round(per_rank / 1e9, 1) == 2.6 and round(megatron_params(r, 1, 2, 1, 0, 0) / 1e9, 1) == 15.3
+    # MFU counts the routed experts a token uses: 6 x the active non-embedding parameters + attention
+    attention = 12 * 48 * 2048 * 4096
+    assert flops_per_token(r.model, 4096) == 6 * (counts["active"] - counts["embedding"]) + attention
+
+
 @pytest.mark.slow
 def test_ep2_training_reproduces_single_process_losses(tmp_path):
     """From the same Hugging Face weights, Megatron-Core at EP2 (2 ranks, each with 2 of the 4 experts, tokens

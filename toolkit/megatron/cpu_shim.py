@@ -111,7 +111,7 @@ def _uneven_collectives() -> None:
     does and gloo refuses ("invalid tensor size"). On the CPU: gather equal padded tensors and cut them, and
     reduce-scatter as an all_reduce of the whole followed by this rank's slice (the same sums)."""
     dist = torch.distributed
-    gather, scatter = dist.all_gather, dist.reduce_scatter
+    gather = dist.all_gather
 
     def all_gather(tensor_list, tensor, group=None, async_op=False):
         if len({t.shape for t in tensor_list} | {tensor.shape}) == 1:

@@ -94,11 +94,11 @@ def chunk_params(r: Recipe, tp: int, pp: int, vpp: int, pp_rank: int, vp: int,
     return out
 
 
-def megatron_params(r: Recipe, tp: int, pp: int, vpp: int, tp_rank: int, pp_rank: int) -> int:
+def megatron_params(r: Recipe, tp: int, pp: int, vpp: int, tp_rank: int, pp_rank: int, ep: int = 1) -> int:
     """Parameters held by rank (tp_rank, pp_rank), over all its virtual chunks."""
     if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
         raise ToolkitError(f"rank (tp_rank {tp_rank}, pp_rank {pp_rank}) is outside tp {tp} x pp {pp}")
-    return sum(n for vp in range(vpp) for _, n, _ in chunk_params(r, tp, pp, vpp, pp_rank, vp))
+    return sum(n for vp in range(vpp) for _, n, _ in chunk_params(r, tp, pp, vpp, pp_rank, vp, ep))
 
 
 def _pad(n: int, multiple: int) -> int:
@@ -176,7 +176,7 @@ def rank_buffers(r: Recipe, layout: Layout, pp_rank: int) -> list[Buffer]:
     first."""
     distributed = layout.zero_stage == 1
     size = _bucket_size(r, layout)
-    return [build_buffer(chunk_params(r, layout.tp, layout.pp, layout.vpp, pp_rank, vp), layout.dp * layout.cp,
+    return [build_buffer(chunk_params(r, layout.tp, layout.pp, layout.vpp, pp_rank, vp, layout.ep), layout.dp * layout.cp,
                          distributed, size if pp_rank == 0 and vp == 0 else None) for vp in range(layout.vpp)]
 
 
@@ -228,11 +228,11 @@ def megatron_state_bytes(r: Recipe, layout: Layout, pp_rank: int = 0, dp_rank: i
     shard_world = layout.dp * layout.cp
     if not 0 <= dp_rank < shard_world:
         raise ToolkitError(f"dp_rank {dp_rank} is outside dp x cp = {shard_world}")
-    params = megatron_params(r, layout.tp, layout.pp, layout.vpp, tp_rank, pp_rank)
+    params = megatron_params(r, layout.tp, layout.pp, layout.vpp, tp_rank, pp_rank, layout.ep)
     distributed, p = layout.zero_stage == 1, r.training.precision
     bufs = rank_buffers(r, layout, pp_rank)
     sizes = [n for vp in range(layout.vpp)
-             for _, n, _ in chunk_params(r, layout.tp, layout.pp, layout.vpp, pp_rank, vp)]
+             for _, n, _ in chunk_params(r, layout.tp, layout.pp, layout.vpp, pp_rank, vp, layout.ep)]
     buffered = sum(b.numel for b in bufs)
     owned = sum(owned_by(b, shard_world, dp_rank) for b in bufs) if distributed else params
     grad_bytes = 4 if mcfg.to_ddp_config_kwargs(r, layout)["grad_reduce_in_fp32"] else PARAM_BYTES[p]
