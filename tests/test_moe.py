@@ -31,6 +31,25 @@ def moe(tmp_path_factory):
     return folder, model, load_file(str(folder / "model.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def start(tmp_path_factory):
+    """The training tests' shared start: tiny_qwen3_moe's Hugging Face weights (decisive routing, as in
+    test_families; no load-balancing loss, as Megatron's and transformers' aux losses are different functions) and
+    the single-process transformers loop's losses from them."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("moe_start") / "hf"
+    torch.manual_seed(7)
+    model = transformers.Qwen3MoeForCausalLM(to_hf_config(load_recipe(
+        "tiny_qwen3_moe", ["model.router_aux_loss_coef=0"]).model))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 1.0)
+    model.save_pretrained(folder)
+    return folder, reference_losses(folder, STEPS, SCHEDULE)
+
+
 def test_expert_fc1_is_gate_then_up_as_transformers_fuses_them(moe):
     """transformers 5 fuses each expert's on-disk gate_proj and up_proj into gate_up_proj[e] = cat(gate, up) when it
     loads (its own conversion, the oracle here); Megatron's linear_fc1 of a gated MLP is [gate; up] too. So at TP1
@@ -150,22 +169,13 @@ def test_real_size_recipe_is_qwen3_30b_a3b_and_ep_divides_its_experts_per_rank()
 
 
 @pytest.mark.slow
-def test_ep2_training_reproduces_single_process_losses(tmp_path):
+def test_ep2_training_reproduces_single_process_losses(start, tmp_path):
     """From the same Hugging Face weights, Megatron-Core at EP2 (2 ranks, each with 2 of the 4 experts, tokens
-    exchanged by the alltoall dispatcher over gloo) gives the single-process transformers loop's losses. The
-    load-balancing loss is set to 0 here: Megatron's and transformers' aux losses are different functions."""
+    exchanged by the alltoall dispatcher over gloo) gives the single-process transformers loop's losses."""
     import transformers
 
-    torch.manual_seed(7)
-    model = transformers.Qwen3MoeForCausalLM(to_hf_config(load_recipe(
-        "tiny_qwen3_moe", ["model.router_aux_loss_coef=0"]).model))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0, 1.0)  # decisive routing, as in test_families
-    model.save_pretrained(tmp_path / "hf")
-    want = reference_losses(tmp_path / "hf", STEPS, SCHEDULE)
-    launch("tiny_qwen3_moe", ["model.preset=null", f"model.hf_path={tmp_path / 'hf'}", "model.pretrained=true",
+    hf_in, want = start
+    launch("tiny_qwen3_moe", ["model.preset=null", f"model.hf_path={hf_in}", "model.pretrained=true",
                               f"training.steps={STEPS}", *SCHEDULE, "logging.interval=1", "checkpoint.interval=1000"],
            nproc=2, out_dir=tmp_path / "run")
     got = [m["loss"] for m in read_metrics(tmp_path / "run")]
@@ -178,4 +188,25 @@ def test_ep2_training_reproduces_single_process_losses(tmp_path):
                                                       "model_tp00_pp000_ep001.safetensors"}
     # what EP2 training wrote converts to Hugging Face (read back and logit-checked), and transformers loads it
     hf = convert(tmp_path / "run" / "checkpoints", tmp_path / "trained_hf", "hf", progress=False, log=lambda *_: None)
+    assert transformers.Qwen3MoeForCausalLM.from_pretrained(hf).config.num_experts == 4
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3_trains_the_hf_moe_model_and_converts_back(start, tmp_path):
+    """The DeepSpeed backend trains transformers' Qwen3MoeForCausalLM itself (fused 3-D expert tensors, partitioned
+    by ZeRO-3 on 2 ranks; DeepSpeed's own MoE layer is not used: it replaces a model's MLP with its own, which an HF
+    checkpoint does not fit), with the single-process loop's losses; its checkpoint converts to a Hugging Face
+    folder stored per expert, as transformers saves, that transformers loads."""
+    import transformers
+
+    hf_in, want = start
+    launch("tiny_qwen3_moe", ["model.preset=null", f"model.hf_path={hf_in}", "model.pretrained=true",
+                              "parallel.backend=deepspeed", "parallel.ep=1", "parallel.zero_stage=3",
+                              f"training.steps={STEPS}", *SCHEDULE, "logging.interval=1", "checkpoint.interval=1000"],
+           nproc=2, out_dir=tmp_path / "run")
+    got = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    print("qwen3_moe DeepSpeed ZeRO-3:", got, "single process:", want)
+    assert got == pytest.approx(want, rel=LOSS_RTOL)
+    hf = convert(tmp_path / "run" / "checkpoints", tmp_path / "trained_hf", "hf", progress=False, log=lambda *_: None)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in load_file(str(hf / "model.safetensors"))
     assert transformers.Qwen3MoeForCausalLM.from_pretrained(hf).config.num_experts == 4
