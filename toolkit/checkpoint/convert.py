@@ -252,8 +252,8 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
         return _to_deepspeed(src, dst, dp, overwrite)
     if to not in ("hf", "megatron", "torch_dist", "megatron_lm"):
         raise ToolkitError(f"--to {to!r} is not one of hf, megatron, torch_dist, megatron_lm, deepspeed, universal")
-    if to == "hf" and (tp, pp, vpp, ep) != (1, 1, 1, 1):
-        raise ToolkitError("--tp/--pp/--vpp/--ep describe a Megatron target; a Hugging Face folder is not sharded")
+    if to == "hf" and (tp, pp, vpp) != (1, 1, 1):
+        raise ToolkitError("--tp/--pp/--vpp describe a Megatron target; a Hugging Face folder is not sharded")
     if ep > 1 and to != "megatron":
         raise ToolkitError(f"--ep {ep}: expert-parallel files are written in the toolkit's Megatron layout only; "
                            "use --to megatron (torch_dist and megatron_lm targets take --ep 1)")

@@ -37,7 +37,7 @@ def meta_shards(dims: Dims, tp: int, pp: int, vpp: int, ep: int = 1) -> dict[tup
     rules' shard_shape (tests pin it to what split really gives): the one place shapes come from, for checking
     sources and laying out files."""
 
-    raise_problems(f"the model cannot be laid out at tp={tp} pp={pp} vpp={vpp} ep={ep}",
+    raise_problems(f"the model cannot be laid out at tp={tp} pp={pp} vpp={vpp}" + (f" ep={ep}" if ep > 1 else ""),
                    check_dims(dims, tp, pp, vpp, ep))
     out: dict[tuple[int, ...], dict[str, tuple]] = {rank_key(p, t, e, ep): {} for p in range(pp) for t in range(tp)
                                                     for e in range(ep)}

@@ -31,7 +31,6 @@ from toolkit.families.mapping import (
     replicated,
     row_parallel,
 )
-from toolkit.families.rules import _torch
 
 
 def dims(config: Any, tp: int = 1, divisible_by: int = 128) -> Dims:
@@ -94,17 +93,19 @@ def from_recipe_megatron(m: Any) -> dict:
 def in_memory(name: str, d: Dims):
     """transformers 5's fused expert tensors from the stored per-expert ones: gate_up_proj[e] = cat(gate_e, up_e)
     (its forward takes `gate, up = ....chunk(2)`), down_proj[e] = down_e."""
+    import torch  # lazy: the families load torch-free (the planner reads them); only conversion checks fuse
+
     m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
     if m is None:
         return None
     stem = f"model.layers.{m.group(1)}.mlp.experts"
     if m.group(2) == "down_proj":
-        return tuple(f"{stem}.{e}.down_proj.weight" for e in range(d.experts)), _torch().stack
+        return tuple(f"{stem}.{e}.down_proj.weight" for e in range(d.experts)), torch.stack
     names = tuple(f"{stem}.{e}.{kind}_proj.weight" for e in range(d.experts) for kind in ("gate", "up"))
 
     def fuse(tensors):
         pairs = zip(tensors[0::2], tensors[1::2])  # (gate_e, up_e) by the names above
-        return _torch().stack([_torch().cat([gate, up], 0) for gate, up in pairs])
+        return torch.stack([torch.cat([gate, up], 0) for gate, up in pairs])
 
     return names, fuse
 
