@@ -1,10 +1,10 @@
-"""The Mistral, Qwen2, Qwen3 and Qwen3-MoE families against the real libraries. Tiny random models are built with transformers'
-own config classes (GQA: 4 heads, 2 kv heads; vocab 500, which every TP size pads; Qwen2 with q/k/v biases and
-tied embeddings; Qwen3 with q/k norms and head_dim 32 != hidden 64 / 4 heads; Qwen3-MoE with 4 experts, top 2), with
-every bias and norm weight randomised so that a mis-grouped bias or a swapped norm shows. Megatron-Core's GPTModel,
-filled through each family's keyword map, must give transformers' logits at TP1 (fast: one launch for all the
-families), TP2, PP2 and, for the MoE family, EP2 (slow; one two-rank launch);
-HF -> Megatron TP2xPP2 -> HF must be bit-exact; the planner's counts must be the models' own."""
+"""The Mistral, Qwen2, Qwen3 and Qwen3-MoE families against the real libraries. Tiny random models are built with
+transformers' own config classes (GQA: 4 heads, 2 kv heads; vocab 500, which every TP size pads; Qwen2 with q/k/v
+biases and tied embeddings; Qwen3 with q/k norms and head_dim 32 != hidden 64 / 4 heads; Qwen3-MoE with 4 experts,
+top 2), with every bias and norm weight randomised so that a mis-grouped bias or a swapped norm shows.
+Megatron-Core's GPTModel, filled through each family's keyword map, must give transformers' logits at TP1 (fast: one
+launch for all the families), TP2, PP2 and, for the MoE family, EP2 (slow; one two-rank launch); HF -> Megatron
+TP2xPP2 -> HF must be bit-exact; the planner's counts must be the models' own."""
 from __future__ import annotations
 
 import json

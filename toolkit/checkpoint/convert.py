@@ -186,8 +186,9 @@ class MegatronTarget:
 
         key = chunk_key(entry.chunk, entry.megatron_name, None if field == WEIGHT else field)
         kind = WEIGHT if field == WEIGHT else "optim"
+        pieces = entry.to_megatron(hf_tensors, self.layout[0])
         return [(self.writers[(*rank_key(entry.pp_rank, t, e, self.ep), kind)], key, piece)
-                for t, piece in enumerate(entry.to_megatron(hf_tensors, self.layout[0])) for e in holders(entry, self.ep)]
+                for t, piece in enumerate(pieces) for e in holders(entry, self.ep)]
 
     def close(self) -> None:
         for w in self.writers.values():

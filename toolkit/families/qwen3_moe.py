@@ -128,7 +128,8 @@ def from_memory(name: str, d: Dims):
 MODULES = {k: v for k, v in qwen3.MODULES.items() if ".mlp." not in k}
 MODULES["decoder.layers.{j}.mlp.router.weight"] = {"weight": "model.layers.{i}.mlp.gate.weight"}
 MODULES["decoder.layers.{j}.mlp.experts.local_experts.{x}.linear_fc1.weight"] = {
-    "gate": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "up": "model.layers.{i}.mlp.experts.{e}.up_proj.weight"}
+    "gate": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+    "up": "model.layers.{i}.mlp.experts.{e}.up_proj.weight"}
 MODULES["decoder.layers.{j}.mlp.experts.local_experts.{x}.linear_fc2.weight"] = {
     "weight": "model.layers.{i}.mlp.experts.{e}.down_proj.weight"}
 

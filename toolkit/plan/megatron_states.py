@@ -176,8 +176,9 @@ def rank_buffers(r: Recipe, layout: Layout, pp_rank: int) -> list[Buffer]:
     first."""
     distributed = layout.zero_stage == 1
     size = _bucket_size(r, layout)
-    return [build_buffer(chunk_params(r, layout.tp, layout.pp, layout.vpp, pp_rank, vp, layout.ep), layout.dp * layout.cp,
-                         distributed, size if pp_rank == 0 and vp == 0 else None) for vp in range(layout.vpp)]
+    return [build_buffer(chunk_params(r, layout.tp, layout.pp, layout.vpp, pp_rank, vp, layout.ep),
+                         layout.dp * layout.cp, distributed, size if pp_rank == 0 and vp == 0 else None)
+            for vp in range(layout.vpp)]
 
 
 def _owned(bufs: list[Buffer], shard_world: int) -> list[int]:

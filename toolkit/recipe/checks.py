@@ -202,8 +202,8 @@ def resolve(r: Recipe, world_size: int | None = None, source: str | None = None)
     if dp is not None and p.ep > 1 and (dp * p.cp) % p.ep:
         problems.append(Problem("parallel.ep", f"{p.ep} does not divide dp x cp = {dp} x {p.cp} = {dp * p.cp}: "
                                 "Megatron-Core takes the expert-parallel ranks from the data-parallel (and context-"
-                                "parallel) ranks", f"launch a multiple of tp x pp x ep = {p.tp * p.pp * p.ep} ranks, or "
-                                f"choose an ep dividing {dp * p.cp}"))
+                                "parallel) ranks", f"launch a multiple of tp x pp x ep = {p.tp * p.pp * p.ep} "
+                                f"ranks, or choose an ep dividing {dp * p.cp}"))
     batch, notes = None, []
     if dp is not None:
         t = r.training
