@@ -62,7 +62,9 @@ def layer_spec(r: Recipe, on_gpu: bool, tconfig, vp_stage: int | None):
 
 
     if uses_transformer_engine(r, on_gpu):
-        return specs.get_gpt_layer_with_transformer_engine_spec()
+        # the family's q/k norms (Qwen3) and experts (Qwen3-MoE: SequentialMLP, the local spec's parameter names)
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=tconfig.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=tconfig.qk_layernorm)
     return local_block_spec(tconfig, vp_stage)
 
 
