@@ -4,6 +4,8 @@ gather the full logits and save them (with the input ids) as OUT_DIR/<folder nam
 families and layouts share one launch: the process groups are rebuilt for each layout.
 
     torchrun --nproc_per_node N tests/families_logits_probe.py 2x1,1x2 OUT_DIR HF_DIR [HF_DIR ...]
+
+A layout TPxPPxEP (e.g. 1x1x2) adds expert parallelism; it runs the mixture-of-experts folders only.
 """
 import sys
 from pathlib import Path
@@ -17,9 +19,10 @@ from toolkit.recipe import load_recipe, resolve  # noqa: E402
 from toolkit.train.dist import init_distributed  # noqa: E402
 
 
-def recipe(hf: str, tp: int, pp: int):
+def recipe(hf: str, tp: int, pp: int, ep: int = 1):
     return load_recipe("tiny_zero0", ["model.preset=null", f"model.hf_path={hf}", "model.pretrained=true",
                                       "parallel.backend=megatron", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                                      f"parallel.ep={ep}",
                                       "training.global_batch_size=2", "training.micro_batch_size=1"])
 
 
@@ -32,6 +35,7 @@ def logits(r, layout, hf: str, out: Path) -> None:
 
     chunk = runtime.build_chunks(r, layout, on_gpu=False)[0]
     runtime.load_hf_weights([chunk], hf, r, layout)
+    chunk.eval()  # inference: Megatron's MoE layer refuses TP without SP only in training
     torch.manual_seed(0)
     ids = torch.randint(0, r.model.vocab_size, (2, 32))
     positions = torch.arange(32).unsqueeze(0).expand(2, -1)
@@ -44,7 +48,7 @@ def logits(r, layout, hf: str, out: Path) -> None:
                                       forward_only=True)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         full = gather_from_tensor_model_parallel_region(torch.cat([x["logits"] for x in res], dim=0))
-        if ps.get_tensor_model_parallel_rank() == 0:
+        if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
             params = [(n, p.numel()) for n, p in chunk.named_parameters()]  # the planner's arithmetic is pinned to it
             torch.save({"ids": ids, "logits": full[..., :r.model.vocab_size], "family": r.model.family,
                         "params": params}, out)
@@ -57,13 +61,16 @@ def main(layouts: str, out_dir: str, folders: list[str]) -> None:
     from toolkit.megatron import runtime
 
     info = init_distributed()
-    for tp, pp in (map(int, item.split("x")) for item in layouts.split(",")):
-        first = recipe(folders[0], tp, pp)
+    for tp, pp, *ep in (map(int, item.split("x")) for item in layouts.split(",")):
+        ep = ep[0] if ep else 1
+        used = [hf for hf in folders if ep == 1 or "moe" in Path(hf).name]
+        first = recipe(used[0], tp, pp, ep)
         layout = resolve(first, info.world_size).layout
         ps.destroy_model_parallel()
         runtime.init_parallel(first, layout, on_gpu=False)
-        for hf in folders:
-            logits(recipe(hf, tp, pp), layout, hf, Path(out_dir) / f"{Path(hf).name}_tp{tp}_pp{pp}.pt")
+        for hf in used:
+            name = f"{Path(hf).name}_tp{tp}_pp{pp}" + (f"_ep{ep}" if ep > 1 else "")
+            logits(recipe(hf, tp, pp, ep), layout, hf, Path(out_dir) / f"{name}.pt")
 
 
 if __name__ == "__main__":

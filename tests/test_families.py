@@ -1,9 +1,10 @@
-"""The Mistral, Qwen2 and Qwen3 families against the real libraries. Tiny random models are built with transformers'
-own config classes (GQA: 4 heads, 2 kv heads; vocab 500, which every TP size pads; Qwen2 with q/k/v biases and
-tied embeddings; Qwen3 with q/k norms and head_dim 32 != hidden 64 / 4 heads), with every bias and norm weight
-randomised so that a mis-grouped bias or a swapped norm shows. Megatron-Core's GPTModel, filled through each family's
-keyword map, must give transformers' logits at TP1 (fast: one launch for all three families), TP2 and PP2 (slow);
-HF -> Megatron TP2xPP2 -> HF must be bit-exact; the planner's counts must be the models' own."""
+"""The Mistral, Qwen2, Qwen3 and Qwen3-MoE families against the real libraries. Tiny random models are built with
+transformers' own config classes (GQA: 4 heads, 2 kv heads; vocab 500, which every TP size pads; Qwen2 with q/k/v
+biases and tied embeddings; Qwen3 with q/k norms and head_dim 32 != hidden 64 / 4 heads; Qwen3-MoE with 4 experts,
+top 2), with every bias and norm weight randomised so that a mis-grouped bias or a swapped norm shows.
+Megatron-Core's GPTModel, filled through each family's keyword map, must give transformers' logits at TP1 (fast: one
+launch for all the families), TP2, PP2 and, for the MoE family, EP2 (slow; one two-rank launch); HF -> Megatron
+TP2xPP2 -> HF must be bit-exact; the planner's counts must be the models' own."""
 from __future__ import annotations
 
 import json
@@ -34,6 +35,10 @@ CONFIGS = {  # family -> (transformers config class, causal LM class, its own fi
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, rms_norm_eps=1e-6)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rms_norm_eps=1e-6)),
+    # 4 experts of width 48, top 2 renormalised (as Qwen3-30B-A3B routes); no dense layer
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=32, rms_norm_eps=1e-6, num_experts=4,
+                                                                 num_experts_per_tok=2, moe_intermediate_size=48,
+                                                                 norm_topk_prob=True)),
 }
 
 
@@ -49,6 +54,8 @@ def tiny_model(family: str, seed: int = 7, **change):
                 p.copy_((1.0 if "norm" in name else 0.0) + 0.5 * torch.randn_like(p))
             elif "q_proj" in name or "k_proj" in name:
                 p.mul_(10)  # sharper attention than a random init gives, so that positions and heads matter
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0, 1.0)  # decisive routing: no near-tie between experts that rounding could flip
     return model
 
 
@@ -63,28 +70,34 @@ def models(tmp_path_factory):
     return out
 
 
-def probe(models, layouts: list[tuple[int, int]], out_dir) -> dict:
-    """Megatron's logits for every family at every layout ({(tp, pp): {family: result}}), from one torchrun launch
-    (all layouts use the same number of ranks)."""
-    nproc = {tp * pp for tp, pp in layouts}.pop()
+def probe(models, layouts: list[tuple[int, ...]], out_dir) -> dict:
+    """Megatron's logits for every family at every layout ({(tp, pp[, ep]): {family: result}}), from one torchrun
+    launch (all layouts use the same number of ranks; an ep > 1 layout runs on ranks of its dp, MoE families only)."""
+    nproc = {max(lay[0] * lay[1], lay[2] if len(lay) > 2 else 1) for lay in layouts}.pop()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), str(PROBE), ",".join(f"{tp}x{pp}" for tp, pp in layouts), str(out_dir),
+           str(free_port()), str(PROBE), ",".join("x".join(map(str, lay)) for lay in layouts), str(out_dir),
            *(str(f) for f, _ in models.values())]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-5000:]
-    return {(tp, pp): {family: torch.load(out_dir / f"{family}_tp{tp}_pp{pp}.pt", weights_only=True)
-                       for family in models} for tp, pp in layouts}
+    def name(lay):
+        return f"tp{lay[0]}_pp{lay[1]}" + (f"_ep{lay[2]}" if len(lay) > 2 else "")
+
+    return {lay: {family: torch.load(out_dir / f"{family}_{name(lay)}.pt", weights_only=True)
+                  for family in models if len(lay) < 3 or "moe" in family} for lay in layouts}
 
 
-def assert_logits_match(models, got: dict, where: str, tp: int = 1, pp: int = 1) -> None:
+def assert_logits_match(models, got: dict, where: str, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
     from toolkit.plan.megatron_states import chunk_params
 
     for family, (folder, model) in models.items():
+        if family not in got:
+            continue
         assert got[family]["family"] == family  # the recipe took the family from config.json's model_type
-        # the planner's per-rank parameters (q/k/v bias, q/k norms) are what Megatron built on the last stage
+        # the planner's per-rank parameters (q/k/v bias, q/k norms, router and local experts) are what Megatron built
         r = load_recipe("tiny_zero0", ["model.preset=null", f"model.hf_path={folder}", "parallel.backend=megatron"])
-        planned = [(re.sub(r"layers\.\d+\.", "layers.N.", n), k) for n, k, _ in chunk_params(r, tp, pp, 1, pp - 1, 0)]
+        planned = [(re.sub(r"layers\.\d+\.", "layers.N.", n), k)
+                   for n, k, _ in chunk_params(r, tp, pp, 1, pp - 1, 0, ep)]
         built = [(re.sub(r"layers\.\d+\.", "layers.N.", n), k) for n, k in got[family]["params"]]
         assert planned == built, f"{family} at {where}: the planner's parameters differ from Megatron's"
         with torch.no_grad():
@@ -100,19 +113,21 @@ def test_megatron_core_logits_equal_transformers_tp1(models, tmp_path):
 
 @pytest.mark.slow
 def test_megatron_core_logits_equal_transformers_tp2_and_pp2(models, tmp_path):
-    """TP2, then PP2, on the same two ranks of one launch."""
-    got = probe(models, [(2, 1), (1, 2)], tmp_path)
-    for (tp, pp), per_family in got.items():
-        assert_logits_match(models, per_family, f"TP{tp} x PP{pp}", tp, pp)
+    """TP2, then PP2, then (the MoE family) EP2 with Megatron's alltoall token dispatch over gloo, on the same two
+    ranks of one launch."""
+    got = probe(models, [(2, 1), (1, 2), (1, 1, 2)], tmp_path)
+    assert "qwen3_moe" in got[(1, 1, 2)]
+    for (tp, pp, *ep), per_family in got.items():
+        assert_logits_match(models, per_family, f"TP{tp} x PP{pp}" + (f" x EP{ep[0]}" if ep else ""), tp, pp,
+                            ep[0] if ep else 1)
 
 
 def test_hf_to_megatron_tp2_pp2_and_back_is_bit_exact(models, tmp_path):
     for family, (folder, model) in models.items():
         mega = convert(folder, tmp_path / f"{family}_tp2pp2", "megatron", 2, 2, progress=False, log=lambda *_: None)
         back = convert(mega, tmp_path / f"{family}_back", "hf", progress=False, log=lambda *_: None)
-        got, want = load_file(str(back / "model.safetensors")), model.state_dict()
-        if model.config.tie_word_embeddings:
-            want.pop("lm_head.weight")
+        # the tensors as saved (save_pretrained drops a tied lm_head; transformers 5 stores MoE experts one by one)
+        got, want = load_file(str(back / "model.safetensors")), load_file(str(folder / "model.safetensors"))
         assert set(got) == set(want), family
         assert all(torch.equal(got[n], want[n]) for n in got), family
         config = json.loads((back / "config.json").read_text())

@@ -14,10 +14,10 @@ from toolkit.recipe import list_recipes, load_recipe, resolve
 RECIPES = list_recipes()
 REAL = ["llama7b_zero3", "llama7b_zero2_offload", "llama13b_zero3_nvme", "llama3_8b_zero3", "llama70b_zero3_offload",
         "llama7b_tp2_pp2", "llama13b_tp4_pp2", "llama3_8b_tp2_cp2", "llama70b_tp8_pp4",
-        "qwen2.5_7b_zero3", "qwen3_8b_tp2_pp2", "mistral_7b_tp2_pp2"]
+        "qwen2.5_7b_zero3", "qwen3_8b_tp2_pp2", "mistral_7b_tp2_pp2", "qwen3_30b_a3b_ep8_pp2"]
 TINY = ["tiny_zero0", "tiny_zero1", "tiny_zero2", "tiny_zero3", "tiny_zero3_offload", "tiny_zero3_nvme",
         "tiny_tp2", "tiny_pp2", "tiny_tp2_pp2", "tiny_pp2_vpp2", "tiny_dp2_distopt",
-        "tiny_mistral", "tiny_qwen2", "tiny_qwen3"]
+        "tiny_mistral", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_moe"]
 
 
 def test_the_promised_recipes_ship():

@@ -20,6 +20,8 @@ class Layout:
     cp: int = 1
     sp: bool = False
     zero_stage: int = 0
+    ep: int = 1
+    """Expert-parallel size: routed experts split over ep ranks taken from dp x cp (Megatron-Core's rule)."""
 
     @property
     def model_parallel(self) -> int:
@@ -28,6 +30,7 @@ class Layout:
     def describe(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
         parts += [f"vpp={self.vpp}"] * (self.vpp > 1) + [f"cp={self.cp}"] * (self.cp > 1) + ["sp"] * self.sp
+        parts += [f"ep={self.ep}"] * (self.ep > 1)
         return f"{self.backend} on {self.world_size} ranks: {' '.join(parts)}, ZeRO-{self.zero_stage}"
 
 

@@ -22,8 +22,11 @@ def count_params(m: ModelConfig) -> dict:
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Model FLOPs per trained token (forward + backward = 3 x forward): 6 x the matmul parameters plus attention
-    scores 12 x layers x hidden x seq_len (PaLM appendix B). Recomputation is not counted: this is MFU's numerator."""
-    return 6 * count_params(m)["non_embedding"] + 12 * m.num_layers * m.hidden_size * seq_len
+    scores 12 x layers x hidden x seq_len (PaLM appendix B). Recomputation is not counted: this is MFU's numerator.
+    A mixture of experts counts the experts a token is routed to (its active parameters), not all of them."""
+    c = count_params(m)
+    matmul = c["non_embedding"] - (c["total"] - c.get("active", c["total"]))
+    return 6 * matmul + 12 * m.num_layers * m.hidden_size * seq_len
 
 
 def detect_peak_tflops(device: str, precision: str) -> float | None:

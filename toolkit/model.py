@@ -25,8 +25,9 @@ def to_hf_config(m: ModelConfig, tokenizer=None):
     if m.rope_scaling:
         rope.update(m.rope_scaling)
         rope["rope_theta"] = m.rope_theta
+    own = family.hf_config_from_recipe(m) if family.hf_config_from_recipe else {}
     return getattr(transformers, family.hf_config_class)(
-        **family.hf_config_fields, head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
+        **family.hf_config_fields, **own, head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
         vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
         num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_kv_heads or m.num_attention_heads,
@@ -81,19 +82,54 @@ def load_hf_weights(model, folder: Path, zero3: bool) -> None:
 
     params = dict(model.named_parameters())
     seen: set[str] = set()
+    family = family_named(model.config.model_type)
+    dims = family.dims(model.config, 1, 128) if family.from_memory else None
+    pending: dict[str, list] = {}  # a fused parameter (MoE experts) -> its stored parts read so far
     for file in sorted(folder.glob("*.safetensors")):
         # the toolkit's own reader: byte ranges checked, and never a file linked from outside the folder
         with st.Reader(paths.inside(folder, file.name, "model.hf_path")) as f:
             for key in f.keys():
+                fused = family.from_memory(key, dims) if family.from_memory else None
+                if fused is not None and fused[0] in params:  # transformers 5 keeps the experts in 3-D tensors
+                    parts = pending.setdefault(fused[0], [])
+                    parts.append((fused[1], f.get(key)))
+                    if len(parts) == len(family.in_memory(fused[0], dims)[0]):  # all of it read: fill it at once
+                        _copy_parts(params[fused[0]], pending.pop(fused[0]), zero3)
+                        seen.add(fused[0])
+                    continue
                 if key not in params:
                     raise ToolkitError(f"model.hf_path: {file.name} holds {key!r}, which this model does not have; "
                                        "is model.* (or the preset) the architecture of these weights?")
                 _copy_into(params[key], f.get(key), key, zero3)
                 seen.add(key)
     missing = [k for k in params if k not in seen and not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    missing += sorted(pending)  # fused parameters some of whose parts were not in the files
     if missing:
         raise ToolkitError(f"model.hf_path: {folder} lacks {len(missing)} weights the model needs, e.g. "
                            f"{missing[:3]}; the checkpoint is incomplete or of another architecture")
+
+
+def _copy_parts(param, parts: list, zero3: bool) -> None:
+    """Fill a fused parameter from its stored parts, each with the function that gives its slice of the parameter
+    (a view, written in place); under ZeRO-3 gathered once for all of them."""
+    def fill(full) -> None:
+        with torch.no_grad():
+            for take, tensor in parts:
+                view = take(full)
+                if tuple(view.shape) != tuple(tensor.shape):
+                    raise ToolkitError(f"model.hf_path: a part of {tuple(full.shape)} is {tuple(tensor.shape)} in the "
+                                       f"checkpoint but {tuple(view.shape)} in the model; set model.* to the "
+                                       "checkpoint's architecture (or use model.hf_path alone)")
+                view.copy_(tensor)
+
+    if not zero3:
+        fill(param)
+        return
+    import deepspeed  # lazy: DeepSpeed paths only
+
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+        if dist.get_rank() == 0:
+            fill(param)
 
 
 def _copy_into(param, tensor, key: str, zero3: bool) -> None:

@@ -28,7 +28,8 @@ def to_parallel_kwargs(layout: Layout) -> dict:
     """Arguments of parallel_state.initialize_model_parallel."""
     return {"tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
             "virtual_pipeline_model_parallel_size": layout.vpp if layout.vpp > 1 else None,
-            "context_parallel_size": layout.cp, "order": "tp-cp-ep-dp-pp"}
+            "context_parallel_size": layout.cp, "order": "tp-cp-ep-dp-pp",
+            **({"expert_model_parallel_size": layout.ep} if layout.ep > 1 else {})}
 
 
 def _recompute(mode: str) -> dict:
@@ -43,7 +44,9 @@ def to_architecture_kwargs(r: Recipe) -> dict:
     """The TransformerConfig fields that fix the shapes (torch-free: the planner reads them), the family's own
     fields (add_qkv_bias, qk_layernorm) included."""
     m = r.model
-    return {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.intermediate_size,
+    family = family_named(m.family)
+    moe = family.megatron_from_recipe(m) if family.megatron_from_recipe else {}
+    return {**moe, "num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.intermediate_size,
             "num_attention_heads": m.num_attention_heads, "num_query_groups": m.num_kv_heads or m.num_attention_heads,
             "kv_channels": m.head_dim or m.hidden_size // m.num_attention_heads, "add_qkv_bias": False,
             **family_named(m.family).megatron_fields}
@@ -65,6 +68,7 @@ def to_transformer_config_kwargs(r: Recipe, layout: Layout, on_gpu: bool) -> dic
         "tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
         "virtual_pipeline_model_parallel_size": layout.vpp if layout.vpp > 1 else None,
         "context_parallel_size": layout.cp, "sequence_parallel": layout.sp,
+        **({"expert_model_parallel_size": layout.ep} if layout.ep > 1 else {}),
         "params_dtype": dtype, "pipeline_dtype": dtype, "bf16": precision == "bf16", "fp16": precision == "fp16",
         "bias_activation_fusion": on_gpu, "masked_softmax_fusion": on_gpu and not packed_chat, "bias_dropout_fusion": on_gpu,
         "apply_rope_fusion": False, "gradient_accumulation_fusion": False, "persist_layer_norm": False,

@@ -40,7 +40,7 @@ from toolkit.checkpoint.torch_dist_write import TorchDistTarget
 from toolkit.checkpoint.universal import UniversalSource, is_universal, resolve_universal, write_universal
 from toolkit.checkpoint.verify import Digests, import_early, read_back, release, verify_logits
 from toolkit.errors import ToolkitError
-from toolkit.families.entries import iter_entries
+from toolkit.families.entries import holders, iter_entries, rank_key
 from toolkit.families.registry import family_of_config
 from toolkit.families.rules import views
 from toolkit.format import manifest, paths, safe_load
@@ -157,9 +157,9 @@ class MegatronTarget:
     toolkit_meta.json (layout, model config, recipe when known, manifest) and the latest_complete pointer."""
 
     def __init__(self, root: Path, source: Source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None,
-                 weights_only: bool):
+                 weights_only: bool, ep: int = 1):
 
-        self.root, self.source, self.layout = root, source, (tp, pp, vpp)
+        self.root, self.source, self.layout, self.ep = root, source, (tp, pp, vpp), ep
         self.dims = source.dims(tp)
         self.fields = (WEIGHT,) if weights_only else source.fields
         self.step = int(source.step or 0)
@@ -167,16 +167,18 @@ class MegatronTarget:
         self.tag_dir.mkdir(parents=True)
         out_dtype = dtype or source.dtype()
         optim_meta = getattr(source, "optimizer_meta", {})
-        self.writers: dict[tuple[int, int, str], st.Writer] = {}
+        self.writers: dict[tuple, st.Writer] = {}
         self.total = 0
-        for (p, t), shapes in meta_shards(self.dims, tp, pp, vpp).items():
+        for rank, shapes in meta_shards(self.dims, tp, pp, vpp, ep).items():
+            p, t, e = (*rank, None)[:3]  # e: the expert-parallel rank, in the key and file name only when ep > 1
             spec = {k: (s, out_dtype) for k, s in shapes.items()}
-            self.writers[(p, t, WEIGHT)] = st.Writer(model_file(self.tag_dir, t, p), spec, {"format": "toolkit-megatron"})
+            self.writers[(*rank, WEIGHT)] = st.Writer(model_file(self.tag_dir, t, p, e), spec,
+                                                      {"format": "toolkit-megatron"})
             self.total += sum(st.nbytes(s, d) for s, d in spec.values())
             extra = [f for f in self.fields if f != WEIGHT]
             if extra:
                 spec = {f"{k}:{f}": (shape, torch.float32) for k, shape in shapes.items() for f in extra}
-                self.writers[(p, t, "optim")] = st.Writer(optim_file(self.tag_dir, t, p), spec, optim_meta)
+                self.writers[(*rank, "optim")] = st.Writer(optim_file(self.tag_dir, t, p, e), spec, optim_meta)
                 self.total += sum(st.nbytes(s, d) for s, d in spec.values())
 
     def writes(self, entry, field: str, hf_tensors: list[torch.Tensor]) -> list[tuple[st.Writer, str, torch.Tensor]]:
@@ -184,8 +186,9 @@ class MegatronTarget:
 
         key = chunk_key(entry.chunk, entry.megatron_name, None if field == WEIGHT else field)
         kind = WEIGHT if field == WEIGHT else "optim"
-        return [(self.writers[(entry.pp_rank, t, kind)], key, piece)
-                for t, piece in enumerate(entry.to_megatron(hf_tensors, self.layout[0]))]
+        pieces = entry.to_megatron(hf_tensors, self.layout[0])
+        return [(self.writers[(*rank_key(entry.pp_rank, t, e, self.ep), kind)], key, piece)
+                for t, piece in enumerate(pieces) for e in holders(entry, self.ep)]
 
     def close(self) -> None:
         for w in self.writers.values():
@@ -199,8 +202,11 @@ class MegatronTarget:
         src_meta = self.source.meta or {}
         old = src_meta.get("layout") or {}
         dp, cp = old.get("dp", 1), old.get("cp", 1)
+        if (dp * cp) % self.ep:  # Megatron takes the expert-parallel ranks from dp x cp
+            dp = self.ep
         resumable = self.fields != (WEIGHT,) and old.get("zero_stage", 0) == 0 and src_meta.get("recipe")
-        layout = {"world_size": tp * pp * cp * dp, "zero_stage": 0, "dp": dp, "tp": tp, "pp": pp, "vpp": vpp, "cp": cp}
+        layout = {"world_size": tp * pp * cp * dp, "zero_stage": 0, "dp": dp, "tp": tp, "pp": pp, "vpp": vpp, "cp": cp,
+                  **({"ep": self.ep} if self.ep > 1 else {})}
         meta = {"schema_version": SCHEMA_VERSION, "step": self.step, "tag": self.tag_dir.name, "backend": "megatron",
                 "layout": layout, "hf_config": self.source.config,
                 "make_vocab_size_divisible_by": self.source.divisible_by,
@@ -208,7 +214,7 @@ class MegatronTarget:
         if src_meta.get("recipe") and src_meta.get("backend") == "megatron":
             recipe = json.loads(json.dumps(src_meta["recipe"]))
             par = recipe.setdefault("parallel", {})
-            par.update(tp=tp, pp=pp, vpp=vpp, world_size=layout["world_size"], dp=dp)
+            par.update(tp=tp, pp=pp, vpp=vpp, world_size=layout["world_size"], dp=dp, ep=self.ep)
             meta["recipe"] = recipe
         if resumable:
             src_dir = self.source.tag_dir
@@ -225,7 +231,7 @@ class MegatronTarget:
 def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1, vpp: int = 1,
             dtype: str | None = None, vocab_size: int | None = None, fp32: bool = False, weights_only: bool = False,
             overwrite: bool = False, verify: bool = True, dp: int | None = None, progress: bool = True,
-            log=print, config: str | Path | None = None, verbose: bool = False) -> Path:
+            log=print, config: str | Path | None = None, verbose: bool = False, ep: int = 1) -> Path:
     """Convert SRC into DST (see the module docstring). Returns DST. `config`: the Hugging Face config of a plain
     DeepSpeed checkpoint (toolkit/checkpoint/plain_to_hf.py)."""
     src, dst = Path(src), Path(dst)
@@ -249,6 +255,9 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
         raise ToolkitError(f"--to {to!r} is not one of hf, megatron, torch_dist, megatron_lm, deepspeed, universal")
     if to == "hf" and (tp, pp, vpp) != (1, 1, 1):
         raise ToolkitError("--tp/--pp/--vpp describe a Megatron target; a Hugging Face folder is not sharded")
+    if ep > 1 and to != "megatron":
+        raise ToolkitError(f"--ep {ep}: expert-parallel files are written in the toolkit's Megatron layout only; "
+                           "use --to megatron (torch_dist and megatron_lm targets take --ep 1)")
     source = open_source(src, vocab_size, fp32, weights_only)
     try:
         with output.scratch_folder(dst, "partial") as tmp:
@@ -256,11 +265,11 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
             target = (HFTarget(tmp, source, cast) if to == "hf"
                       else TorchDistTarget(tmp, source, tp, pp, vpp, cast) if to == "torch_dist"
                       else MegatronLMTarget(tmp, source, tp, pp, vpp, cast) if to == "megatron_lm"
-                      else MegatronTarget(tmp, source, tp, pp, vpp, cast, weights_only))
+                      else MegatronTarget(tmp, source, tp, pp, vpp, cast, weights_only, ep))
             manifest.require_space(dst.parent, target.total, manifest.free_bytes(tmp), str(dst),
                                    "the tensors to write")
             log(f"converting {source.describe()} at {src} -> {to}"
-                + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "")
+                + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
                 + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write)")
             digests = Digests() if verify else None
             if verify:
@@ -284,7 +293,7 @@ def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log,
     bar = Progress(target.total, progress)
     read_s = split_s = 0.0
     with views(), _WriteBehind(bar) as behind:  # pieces are written out at once: no compact copies needed
-        for entry in iter_entries(target.dims, pp, vpp):
+        for entry in iter_entries(target.dims, pp, vpp, getattr(target, "ep", 1)):
             for field in target.fields:
                 t1 = time.monotonic()
                 hf = [_cast(x, cast, field) for x in source.read(entry.hf_names, field)]

@@ -17,9 +17,9 @@ from toolkit.checkpoint import megatron_lm, torch_dist
 from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
 from toolkit.checkpoint.deepspeed_plain import is_plain
 from toolkit.errors import Problem, ToolkitError
-from toolkit.families.entries import check_megatron_shards, iter_entries, raise_problems
+from toolkit.families.entries import check_megatron_shards, holders, iter_entries, raise_problems, rank_key
 from toolkit.families.mapping import Dims, check_dims
-from toolkit.families.registry import dims_from_hf
+from toolkit.families.registry import dims_from_hf, family_of_config
 from toolkit.format import manifest, paths
 from toolkit.format import safetensors_stream as st
 from toolkit.format.names import META, POINTER, chunk_key, model_file, optim_file, split_key
@@ -32,17 +32,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 """Files carried along into a Hugging Face output (each checked to lie inside its folder, links followed)."""
 
 
-def meta_shards(dims: Dims, tp: int, pp: int, vpp: int) -> dict[tuple[int, int], dict[str, tuple]]:
-    """{(pp_rank, tp_rank): {"chunk{c}.{name}": shard shape}} of a Megatron layout, from the rules' shard_shape
-    (tests pin it to what split really gives): the one place shapes come from, for checking sources and laying
-    out files."""
+def meta_shards(dims: Dims, tp: int, pp: int, vpp: int, ep: int = 1) -> dict[tuple[int, ...], dict[str, tuple]]:
+    """{(pp_rank, tp_rank[, ep_rank when ep > 1]): {"chunk{c}.{name}": shard shape}} of a Megatron layout, from the
+    rules' shard_shape (tests pin it to what split really gives): the one place shapes come from, for checking
+    sources and laying out files."""
 
-    raise_problems(f"the model cannot be laid out at tp={tp} pp={pp} vpp={vpp}", check_dims(dims, tp, pp, vpp))
-    out: dict[tuple[int, int], dict[str, tuple]] = {(p, t): {} for p in range(pp) for t in range(tp)}
-    for e in iter_entries(dims, pp, vpp):
+    raise_problems(f"the model cannot be laid out at tp={tp} pp={pp} vpp={vpp}" + (f" ep={ep}" if ep > 1 else ""),
+                   check_dims(dims, tp, pp, vpp, ep))
+    out: dict[tuple[int, ...], dict[str, tuple]] = {rank_key(p, t, e, ep): {} for p in range(pp) for t in range(tp)
+                                                    for e in range(ep)}
+    for e in iter_entries(dims, pp, vpp, ep):
         shape = e.rule.shard_shape(e.hf_shapes, tp)
         for t in range(tp):
-            out[(e.pp_rank, t)][chunk_key(e.chunk, e.megatron_name)] = shape
+            for r in holders(e, ep):
+                out[rank_key(e.pp_rank, t, r, ep)][chunk_key(e.chunk, e.megatron_name)] = shape
     return out
 
 
@@ -56,6 +59,7 @@ class Source:
     meta: dict | None = None  # the toolkit's checkpoint metadata, when the source is a toolkit checkpoint
     divisible_by: int = 128
     layout: tuple[int, int, int] | None = None  # (tp, pp, vpp) of sharded sources
+    ep: int = 1  # expert-parallel size of a sharded source (mixture-of-experts families)
 
     def dims(self, tp: int = 1) -> Dims:
         return dims_from_hf(self.config, tp, self.divisible_by)
@@ -71,6 +75,7 @@ class Source:
 
     def describe(self) -> str:
         lay = f" tp={self.layout[0]} pp={self.layout[1]} vpp={self.layout[2]}" if self.layout else ""
+        lay += f" ep={self.ep}" if self.ep > 1 else ""
         return f"{self.kind}{lay}"
 
 
@@ -142,18 +147,18 @@ class HFSource(Source):
 class _ShardedSource(Source):
     """A Megatron layout: merges the TP shards of one parameter on request."""
 
-    _get: callable  # (pp_rank, tp_rank, key) -> tensor
+    _get: callable  # (pp_rank, tp_rank, key, ep_rank) -> tensor
 
     def _index(self) -> None:
         tp, pp, vpp = self.layout
         self._dims = self.dims(tp)
-        self._entries = {e.hf_names: e for e in iter_entries(self._dims, pp, vpp) if e.reads_back}
+        self._entries = {e.hf_names: e for e in iter_entries(self._dims, pp, vpp, self.ep) if e.reads_back}
 
     def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
 
         entry = self._entries[tuple(hf_names)]
         key = chunk_key(entry.chunk, entry.megatron_name, None if field == WEIGHT else field)
-        shards = [self._get(entry.pp_rank, t, key) for t in range(self.layout[0])]
+        shards = [self._get(entry.pp_rank, t, key, entry.ep_rank or 0) for t in range(self.layout[0])]
         return list(entry.to_hf(shards).values())
 
 
@@ -166,15 +171,16 @@ class ToolkitMegatronSource(_ShardedSource):
 
         self.tag_dir, self.meta, self.step = tag_dir, meta, meta.get("step")
         lay = meta["layout"]
-        self.layout = (lay["tp"], lay["pp"], lay["vpp"])
+        self.layout, self.ep = (lay["tp"], lay["pp"], lay["vpp"]), lay.get("ep", 1)
         self.config, self.divisible_by = model_config(meta)
         self._index()
         tp, pp, _ = self.layout
-        where = f"checkpoint {tag_dir}"
-        self._models = {(p, t): st.Reader(paths.inside(tag_dir, model_file(tag_dir, t, p).name, where))
-                        for p in range(pp) for t in range(tp)}
-        optims = {(p, t): paths.inside(tag_dir, optim_file(tag_dir, t, p).name, where)
-                  for p in range(pp) for t in range(tp)}
+        where, ep = f"checkpoint {tag_dir}", self.ep
+        ranks = [(p, t, e) for p in range(pp) for t in range(tp) for e in range(ep)]
+        self._models = {rank_key(p, t, e, ep): st.Reader(paths.inside(
+            tag_dir, model_file(tag_dir, t, p, e if ep > 1 else None).name, where)) for p, t, e in ranks}
+        optims = {rank_key(p, t, e, ep): paths.inside(tag_dir, optim_file(tag_dir, t, p, e if ep > 1 else None).name,
+                                                      where) for p, t, e in ranks}
         self._optims = {}
         if not weights_only and all(f.is_file() for f in optims.values()):
             self._optims = {k: st.Reader(f) for k, f in optims.items()}
@@ -189,8 +195,8 @@ class ToolkitMegatronSource(_ShardedSource):
     def _check(self) -> None:
         tp, pp, vpp = self.layout
         problems = []
-        for (p, t), shapes in meta_shards(self._dims, tp, pp, vpp).items():
-            reader = self._models[(p, t)]
+        for k, shapes in meta_shards(self._dims, tp, pp, vpp, self.ep).items():
+            reader = self._models[k]
             got = {k: reader.shape(k) for k in reader.keys()}
             missing, unexpected = sorted(set(shapes) - set(got)), sorted(set(got) - set(shapes))
             bad = [f"{k} {got[k]} (expected {shapes[k]})" for k in shapes if k in got and got[k] != shapes[k]]
@@ -200,18 +206,18 @@ class ToolkitMegatronSource(_ShardedSource):
                                             "the file does not belong to the model and layout in toolkit_meta.json"))
             if self._optims:
                 want = {f"{k}:{f}" for k in shapes for f in self.fields if f != WEIGHT}
-                have = set(self._optims[(p, t)].keys())
+                have = set(self._optims[k].keys())
                 if want != have:
-                    problems.append(Problem(self._optims[(p, t)].path.name, f"does not hold exactly the optimizer "
+                    problems.append(Problem(self._optims[k].path.name, f"does not hold exactly the optimizer "
                                             f"state of its model file (missing {sorted(want - have)[:2]}, unexpected "
                                             f"{sorted(have - want)[:2]})", "re-save the checkpoint"))
         raise_problems(f"{self.tag_dir} does not match its toolkit_meta.json", problems)
 
-    def _get(self, p: int, t: int, key: str) -> torch.Tensor:
-        return (self._optims if ":" in key else self._models)[(p, t)].get(key)
+    def _get(self, p: int, t: int, key: str, e: int = 0) -> torch.Tensor:
+        return (self._optims if ":" in key else self._models)[rank_key(p, t, e, self.ep)].get(key)
 
     def dtype(self) -> torch.dtype:
-        r = self._models[(0, 0)]
+        r = next(iter(self._models.values()))
         return r.dtype(r.keys()[0])
 
     def close(self) -> None:
@@ -259,7 +265,7 @@ class MegatronLMSource(_ShardedSource):
         raise_problems(f"{path} does not match its own arguments",
                        check_megatron_shards(self._shards, iter_entries(self._dims, *self.layout[1:]), *self.layout))
 
-    def _get(self, p: int, t: int, key: str) -> torch.Tensor:
+    def _get(self, p: int, t: int, key: str, e: int = 0) -> torch.Tensor:
 
         chunk, name, _ = split_key(key)
         return self._shards[(p, t)][chunk][name]
@@ -338,7 +344,19 @@ class DeepSpeedHFSource(Source):
         self.kind = f"DeepSpeed ZeRO-{meta['layout']['zero_stage']} ({'fp32 master' if fp32 else 'model states'})"
 
     def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
-        return [self._ds.get(n) for n in hf_names]
+        return [self._get(n) for n in hf_names]
+
+    def _get(self, name: str) -> torch.Tensor:
+        """A stored (Hugging Face file) name; a MoE expert's is cut out of transformers' fused tensor, the last one
+        gathered kept for the next expert of the same layer."""
+        family = family_of_config(self.config)
+        spec = family.from_memory(name, self.dims()) if family.from_memory else None
+        if spec is None:
+            return self._ds.get(name)
+        fused, take = spec
+        if getattr(self, "_fused", (None,))[0] != fused:
+            self._fused = (fused, self._ds.get(fused))
+        return take(self._fused[1]).clone()
 
     def dtype(self) -> torch.dtype:
         return torch.float32 if self._fp32 else self._ds.dtype  # the masters are fp32 whatever the training dtype

@@ -149,13 +149,17 @@ class _Megatron:
         table = family.modules or {}
         self.where: dict[str, tuple] = {}
 
+        per_rank = dims.experts // source.ep if dims.experts else 1
+
         def add(pm, pp_rank: int, chunk: int, i: int = 0, j: int = 0) -> None:
             if pm.megatron_name not in table:
                 raise ToolkitError(f"the {family.name} family has no modules entry for {pm.megatron_name}; add it to "
                                    f"toolkit/families/{family.name}.py so verification can read it")
+            e = pm.expert or 0  # a routed expert: {e} in the table, on ep rank e // per_rank as local index {x}
             for part in pm.rule.parts:
-                self.where[table[pm.megatron_name][part].format(i=i)] = (
-                    pp_rank, chunk, pm.megatron_name.format(j=j), pm.rule, part)
+                self.where[table[pm.megatron_name][part].format(i=i, e=e)] = (
+                    pp_rank, chunk, pm.megatron_name.format(j=j, x=e % per_rank), pm.rule, part,
+                    e // per_rank if pm.expert is not None else 0)
 
         add(family.embedding(dims), *first_stage())
         per_layer = family.layer(dims)
@@ -172,13 +176,13 @@ class _Megatron:
         for n in names:
             if n not in self.where:
                 raise ToolkitError(f"verification: transformers' model has {n}, which the Megatron side does not hold")
-            p, c, m, rule, part = self.where[n]
-            if (p, c, m) not in merged:
+            p, c, m, rule, part, e = self.where[n]
+            if (p, c, m, e) not in merged:
                 with views():  # no compact copy: load_state_dict(assign=True) takes the views as they are
-                    whole = rule.merge([self.source._get(p, t, chunk_key(c, m))
+                    whole = rule.merge([self.source._get(p, t, chunk_key(c, m), e)
                                         for t in range(self.source.layout[0])])
-                merged[(p, c, m)] = dict(zip(rule.parts, whole if isinstance(whole, tuple) else (whole,)))
-            out[n] = cast(merged[(p, c, m)][part], self.dtype)
+                merged[(p, c, m, e)] = dict(zip(rule.parts, whole if isinstance(whole, tuple) else (whole,)))
+            out[n] = cast(merged[(p, c, m, e)][part], self.dtype)
         return out
 
 
@@ -205,6 +209,19 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     inner, sides = model.model, (side(reference, dtype), side(output, dtype))
+    family = family_named(reference.dims().family)
+    fused = family.in_memory or (lambda name, dims: None)  # transformers' tensors made of several stored ones
+    dims = reference.dims()
+
+    def fetch(which, names: list[str]) -> dict[str, torch.Tensor]:
+        made = {n: fused(n, dims) for n in names}
+        state = which.get([n for n in names if made[n] is None])
+        for n, spec in made.items():
+            if spec is not None:
+                parts, combine = spec
+                got = which.get(list(parts))
+                state[n] = combine([got[p] for p in parts])
+        return state
     ids = torch.randint(0, config.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(TOKENS).unsqueeze(0)
 
@@ -213,7 +230,7 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
         `path`), run it on x and drop the weights again."""
         weights = weights or path
         names = [f"{weights}.{k}" for k in module.state_dict()]
-        state = which.get(names)
+        state = fetch(which, names)
         try:
             module.load_state_dict({k[len(weights) + 1:]: v for k, v in state.items()}, strict=True, assign=True)
         except RuntimeError as e:

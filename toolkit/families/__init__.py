@@ -1,6 +1,6 @@
 """Model families as data: typed split/merge rules (rules.py), keyword mappings and dims (mapping.py), one file per
-family (llama.py, mistral.py, qwen2.py, qwen3.py), the registry by name and HF model_type (registry.py), and the walk
-over a model's parameters that every converter shares (entries.py).
+family (llama.py, mistral.py, qwen2.py, qwen3.py, qwen3_moe.py), the registry by name and HF model_type
+(registry.py), and the walk over a model's parameters that every converter shares (entries.py).
 
 Importing the package loads no torch (the planner and `toolkit validate` read the families); the converters' walk in
 entries.py, which needs torch, loads on first use of one of its names."""

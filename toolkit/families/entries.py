@@ -36,6 +36,8 @@ class Entry:
     chunk: int
     reads_back: bool = True
     """False for the tied output layer: a copy of the embeddings, so HF gets nothing back from it."""
+    ep_rank: int | None = None
+    """The expert-parallel rank holding this routed expert's parameter; None: every expert-parallel rank holds it."""
 
     def to_megatron(self, tensors: Sequence[Tensor], tp: int) -> list[Tensor]:
         """This parameter's shard for each TP rank, from its HF tensors (in hf_names order)."""
@@ -47,47 +49,72 @@ class Entry:
         return dict(zip(self.hf_names, merged if isinstance(merged, tuple) else (merged,)))
 
 
-def _place(pm: ParamMap, pp_rank: int, chunk: int, i: int = 0, j: int = 0, reads_back: bool = True) -> Entry:
-    return Entry(tuple(n.format(i=i) for n in pm.hf_names), pm.megatron_name.format(j=j), pm.rule, pm.hf_shapes,
-                 pp_rank, chunk, reads_back)
+def _place(pm: ParamMap, pp_rank: int, chunk: int, i: int = 0, j: int = 0, reads_back: bool = True,
+           per_rank: int = 0) -> Entry:
+    ep_rank, x = divmod(pm.expert, per_rank) if pm.expert is not None else (None, 0)
+    return Entry(tuple(n.format(i=i) for n in pm.hf_names), pm.megatron_name.format(j=j, x=x), pm.rule, pm.hf_shapes,
+                 pp_rank, chunk, reads_back, ep_rank)
 
 
-def iter_entries(dims: Dims, pp: int, vpp: int) -> Iterator[Entry]:
-    """Every Megatron parameter of the model, in HF order: embeddings, layers 0..L-1, final norm, output layer."""
+def iter_entries(dims: Dims, pp: int, vpp: int, ep: int = 1) -> Iterator[Entry]:
+    """Every Megatron parameter of the model, in HF order: embeddings, layers 0..L-1, final norm, output layer.
+    A routed expert's parameters carry the expert-parallel rank holding them, under its local index there."""
     family = family_named(dims.family)
     yield _place(family.embedding(dims), *first_stage())
     per_layer = family.layer(dims)
+    per_rank = dims.experts // ep if dims.experts else 0
     for i in range(dims.layers):
         pp_rank, chunk, j = layer_location(i, dims.layers, pp, vpp)
-        yield from (_place(pm, pp_rank, chunk, i=i, j=j) for pm in per_layer)
+        yield from (_place(pm, pp_rank, chunk, i=i, j=j, per_rank=per_rank) for pm in per_layer)
     yield _place(family.final_norm(dims), *last_stage(pp, vpp))
     if not dims.tied or tied_output_is_stored(pp, vpp):
         yield _place(family.output(dims), *last_stage(pp, vpp), reads_back=not dims.tied)
 
 
-def hf_to_megatron(hf_state: Mapping[str, Tensor], dims: Dims, tp: int, pp: int, vpp: int = 1) -> MegatronShards:
-    """Split an HF state dict into Megatron state dicts: {(pp_rank, tp_rank): [chunk 0 dict, chunk 1 ...]}."""
-    raise_problems("cannot convert to Megatron", check_dims(dims, tp, pp, vpp))
-    entries = list(iter_entries(dims, pp, vpp))
+def rank_key(pp_rank: int, tp_rank: int, ep_rank: int, ep: int) -> tuple[int, ...]:
+    """The key of one rank's state dicts in MegatronShards: (pp_rank, tp_rank), and ep_rank when ep > 1."""
+    return (pp_rank, tp_rank, ep_rank) if ep > 1 else (pp_rank, tp_rank)
+
+
+def holders(entry: Entry, ep: int) -> range:
+    """The expert-parallel ranks holding this entry."""
+    return range(ep) if entry.ep_rank is None else range(entry.ep_rank, entry.ep_rank + 1)
+
+
+def hf_to_megatron(hf_state: Mapping[str, Tensor], dims: Dims, tp: int, pp: int, vpp: int = 1,
+                   ep: int = 1) -> MegatronShards:
+    """Split an HF state dict into Megatron state dicts: {(pp_rank, tp_rank): [chunk 0 dict, chunk 1 ...]}, keyed
+    (pp_rank, tp_rank, ep_rank) when ep > 1 (each expert-parallel rank holds its experts and a copy of the rest)."""
+    raise_problems("cannot convert to Megatron", check_dims(dims, tp, pp, vpp, ep))
+    entries = list(iter_entries(dims, pp, vpp, ep))
     raise_problems(f"the Hugging Face state dict does not match the {dims.family} dims", check_hf_state(hf_state, entries, dims))
-    shards: MegatronShards = {(p, r): [{} for _ in range(vpp)] for p in range(pp) for r in range(tp)}
+    shards: MegatronShards = {rank_key(p, r, e, ep): [{} for _ in range(vpp)]
+                              for p in range(pp) for r in range(tp) for e in range(ep)}
     for entry in entries:
         pieces = entry.to_megatron([hf_state[name] for name in entry.hf_names], tp)
         for tp_rank, piece in enumerate(pieces):
-            shards[(entry.pp_rank, tp_rank)][entry.chunk][entry.megatron_name] = piece
+            for e in holders(entry, ep):
+                shards[rank_key(entry.pp_rank, tp_rank, e, ep)][entry.chunk][entry.megatron_name] = piece
     return shards
 
 
-def megatron_to_hf(shards: Mapping[tuple[int, int], Sequence[Mapping[str, Tensor]]], dims: Dims, tp: int,
-                   pp: int, vpp: int = 1) -> dict[str, Tensor]:
-    """Merge Megatron state dicts ({(pp_rank, tp_rank): [one per chunk]}) into one HF state dict."""
-    raise_problems("cannot convert from Megatron", check_dims(dims, tp, pp, vpp))
-    entries = list(iter_entries(dims, pp, vpp))
+def megatron_to_hf(shards: Mapping[tuple[int, ...], Sequence[Mapping[str, Tensor]]], dims: Dims, tp: int,
+                   pp: int, vpp: int = 1, ep: int = 1) -> dict[str, Tensor]:
+    """Merge Megatron state dicts ({(pp_rank, tp_rank[, ep_rank]): [one per chunk]}) into one HF state dict.
+    Parameters every expert-parallel rank holds are taken from ep rank 0 and must be equal on the others."""
+    raise_problems("cannot convert from Megatron", check_dims(dims, tp, pp, vpp, ep))
+    entries = list(iter_entries(dims, pp, vpp, ep))
     raise_problems(f"the Megatron shards do not match the {dims.family} dims and layout",
-                   check_megatron_shards(shards, entries, tp, pp, vpp))
+                   check_megatron_shards(shards, entries, tp, pp, vpp, ep))
     hf_state: dict[str, Tensor] = {}
     for entry in (e for e in entries if e.reads_back):
-        hf_state.update(entry.to_hf([shards[(entry.pp_rank, r)][entry.chunk][entry.megatron_name] for r in range(tp)]))
+        where = list(holders(entry, ep))
+        got = [[shards[rank_key(entry.pp_rank, r, e, ep)][entry.chunk][entry.megatron_name] for r in range(tp)]
+               for e in where]
+        if any(not all(torch.equal(a, b) for a, b in zip(got[0], other)) for other in got[1:]):
+            raise ToolkitError(f"{entry.megatron_name} differs between expert-parallel ranks, which must hold the same "
+                               "copy: check the checkpoint was saved from one consistent step")
+        hf_state.update(entry.to_hf(got[0]))
     return hf_state
 
 
@@ -130,19 +157,26 @@ def _check_tied_lm_head(hf_state: Mapping[str, Tensor], dims: Dims) -> list[Prob
                     "set tie_word_embeddings to false in the config the dims come from")]
 
 
-def check_megatron_shards(shards: Mapping, entries: Iterable[Entry], tp: int, pp: int, vpp: int) -> list[Problem]:
+def check_megatron_shards(shards: Mapping, entries: Iterable[Entry], tp: int, pp: int, vpp: int,
+                          ep: int = 1) -> list[Problem]:
     """Missing ranks, chunks and tensors, and tensors the map does not know (ignoring ._extra_state)."""
-    ranks = {(p, r) for p in range(pp) for r in range(tp)}
+    ranks = {rank_key(p, r, e, ep) for p in range(pp) for r in range(tp) for e in range(ep)}
     if set(shards) != ranks or any(len(shards[k]) != vpp for k in ranks):
         got = {k: len(v) for k, v in shards.items()}
-        return [Problem("shards", f"expected (pp_rank, tp_rank) keys for pp = {pp}, tp = {tp}, each with {vpp} chunk "
-                        f"dicts; got chunk counts {got}", "pass the tp, pp and vpp the checkpoint was saved with")]
-    expected = {(p, r, c): set() for (p, r) in ranks for c in range(vpp)}
+        what = "(pp_rank, tp_rank, ep_rank)" if ep > 1 else "(pp_rank, tp_rank)"
+        return [Problem("shards", f"expected {what} keys for pp = {pp}, tp = {tp}, ep = {ep}, each with {vpp} chunk "
+                        f"dicts; got chunk counts {got}", "pass the tp, pp, vpp and ep the checkpoint was saved with")]
+    expected = {(k, c): set() for k in ranks for c in range(vpp)}
     for entry in entries:
         for r in range(tp):
-            expected[(entry.pp_rank, r, entry.chunk)].add(entry.megatron_name)
-    return [problem for (p, r, c), names in sorted(expected.items())
-            for problem in _check_chunk_names(f"pp_rank {p}, tp_rank {r}, chunk {c}", shards[(p, r)][c], names)]
+            for e in holders(entry, ep):
+                expected[(rank_key(entry.pp_rank, r, e, ep), entry.chunk)].add(entry.megatron_name)
+    return [problem for (k, c), names in sorted(expected.items())
+            for problem in _check_chunk_names(_where(k, c), shards[k][c], names)]
+
+
+def _where(key: tuple[int, ...], chunk: int) -> str:
+    return ", ".join(f"{n}_rank {v}" for n, v in zip(("pp", "tp", "ep"), key)) + f", chunk {chunk}"
 
 
 def _check_chunk_names(where: str, state: Mapping[str, object], names: set[str]) -> list[Problem]:

@@ -31,6 +31,12 @@ class Dims:
     vocab: int
     padded_vocab: int
     tied: bool
+    experts: int = 0
+    """Routed experts per layer (mixture-of-experts families; 0 for a dense MLP)."""
+    moe_ffn: int = 0
+    """Width of one expert's SwiGLU MLP."""
+    topk: int = 0
+    """Experts each token is routed to."""
 
 
 def config_getter(config: Any) -> Callable[..., Any]:
@@ -62,6 +68,9 @@ class ParamMap:
     megatron_name: str
     rule: Rule
     hf_shapes: tuple[tuple[int, ...], ...]
+    expert: int | None = None
+    """The global expert index of an expert's parameter: it lives on expert-parallel rank expert // (experts / ep),
+    whose Megatron name holds the local index in {x}; None for parameters every expert-parallel rank holds."""
 
 
 def mapping(megatron: str, rule: Rule, **parts: tuple[str, tuple[int, ...]]) -> ParamMap:
@@ -99,9 +108,15 @@ def qkv_bias(megatron: str, dims: Dims, *, q: str, k: str, v: str) -> ParamMap:
                    q=(q, (q_rows,)), k=(k, (kv_rows,)), v=(v, (kv_rows,)))
 
 
-def gated_mlp(megatron: str, dims: Dims, *, gate: str, up: str) -> ParamMap:
-    """Megatron's fused linear_fc1 from HF's gate and up projections."""
-    return mapping(megatron, GatedMLP(), gate=(gate, (dims.ffn, dims.hidden)), up=(up, (dims.ffn, dims.hidden)))
+def gated_mlp(megatron: str, dims: Dims, *, gate: str, up: str, ffn: int | None = None) -> ParamMap:
+    """Megatron's fused linear_fc1 from HF's gate and up projections (`ffn`: an expert's width, else the MLP's)."""
+    rows = ffn or dims.ffn
+    return mapping(megatron, GatedMLP(), gate=(gate, (rows, dims.hidden)), up=(up, (rows, dims.hidden)))
+
+
+def expert(e: int, *maps: ParamMap) -> list[ParamMap]:
+    """These parameters belong to routed expert e (placed on its expert-parallel rank, see ParamMap.expert)."""
+    return [ParamMap(pm.hf_names, pm.megatron_name, pm.rule, pm.hf_shapes, expert=e) for pm in maps]
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,22 @@ class Family:
     def qkv_bias(self) -> bool:
         return bool(self.megatron_fields.get("add_qkv_bias"))
 
+    hf_config_from_recipe: Callable[[Any], Mapping[str, Any]] | None = None
+    """The family's own transformers config fields from a recipe's model section (MoE: experts, top-k)."""
+    in_memory: Callable[[str, Dims], tuple[tuple[str, ...], Callable] | None] | None = None
+    """For a parameter name of transformers' model that is not stored under its own name (Qwen3-MoE's fused
+    experts): the stored tensors it is made of, and the function that makes it from them; None for the others."""
+    from_memory: Callable[[str, Dims], tuple[str, Callable] | None] | None = None
+    """The inverse, for checkpoints of transformers' model (DeepSpeed's): the name of the tensor a stored name
+    lives in, and the function that takes it out; None for a name stored as itself."""
+    megatron_from_recipe: Callable[[Any], Mapping[str, Any]] | None = None
+    """The family's own TransformerConfig fields that depend on the recipe's model section (MoE: num_moe_experts,
+    moe_router_topk, ...), beyond the fixed megatron_fields."""
+
+    @property
+    def moe(self) -> bool:
+        return self.megatron_from_recipe is not None
+
     @property
     def qk_norm(self) -> bool:
         return bool(self.megatron_fields.get("qk_layernorm"))
@@ -164,7 +195,8 @@ def recipe_dims(m: Any, tp: int = 1, divisible_by: int = 128) -> Dims:
     return Dims(family=m.family, hidden=m.hidden_size, heads=heads, kv_heads=m.num_kv_heads or heads,
                 head_dim=m.head_dim or m.hidden_size // heads, ffn=m.intermediate_size, layers=m.num_layers,
                 vocab=m.vocab_size, padded_vocab=padded_vocab_size(m.vocab_size, tp, divisible_by),
-                tied=m.tie_word_embeddings)
+                tied=m.tie_word_embeddings, experts=m.num_experts or 0, moe_ffn=m.moe_intermediate_size or 0,
+                topk=m.num_experts_per_tok or 0)
 
 
 def param_count(family: Family, d: Dims) -> dict[str, int]:
@@ -174,13 +206,18 @@ def param_count(family: Family, d: Dims) -> dict[str, int]:
         return sum(math.prod(shape) for shape in pm.hf_shapes)
 
     embed = numel(family.embedding(d))
-    body = d.layers * sum(numel(pm) for pm in family.layer(d)) + numel(family.final_norm(d))
+    per_layer = family.layer(d)
+    body = d.layers * sum(numel(pm) for pm in per_layer) + numel(family.final_norm(d))
     lm_head = 0 if d.tied else numel(family.output(d))
-    return {"total": embed + body + lm_head, "embedding": embed, "non_embedding": body + lm_head}
+    out = {"total": embed + body + lm_head, "embedding": embed, "non_embedding": body + lm_head}
+    if d.experts:  # a token passes through topk of the routed experts: active = total - the experts it skips
+        per_expert = sum(numel(pm) for pm in per_layer if pm.expert is not None) // d.experts
+        out["active"] = out["total"] - d.layers * (d.experts - d.topk) * per_expert
+    return out
 
 
-def check_dims(dims: Dims, tp: int, pp: int, vpp: int) -> list[Problem]:
-    """Problems splitting these dims over tp x pp x vpp, with the arithmetic."""
+def check_dims(dims: Dims, tp: int, pp: int, vpp: int, ep: int = 1) -> list[Problem]:
+    """Problems splitting these dims over tp x pp x vpp (and ep expert-parallel ranks), with the arithmetic."""
     if min(tp, pp, vpp) < 1:
         return [Problem("parallel", f"tp = {tp}, pp = {pp}, vpp = {vpp}; each must be >= 1", "use 1 for none")]
     rules = [
@@ -200,6 +237,11 @@ def check_dims(dims: Dims, tp: int, pp: int, vpp: int) -> list[Problem]:
          "build the dims with toolkit.families.dims_from_hf(config, tp=tp)"),
         (dims.layers % (pp * vpp) == 0, "pp x vpp", f"{dims.layers} layers do not split into pp x vpp = {pp} x {vpp} "
          f"= {pp * vpp} equal chunks", f"choose pp x vpp dividing {dims.layers}"),
+        (ep >= 1 and (dims.experts or 1) % ep == 0, "ep", f"{dims.experts or 'no'} experts do not split over "
+         f"ep = {ep} expert-parallel ranks",
+         f"choose ep dividing {dims.experts}" if dims.experts else "use ep = 1 for a dense model"),
+        (not dims.experts or dims.moe_ffn % tp == 0, "tp",
+         f"expert ffn size {dims.moe_ffn} is not divisible by tp = {tp}", f"choose tp dividing {dims.moe_ffn}"),
     ]
     return [Problem(key, message, fix) for ok, key, message, fix in rules if not ok]
 

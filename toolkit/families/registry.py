@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from toolkit.errors import ToolkitError
-from toolkit.families import llama, mistral, qwen2, qwen3
+from toolkit.families import llama, mistral, qwen2, qwen3, qwen3_moe
 from toolkit.families.mapping import Dims, Family, config_getter
 
 
@@ -19,7 +19,7 @@ def _index(families: list[Family]) -> dict[str, Family]:
     return out
 
 
-FAMILIES = _index([llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY])
+FAMILIES = _index([llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY])
 
 
 def family_named(name: str) -> Family:

@@ -89,17 +89,18 @@ def mark_started(tag_dir: Path, step: int) -> None:
         os.close(fd)
 
 
-def rank_tag(tp_rank: int, pp_rank: int) -> str:
-    """The (tp, pp) part of a Megatron per-rank file name."""
-    return f"tp{tp_rank:02d}_pp{pp_rank:03d}"
+def rank_tag(tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
+    """The (tp, pp) part of a Megatron per-rank file name; with expert parallelism (ep > 1) also the expert-parallel
+    rank, whose file holds its own routed experts and a copy of everything else (tpTT_ppPPP_epEEE)."""
+    return f"tp{tp_rank:02d}_pp{pp_rank:03d}" + (f"_ep{ep_rank:03d}" if ep_rank is not None else "")
 
 
-def model_file(tag_dir: Path, tp_rank: int, pp_rank: int) -> Path:
-    return tag_dir / f"model_{rank_tag(tp_rank, pp_rank)}.safetensors"
+def model_file(tag_dir: Path, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> Path:
+    return tag_dir / f"model_{rank_tag(tp_rank, pp_rank, ep_rank)}.safetensors"
 
 
-def optim_file(tag_dir: Path, tp_rank: int, pp_rank: int) -> Path:
-    return tag_dir / f"optim_{rank_tag(tp_rank, pp_rank)}.safetensors"
+def optim_file(tag_dir: Path, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> Path:
+    return tag_dir / f"optim_{rank_tag(tp_rank, pp_rank, ep_rank)}.safetensors"
 
 
 def chunk_key(chunk: int, name: str, field: str | None = None) -> str:

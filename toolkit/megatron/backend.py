@@ -31,9 +31,13 @@ class MegatronBackend:
             runtime.load_hf_weights(chunks, r.model.hf_path, r, layout)
         self.chunks, self.optimizer = runtime.wrap_and_optimize(chunks, r, layout)
         self.dp_rank, self.rank = ps.get_data_parallel_rank(), info.rank
-        self.rank_tag = rank_tag(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+        # with expert parallelism each expert-parallel rank has files of its own (its experts differ)
+        self.ep_rank = ps.get_expert_model_parallel_rank() if layout.ep > 1 else None
+        self.rank_tag = rank_tag(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                                 self.ep_rank)
         self.layout_meta = {"world_size": layout.world_size, "zero_stage": layout.zero_stage, "dp": layout.dp,
-                            "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": layout.cp}
+                            "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": layout.cp,
+                            **({"ep": layout.ep} if layout.ep > 1 else {})}
 
     def current_lr(self, step: int) -> float:
         """The toolkit's schedule, the same on both backends (Megatron's OptimizerParamScheduler would train its

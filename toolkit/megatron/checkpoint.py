@@ -127,27 +127,35 @@ def _chunk_tensors(backend) -> dict[str, torch.Tensor]:
     return {chunk_key(c, n): v for c, w in enumerate(backend.chunks) for n, v in chunk_state(w.module).items()}
 
 
+def _writes(backend) -> bool:
+    """Whether this rank writes its (tp, pp) files: data-parallel rank 0 of each; with expert parallelism the first
+    rank of each expert-parallel rank's expert-data-parallel group, as each ep rank holds other experts."""
+    from megatron.core import parallel_state as ps  # lazy: Megatron runs only
+
+    if getattr(backend, "ep_rank", None) is not None:
+        return ps.get_expert_data_parallel_rank() == 0
+    return ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+
+
 def save_rank_state(backend, tag_dir: Path) -> None:
     from megatron.core import parallel_state as ps  # lazy: Megatron runs only
 
     tag_dir.mkdir(parents=True, exist_ok=True)
-    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    tp, pp, ep = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), backend.ep_rank
     if _distributed(backend):  # collective over the data-parallel group: every DP rank takes part
         backend.optimizer.save_parameter_state(str(tag_dir / f"distopt_{backend.rank_tag}.pt"))
-    if ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0:
-        st.save(_chunk_tensors(backend), model_file(tag_dir, tp, pp), {"format": "toolkit-megatron"})
+    if _writes(backend):
+        st.save(_chunk_tensors(backend), model_file(tag_dir, tp, pp, ep), {"format": "toolkit-megatron"})
         if _distributed(backend):
             torch.save(backend.optimizer.state_dict(), tag_dir / f"optim_{backend.rank_tag}.pt")
         else:
             tensors, meta = optimizer_tensors(backend)
-            st.save(tensors, optim_file(tag_dir, tp, pp), meta)
+            st.save(tensors, optim_file(tag_dir, tp, pp, ep), meta)
 
 
 def written_files(backend, tag_dir: Path) -> list[str]:
     """The files save_rank_state wrote on this rank (data-parallel rank 0 of each (tp, pp) writes them all)."""
-    from megatron.core import parallel_state as ps  # lazy: Megatron runs only
-
-    if ps.get_data_parallel_rank() != 0 or ps.get_context_parallel_rank() != 0:
+    if not _writes(backend):
         return []
     t = backend.rank_tag
     names = [f"model_{t}.safetensors", f"optim_{t}.safetensors", f"optim_{t}.pt", f"distopt_{t}.pt"]
@@ -158,9 +166,7 @@ def checkpoint_bytes(backend) -> int:
     """Bytes this rank adds to a checkpoint: on the writing rank its weights, its optimizer's fp32 main weights
     (when they are not the weights themselves) and their Adam state; with the distributed optimizer, every rank's
     shard of those (gathered into one file by save_parameter_state)."""
-    from megatron.core import parallel_state as ps  # lazy: Megatron runs only
-
-    writer = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    writer = _writes(backend)
     model = [p for c in backend.chunks for p in c.module.parameters()]
     total = sum(p.numel() * p.element_size() for p in model) if writer else 0
     if not (writer or _distributed(backend)):
@@ -174,12 +180,12 @@ def checkpoint_bytes(backend) -> int:
     return total
 
 
-def load_weights(chunks: list, tag_dir: Path) -> None:
+def load_weights(chunks: list, tag_dir: Path, ep_rank: int | None = None) -> None:
     """Fill this rank's model chunks (GPTModels) from a toolkit Megatron checkpoint of the same layout."""
     from megatron.core import parallel_state as ps  # lazy: Megatron runs only
 
 
-    path = model_file(tag_dir, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+    path = model_file(tag_dir, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ep_rank)
     if not path.is_file():
         raise ToolkitError(f"{path} is missing: the checkpoint was not written by this layout or is incomplete")
     tensors, _ = st.load(path)
@@ -196,8 +202,8 @@ def load_weights(chunks: list, tag_dir: Path) -> None:
 def load_rank_state(backend, tag_dir: Path) -> None:
     from megatron.core import parallel_state as ps  # lazy: Megatron runs only
 
-    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    load_weights([w.module for w in backend.chunks], tag_dir)
+    tp, pp, ep = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), backend.ep_rank
+    load_weights([w.module for w in backend.chunks], tag_dir, ep)
     if _distributed(backend):
         # Megatron's optimizer state holds plain Python containers and tensors only, so weights_only loading works
         native = tag_dir / f"optim_{backend.rank_tag}.pt"
@@ -208,7 +214,7 @@ def load_rank_state(backend, tag_dir: Path) -> None:
         backend.optimizer.load_state_dict(safe_load.load(native, map_location=backend.device))
         _load_distributed_state(backend.optimizer, tag_dir / f"distopt_{backend.rank_tag}.pt")
         return
-    optim = optim_file(tag_dir, tp, pp)
+    optim = optim_file(tag_dir, tp, pp, ep)
     if not optim.is_file():
         raise ToolkitError(f"{optim} is missing: this checkpoint holds weights only (converted with no optimizer "
                            "state), so training cannot resume from it; to train from its weights, convert it --to hf "

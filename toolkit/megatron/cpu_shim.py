@@ -7,6 +7,8 @@ It redirects CUDA device requests to the CPU and answers the CUDA queries Megatr
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -60,6 +62,82 @@ def _cpu_factory(fn):
     return wrapper
 
 
+class _Stream:
+    """Stands in for torch.cuda.Stream / Event: CPU work is already in order, so waits and records do nothing."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def record_event(self, *a, **k):
+        return _Stream()
+
+    def synchronize(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+
+def _moe_without_cuda() -> None:
+    """Megatron-Core 0.16's MoE layer: moe_utils names te_general_gemm only when Transformer Engine imports (its
+    own torch.mm fallback then fails with a NameError), and the alltoall token dispatcher copies split sizes to the
+    host on a side torch.cuda.Stream, as numpy arrays only when they were on the GPU (CPU tensors reach
+    all_to_all_single, which takes sequences of ints). Define the missing name as None (Megatron's fallback), give it
+    a stream, and hand it numpy split sizes on the CPU too."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher  # lazy: Megatron runs only
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    torch.cuda.Stream = torch.cuda.Event = _Stream
+    torch.cuda.current_stream = lambda *a, **k: _CURRENT
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    _uneven_collectives()
+
+
+def _uneven_collectives() -> None:
+    """Under TP x EP the alltoall dispatcher gathers a different number of tokens from each TP rank (all_gather
+    into a list of unequal tensors) and reduce-scatters them back (reduce_scatter from unequal ones), which NCCL
+    does and gloo refuses ("invalid tensor size"). On the CPU: gather equal padded tensors and cut them, and
+    reduce-scatter as an all_reduce of the whole followed by this rank's slice (the same sums)."""
+    dist = torch.distributed
+    gather = dist.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if len({t.shape for t in tensor_list} | {tensor.shape}) == 1:
+            return gather(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros(rows, *tensor.shape[1:])
+        padded[: tensor.shape[0]] = tensor
+        bufs = [torch.empty_like(padded) for _ in tensor_list]
+        gather(bufs, padded, group=group)
+        for out, buf in zip(tensor_list, bufs):
+            out.copy_(buf[: out.shape[0]])
+        return None
+
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        whole = torch.cat(list(input_list))
+        dist.all_reduce(whole, op=op, group=group)
+        start = sum(t.shape[0] for t in input_list[:dist.get_rank(group)])
+        output.copy_(whole[start:start + output.shape[0]])
+        return None
+
+    dist.all_gather, dist.reduce_scatter = all_gather, reduce_scatter
+
+
+_CURRENT = _Stream()
+
+
 def install() -> None:
     """Activate the shim for the rest of the process (idempotent)."""
     global _installed
@@ -83,5 +161,6 @@ def install() -> None:
         setattr(torch, name, _cpu_factory(getattr(torch, name)))
     mrandom._get_cuda_rng_state = cpu_state
     mrandom._set_cuda_rng_state = set_state
+    _moe_without_cuda()
     _CudaToCpu().__enter__()  # stays active for the life of the process
     _installed = True

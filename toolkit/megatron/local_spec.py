@@ -28,7 +28,9 @@ def local_block_spec(config, vp_stage: int | None):
     # lazy: Megatron runs only
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    # mixture of experts (num_moe_experts): Megatron's local MoE layer, a SequentialMLP of per-expert MLPs
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm,
+                                     num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
     if config.qk_layernorm:  # built by Megatron with hidden_size = head_dim; never sequence-split, like HF's

@@ -62,7 +62,9 @@ def layer_spec(r: Recipe, on_gpu: bool, tconfig, vp_stage: int | None):
 
 
     if uses_transformer_engine(r, on_gpu):
-        return specs.get_gpt_layer_with_transformer_engine_spec()
+        # the family's q/k norms (Qwen3) and experts (Qwen3-MoE: SequentialMLP, the local spec's parameter names)
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=tconfig.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=tconfig.qk_layernorm)
     return local_block_spec(tconfig, vp_stage)
 
 
@@ -92,10 +94,11 @@ def load_hf_weights(chunks: list, hf_path: str, r: Recipe, layout: Layout) -> No
 
     dims = dims_from_hf(to_hf_config(r.model), layout.tp, r.parallel.megatron.make_vocab_size_divisible_by)
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    ep_rank = ps.get_expert_model_parallel_rank()  # a routed expert is read only by the rank holding it
     states: list[dict] = [{} for _ in chunks]
     with LazyHFState(hf_path) as hf:
-        for entry in iter_entries(dims, layout.pp, layout.vpp):
-            if entry.pp_rank == pp_rank:
+        for entry in iter_entries(dims, layout.pp, layout.vpp, layout.ep):
+            if entry.pp_rank == pp_rank and entry.ep_rank in (None, ep_rank):
                 tensors = [hf[name] for name in entry.hf_names]
                 states[entry.chunk][entry.megatron_name] = entry.to_megatron(tensors, layout.tp)[tp_rank]
     for chunk, state in zip(chunks, states):

@@ -23,6 +23,8 @@ class Choice:
     recompute: str = "none"
     micro: int = 1
     accum: int = 1
+    ep: int = 1
+    """Expert-parallel size (Megatron, mixture of experts): taken from the dp x cp ranks, so world is unchanged."""
 
     @property
     def world(self) -> int:
@@ -38,6 +40,7 @@ class Choice:
         else:
             parts = ["Megatron", f"tp{self.tp}" + ("+sp" if self.sp else ""), f"pp{self.pp}"]
             parts += [f"vpp{self.vpp}"] * (self.vpp > 1) + [f"cp{self.cp}"] * (self.cp > 1) + [f"dp{self.dp}"]
+            parts += [f"ep{self.ep}"] * (self.ep > 1)
             parts.append("distopt" if self.zero == 1 else "ddp")
         parts.append(f"mb{self.micro}x{self.accum}")
         parts.append({"none": "no recompute", "selective": "selective recompute", "full": "full recompute"}
@@ -48,7 +51,7 @@ class Choice:
         """The recipe keys (dotted) that select this layout."""
         return {"parallel.backend": self.backend, "parallel.world_size": self.world, "parallel.dp": None,
                 "parallel.tp": self.tp, "parallel.pp": self.pp, "parallel.vpp": self.vpp, "parallel.cp": self.cp,
-                "parallel.sp": self.sp, "parallel.zero_stage": self.zero,
+                "parallel.sp": self.sp, "parallel.zero_stage": self.zero, "parallel.ep": self.ep,
                 "parallel.offload_optimizer": self.offload_optimizer, "parallel.offload_params": self.offload_params,
                 "training.micro_batch_size": self.micro, "training.grad_accum_steps": self.accum,
                 "training.activation_checkpointing": self.recompute}
@@ -61,7 +64,7 @@ def apply(r: Recipe, c: Choice) -> Recipe:
     """The recipe with this layout: what the frameworks would run (nvme offload gets a placeholder path)."""
     nvme = "nvme" in (c.offload_optimizer, c.offload_params)
     parallel = r.parallel.model_copy(update=dict(
-        backend=c.backend, world_size=c.world, dp=None, tp=c.tp, pp=c.pp, vpp=c.vpp, cp=c.cp, sp=c.sp,
+        backend=c.backend, world_size=c.world, dp=None, tp=c.tp, pp=c.pp, vpp=c.vpp, cp=c.cp, sp=c.sp, ep=c.ep,
         zero_stage=c.zero, offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
         nvme_path=r.parallel.nvme_path or ("/local_nvme" if nvme else None)))
     training = r.training.model_copy(update=dict(micro_batch_size=c.micro, grad_accum_steps=c.accum,
@@ -76,4 +79,4 @@ def from_recipe(r: Recipe, world: int) -> Choice:
     lay, b, p = plan.layout, plan.batch, r.parallel
     return Choice(lay.backend, lay.dp, lay.tp, lay.pp, lay.vpp, lay.cp, lay.sp, lay.zero_stage,
                   p.offload_optimizer, p.offload_params, r.training.activation_checkpointing, b.micro_batch,
-                  b.grad_accum)
+                  b.grad_accum, lay.ep)

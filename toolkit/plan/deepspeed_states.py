@@ -43,9 +43,14 @@ def llama_params(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
             out += [(p + f"self_attn.{name}_proj.bias", (rows,))] if family.qkv_bias else []
         out += [(p + "self_attn.o_proj.weight", (h, q))]
         out += [(p + f"self_attn.{n}_norm.weight", (d,)) for n in ("q", "k") if family.qk_norm]
-        out += [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
-                (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
-                (p + "post_attention_layernorm.weight", (h,))]
+        if family.moe:  # transformers 5 holds the experts fused in 3-D tensors, then the router
+            e, f = m.num_experts, m.moe_intermediate_size
+            out += [(p + "mlp.experts.gate_up_proj", (e, 2 * f, h)), (p + "mlp.experts.down_proj", (e, h, f)),
+                    (p + "mlp.gate.weight", (e, h))]
+        else:
+            out += [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                    (p + "mlp.down_proj.weight", (h, inter))]
+        out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
     out.append(("model.norm.weight", (h,)))
     if not m.tie_word_embeddings:
         out.append(("lm_head.weight", (m.vocab_size, h)))

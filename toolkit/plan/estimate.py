@@ -86,7 +86,7 @@ def _states(r: Recipe, c: Choice, pp_rank: int) -> StateBytes:
 
         return deepspeed_state_bytes(r, c.dp)
 
-    layout = Layout("megatron", c.world, c.dp, c.tp, c.pp, c.vpp, c.cp, c.sp, c.zero)
+    layout = Layout("megatron", c.world, c.dp, c.tp, c.pp, c.vpp, c.cp, c.sp, c.zero, c.ep)
     return megatron_state_bytes(r, layout, pp_rank=pp_rank)  # dp ranks differ by under one bucket's padding
 
 
@@ -243,11 +243,11 @@ def comms(r: Recipe, c: Choice, cluster: Cluster, compute_s: float, params: int)
 def _rank_params(r: Recipe, c: Choice, cache: dict) -> int:
     """Parameters whose gradients one rank reduces: the whole model under DeepSpeed, its TP/PP share under
     Megatron (the larger of the first and last stage)."""
-    key = ("params", c.backend, c.tp, c.pp, c.vpp)
+    key = ("params", c.backend, c.tp, c.pp, c.vpp, c.ep)
     if key not in cache:
         if c.backend == "megatron":
 
-            cache[key] = max(megatron_params(r, c.tp, c.pp, c.vpp, 0, p) for p in {0, c.pp - 1})
+            cache[key] = max(megatron_params(r, c.tp, c.pp, c.vpp, 0, p, c.ep) for p in {0, c.pp - 1})
         else:
             cache[key] = count_params(r.model)["total"]
     return cache[key]

@@ -45,7 +45,8 @@ def _dims(r: Recipe, tp: int) -> dict:
                            "divides all of them")
     return {"h": t["hidden_size"], "ffn": t["ffn_hidden_size"], "d": t["kv_channels"], "heads": heads,
             "groups": groups, "vocab": g["vocab_size"], "tied": g["share_embeddings_and_output_weights"],
-            "qkv_bias": t.get("add_qkv_bias", False), "qk_norm": t.get("qk_layernorm", False)}
+            "qkv_bias": t.get("add_qkv_bias", False), "qk_norm": t.get("qk_layernorm", False),
+            "experts": t.get("num_moe_experts") or 0, "moe_ffn": t.get("moe_ffn_hidden_size") or 0}
 
 
 def layers_of_chunk(num_layers: int, pp: int, vpp: int, pp_rank: int, vp: int) -> range:
@@ -55,10 +56,12 @@ def layers_of_chunk(num_layers: int, pp: int, vpp: int, pp_rank: int, vp: int) -
     return range(start, start + per)
 
 
-def chunk_params(r: Recipe, tp: int, pp: int, vpp: int, pp_rank: int, vp: int) -> list[tuple[str, int, bool]]:
+def chunk_params(r: Recipe, tp: int, pp: int, vpp: int, pp_rank: int, vp: int,
+                 ep: int = 1) -> list[tuple[str, int, bool]]:
     """(name, elements on one TP rank, shared_embedding) of one chunk's parameters, in registration order (the
     order DDP lays them out, reversed). TP ranks all hold the same counts: Megatron splits whole heads and query
-    groups, the FFN evenly, and pads the vocabulary to a multiple of tp."""
+    groups, the FFN evenly, and pads the vocabulary to a multiple of tp. A mixture of experts holds the router and
+    experts / ep local experts on each expert-parallel rank."""
     m = _dims(r, tp)
     if r.model.num_layers % (pp * vpp):
         raise ToolkitError(f"model.num_layers {r.model.num_layers} is not divisible by pp x vpp = {pp} x {vpp}")
@@ -75,8 +78,14 @@ def chunk_params(r: Recipe, tp: int, pp: int, vpp: int, pp_rank: int, vp: int) -
         out += [(f"decoder.layers.{i}.self_attention.linear_qkv.bias", qkv_rows, False)] if m["qkv_bias"] else []
         out += [(f"decoder.layers.{i}.self_attention.{n}_layernorm.weight", d, False)
                 for n in ("q", "k") if m["qk_norm"]]
-        out += [(f"decoder.layers.{i}.pre_mlp_layernorm.weight", h, False),
-                (f"decoder.layers.{i}.mlp.linear_fc1.weight", 2 * m["ffn"] // tp * h, False),
+        out += [(f"decoder.layers.{i}.pre_mlp_layernorm.weight", h, False)]
+        if m["experts"]:  # the router (replicated), then each local expert's fc1 and fc2 (TP-split like an MLP)
+            out += [(f"decoder.layers.{i}.mlp.router.weight", m["experts"] * h, False)]
+            out += [(f"decoder.layers.{i}.mlp.experts.local_experts.{x}.linear_fc{k}.weight", n, False)
+                    for x in range(m["experts"] // ep)
+                    for k, n in ((1, 2 * m["moe_ffn"] // tp * h), (2, h * m["moe_ffn"] // tp))]
+            continue
+        out += [(f"decoder.layers.{i}.mlp.linear_fc1.weight", 2 * m["ffn"] // tp * h, False),
                 (f"decoder.layers.{i}.mlp.linear_fc2.weight", h * m["ffn"] // tp, False)]
     if last:
         out.append(("decoder.final_layernorm.weight", h, False))
@@ -85,11 +94,11 @@ def chunk_params(r: Recipe, tp: int, pp: int, vpp: int, pp_rank: int, vp: int) -
     return out
 
 
-def megatron_params(r: Recipe, tp: int, pp: int, vpp: int, tp_rank: int, pp_rank: int) -> int:
+def megatron_params(r: Recipe, tp: int, pp: int, vpp: int, tp_rank: int, pp_rank: int, ep: int = 1) -> int:
     """Parameters held by rank (tp_rank, pp_rank), over all its virtual chunks."""
     if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
         raise ToolkitError(f"rank (tp_rank {tp_rank}, pp_rank {pp_rank}) is outside tp {tp} x pp {pp}")
-    return sum(n for vp in range(vpp) for _, n, _ in chunk_params(r, tp, pp, vpp, pp_rank, vp))
+    return sum(n for vp in range(vpp) for _, n, _ in chunk_params(r, tp, pp, vpp, pp_rank, vp, ep))
 
 
 def _pad(n: int, multiple: int) -> int:
@@ -167,8 +176,9 @@ def rank_buffers(r: Recipe, layout: Layout, pp_rank: int) -> list[Buffer]:
     first."""
     distributed = layout.zero_stage == 1
     size = _bucket_size(r, layout)
-    return [build_buffer(chunk_params(r, layout.tp, layout.pp, layout.vpp, pp_rank, vp), layout.dp * layout.cp,
-                         distributed, size if pp_rank == 0 and vp == 0 else None) for vp in range(layout.vpp)]
+    return [build_buffer(chunk_params(r, layout.tp, layout.pp, layout.vpp, pp_rank, vp, layout.ep),
+                         layout.dp * layout.cp, distributed, size if pp_rank == 0 and vp == 0 else None)
+            for vp in range(layout.vpp)]
 
 
 def _owned(bufs: list[Buffer], shard_world: int) -> list[int]:
@@ -219,11 +229,11 @@ def megatron_state_bytes(r: Recipe, layout: Layout, pp_rank: int = 0, dp_rank: i
     shard_world = layout.dp * layout.cp
     if not 0 <= dp_rank < shard_world:
         raise ToolkitError(f"dp_rank {dp_rank} is outside dp x cp = {shard_world}")
-    params = megatron_params(r, layout.tp, layout.pp, layout.vpp, tp_rank, pp_rank)
+    params = megatron_params(r, layout.tp, layout.pp, layout.vpp, tp_rank, pp_rank, layout.ep)
     distributed, p = layout.zero_stage == 1, r.training.precision
     bufs = rank_buffers(r, layout, pp_rank)
     sizes = [n for vp in range(layout.vpp)
-             for _, n, _ in chunk_params(r, layout.tp, layout.pp, layout.vpp, pp_rank, vp)]
+             for _, n, _ in chunk_params(r, layout.tp, layout.pp, layout.vpp, pp_rank, vp, layout.ep)]
     buffered = sum(b.numel for b in bufs)
     owned = sum(owned_by(b, shard_world, dp_rank) for b in bufs) if distributed else params
     grad_bytes = 4 if mcfg.to_ddp_config_kwargs(r, layout)["grad_reduce_in_fp32"] else PARAM_BYTES[p]

@@ -62,11 +62,15 @@ def _megatron(r: Recipe, cluster: Cluster, global_batch: int) -> Iterator[Choice
                         continue
                     accum = global_batch // (micro * dp)
                     vpps = [1] + [v for v in _divisors(layers // pp) if v > 1 and pp > 1]
+                    # mixture of experts: every ep dividing the experts and dp x cp (the toolkit saves an ep > 1 run
+                    # with the plain optimizer only)
+                    eps = [e for e in _divisors(dp * cp) if (r.model.num_experts or 1) % e == 0]
                     for vpp in vpps:
-                        for zero in (0, 1):
-                            for rec in ("none", "selective", "full"):
-                                yield Choice("megatron", dp, tp, pp, vpp, cp, tp > 1, zero, recompute=rec,
-                                             micro=micro, accum=accum)
+                        for ep in eps:
+                            for zero in (0, 1) if ep == 1 else (0,):
+                                for rec in ("none", "selective", "full"):
+                                    yield Choice("megatron", dp, tp, pp, vpp, cp, tp > 1, zero, recompute=rec,
+                                                 micro=micro, accum=accum, ep=ep)
 
 
 def candidates(r: Recipe, cluster: Cluster, global_batch: int, backends=BACKENDS) -> list[Choice]:

@@ -64,6 +64,37 @@ def check_model_parallel(r: Recipe) -> list[Problem]:
         out.append(Problem("data.seq_len", f"{r.data.seq_len} is not divisible by 2 x cp = {2 * p.cp}: context "
                            "parallelism cuts each sequence into 2 x cp load-balanced chunks",
                            f"use a seq_len that is a multiple of {2 * p.cp}"))
+    return out + check_experts(r)
+
+
+def check_experts(r: Recipe) -> list[Problem]:
+    """A mixture-of-experts model section is complete, and parallel.ep splits its experts (Megatron-Core's rules)."""
+    p, m, out = r.parallel, r.model, []
+    moe = m.family == "qwen3_moe"
+    keys = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    if moe and any(getattr(m, k) is None for k in keys):
+        out.append(Problem("model.num_experts", f"the {m.family} family needs {', '.join(keys)}",
+                           "set them (or use model.hf_path / a preset such as qwen3-30b-a3b)"))
+    if moe and m.num_experts and m.num_experts_per_tok and m.num_experts_per_tok > m.num_experts:
+        out.append(Problem("model.num_experts_per_tok", f"{m.num_experts_per_tok} > num_experts {m.num_experts}",
+                           "route each token to at most num_experts experts"))
+    if p.ep > 1 and not moe:
+        out.append(Problem("parallel.ep", f"{p.ep}, but model.family {m.family} has no experts",
+                           "set parallel.ep: 1, or use a mixture-of-experts family (qwen3_moe)"))
+    elif p.ep > 1 and p.backend != "megatron":
+        out.append(Problem("parallel.ep", f"{p.ep}: expert parallelism is Megatron-Core's; the deepspeed backend "
+                           "trains the Hugging Face MoE model with ZeRO", "set parallel.backend: megatron, or ep: 1"))
+    elif p.ep > 1 and m.num_experts and m.num_experts % p.ep:
+        out.append(Problem("parallel.ep", f"{m.num_experts} experts are not divisible by ep = {p.ep}",
+                           "choose an ep that divides model.num_experts"))
+    if p.ep > 1 and (p.zero_stage == 1 or r.checkpoint.format == "torch_dist"):
+        out.append(Problem("parallel.ep", f"{p.ep} with " + ("the distributed optimizer (zero_stage 1)" if
+                           p.zero_stage == 1 else "checkpoint.format torch_dist") + ": the toolkit saves expert-"
+                           "parallel runs in its own per-rank files with the plain optimizer only (not done yet)",
+                           "set parallel.zero_stage: 0 and checkpoint.format: toolkit"))
+    if moe and p.backend == "megatron" and p.tp > 1 and not p.sp:
+        out.append(Problem("parallel.sp", f"false, but Megatron-Core trains a mixture of experts at tp = {p.tp} only "
+                           "with sequence parallelism", "set parallel.sp: true"))
     return out
 
 
@@ -168,6 +199,11 @@ def resolve(r: Recipe, world_size: int | None = None, source: str | None = None)
     problems += check_eval(r) + check_blend(r)
     dp, dp_problems = derive_dp(world, p.tp, p.pp, p.cp, p.dp)
     problems += dp_problems
+    if dp is not None and p.ep > 1 and (dp * p.cp) % p.ep:
+        problems.append(Problem("parallel.ep", f"{p.ep} does not divide dp x cp = {dp} x {p.cp} = {dp * p.cp}: "
+                                "Megatron-Core takes the expert-parallel ranks from the data-parallel (and context-"
+                                "parallel) ranks", f"launch a multiple of tp x pp x ep = {p.tp * p.pp * p.ep} "
+                                f"ranks, or choose an ep dividing {dp * p.cp}"))
     batch, notes = None, []
     if dp is not None:
         t = r.training
@@ -179,7 +215,7 @@ def resolve(r: Recipe, world_size: int | None = None, source: str | None = None)
                                 f"make global_batch_size / (micro_batch_size x dp) a multiple of {p.pp}"))
     if problems:
         raise RecipeError(source or r.name, problems)
-    layout = Layout(p.backend, world, dp, p.tp, p.pp, p.vpp, p.cp, p.sp, p.zero_stage)
+    layout = Layout(p.backend, world, dp, p.tp, p.pp, p.vpp, p.cp, p.sp, p.zero_stage, p.ep)
     return Plan(r, layout, batch, notes)
 
 

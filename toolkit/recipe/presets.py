@@ -39,6 +39,12 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-7b": dict(family="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
                        num_attention_heads=28, num_kv_heads=4, max_position_embeddings=131072,
                        rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # Qwen3-30B-A3B (config.json): 48 layers, 128 experts of width 768, 8 per token: 30.5B total, 3.3B active
+    "qwen3-30b-a3b": dict(family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_layers=48, num_attention_heads=32, num_kv_heads=4, head_dim=128,
+                          max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, num_experts=128,
+                          num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                          router_aux_loss_coef=0.001),
     "qwen3-8b": dict(family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                      num_attention_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
                      rope_theta=1000000.0, rms_norm_eps=1e-6),
@@ -51,6 +57,9 @@ HF_TO_RECIPE = {
     "num_key_value_heads": "num_kv_heads", "max_position_embeddings": "max_position_embeddings",
     "rms_norm_eps": "rms_norm_eps", "tie_word_embeddings": "tie_word_embeddings",
     "initializer_range": "initializer_range", "head_dim": "head_dim", "model_type": "family",
+    "num_experts": "num_experts", "num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_tok",
+    "moe_intermediate_size": "moe_intermediate_size", "norm_topk_prob": "norm_topk_prob",
+    "router_aux_loss_coef": "router_aux_loss_coef",
 }
 
 
@@ -96,6 +105,10 @@ def unsupported_hf_config(cfg: dict, where: str) -> list[Problem]:
     if window is not None and cfg.get("use_sliding_window", True):
         out.append(Problem("model.hf_path", f"{where} sets sliding_window: {json.dumps(window)}, which needs "
                            "sliding-window attention; the toolkit's models attend to the whole sequence", fix))
+    if kind == "qwen3_moe" and (cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers")):
+        out.append(Problem("model.hf_path", f"{where} has dense layers among the experts (decoder_sparse_step, "
+                           "mlp_only_layers); the toolkit's qwen3_moe has experts in every layer, as the released "
+                           "models", fix))
     for key, plain, needs in _UNSUPPORTED:
         if key == "attention_bias" and kind == "qwen2":
             continue  # Qwen2's q/k/v biases are always there (the family maps them); the key is not Qwen2's

@@ -20,9 +20,10 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    family: Literal["llama", "mistral", "qwen2", "qwen3"] = "llama"
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"] = "llama"
     """Architecture family (toolkit/families/): llama (2, 3), mistral, qwen2 (Qwen2 and Qwen2.5: q/k/v biases), qwen3
-    (dense Qwen3: per-head q/k RMSNorm). With model.hf_path and no family set, config.json's model_type gives it."""
+    (dense Qwen3: per-head q/k RMSNorm), qwen3_moe (Qwen3-MoE: Qwen3 attention, a mixture of experts in every
+    layer). With model.hf_path and no family set, config.json's model_type gives it."""
     preset: Optional[str] = None
     """Named size (see `toolkit show --presets`); its values sit under any key you set yourself."""
     hf_path: Optional[str] = None
@@ -55,6 +56,16 @@ class ModelConfig(_Section):
     """Share the input embedding with the output projection."""
     initializer_range: float = Field(0.02, gt=0)
     """Std of the normal initialisation of a random model."""
+    num_experts: Optional[int] = Field(None, gt=0)
+    """Mixture-of-experts families (qwen3_moe): routed experts per layer."""
+    num_experts_per_tok: Optional[int] = Field(None, gt=0)
+    """Mixture-of-experts: experts each token is routed to (top-k)."""
+    moe_intermediate_size: Optional[int] = Field(None, gt=0)
+    """Mixture-of-experts: width of one expert's SwiGLU MLP."""
+    norm_topk_prob: bool = True
+    """Mixture-of-experts: renormalise the top-k routing weights to sum to 1 (Qwen3-MoE's released models do)."""
+    router_aux_loss_coef: float = Field(0.001, ge=0)
+    """Mixture-of-experts: weight of the load-balancing loss (Megatron's moe_aux_loss_coeff)."""
 
 
 class BlendSource(_Section):
@@ -236,6 +247,9 @@ class ParallelConfig(_Section):
     """Sequence parallelism on top of tensor parallelism (Megatron)."""
     cp: int = Field(1, gt=0)
     """Context-parallel size (Megatron)."""
+    ep: int = Field(1, gt=0)
+    """Expert-parallel size (Megatron, mixture-of-experts families): the routed experts are split over ep ranks,
+    carved out of the data-parallel ranks, so ep must divide the experts and dp x cp."""
     dp: Optional[int] = Field(None, gt=0)
     """Data-parallel size; derived as world_size / (tp*pp*cp) when null."""
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)

@@ -1,0 +1,212 @@
+"""The qwen3_moe family and expert parallelism against the real libraries (tiny random models from transformers'
+own Qwen3MoeConfig; nothing downloaded). Logits at TP1 (fast), TP2, PP2 and EP2 (slow) are checked with the other
+families in tests/test_families.py's shared launches; here: the map by name (a gate/up swap fails fast), layout
+rules, HF <-> Megatron EP2 conversion bit-exact, and EP2 training against the single-process loop."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from conftest import launch, read_metrics
+from reference import reference_losses
+from safetensors.torch import load_file
+from test_families import tiny_model
+from test_megatron_parity import LOSS_RTOL, SCHEDULE, STEPS
+
+from toolkit.checkpoint.convert import convert
+from toolkit.errors import RecipeError, ToolkitError
+from toolkit.families import dims_from_hf, hf_to_megatron, megatron_to_hf, qwen3_moe
+from toolkit.model import to_hf_config
+from toolkit.recipe import load_recipe, resolve
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """A tiny Qwen3-MoE saved as transformers saves it (per-expert gate/up/down tensors on disk)."""
+    folder = tmp_path_factory.mktemp("moe") / "hf"
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(folder)
+    return folder, model, load_file(str(folder / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory):
+    """The training tests' shared start: tiny_qwen3_moe's Hugging Face weights (decisive routing, as in
+    test_families; no load-balancing loss, as Megatron's and transformers' aux losses are different functions) and
+    the single-process transformers loop's losses from them."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("moe_start") / "hf"
+    torch.manual_seed(7)
+    model = transformers.Qwen3MoeForCausalLM(to_hf_config(load_recipe(
+        "tiny_qwen3_moe", ["model.router_aux_loss_coef=0"]).model))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 1.0)
+    model.save_pretrained(folder)
+    return folder, reference_losses(folder, STEPS, SCHEDULE)
+
+
+def test_expert_fc1_is_gate_then_up_as_transformers_fuses_them(moe):
+    """transformers 5 fuses each expert's on-disk gate_proj and up_proj into gate_up_proj[e] = cat(gate, up) when it
+    loads (its own conversion, the oracle here); Megatron's linear_fc1 of a gated MLP is [gate; up] too. So at TP1
+    local expert e's fc1 must equal transformers' gate_up_proj[e] and fc2 its down_proj[e]: a map with gate= and up=
+    exchanged fails here, in the fast suite."""
+    folder, model, disk = moe
+    shards = hf_to_megatron(disk, dims_from_hf(model.config), tp=1, pp=1)[(0, 0)][0]
+    for i, layer in enumerate(model.model.layers):
+        router = shards[f"decoder.layers.{i}.mlp.router.weight"]
+        assert torch.equal(router, layer.mlp.gate.weight)
+        for e in range(4):
+            fc1 = shards[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight"]
+            fc2 = shards[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight"]
+            assert torch.equal(fc1, layer.mlp.experts.gate_up_proj[e]), (i, e)
+            assert torch.equal(fc2, layer.mlp.experts.down_proj[e]), (i, e)
+
+
+def test_ep2_splits_experts_and_round_trips_bit_exactly(moe):
+    """At TP2 x EP2 each expert-parallel rank holds experts 2r, 2r+1 as its local 0, 1 (TP-split), and a copy of
+    the rest; merging gives back the on-disk tensors bit for bit; differing copies are refused."""
+    folder, model, disk = moe
+    dims = dims_from_hf(model.config, tp=2)
+    shards = hf_to_megatron(disk, dims, tp=2, pp=1, ep=2)
+    assert set(shards) == {(0, t, e) for t in range(2) for e in range(2)}
+    gate = disk["model.layers.1.mlp.experts.3.gate_proj.weight"]
+    fc1 = shards[(0, 1, 1)][0]["decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"]
+    assert torch.equal(fc1[:24], gate[24:])  # tp rank 1's half of expert 3's gate, then its half of up
+    assert not any("local_experts.2" in k for s in shards.values() for k in s[0])
+    back = megatron_to_hf(shards, dims, tp=2, pp=1, ep=2)
+    assert set(back) == set(disk) and all(torch.equal(back[k], disk[k]) for k in disk)
+    copy = shards[(0, 0, 1)][0]
+    copy["decoder.layers.0.mlp.router.weight"] = copy["decoder.layers.0.mlp.router.weight"] + 1
+    with pytest.raises(ToolkitError, match="differs between expert-parallel ranks"):
+        megatron_to_hf(shards, dims, tp=2, pp=1, ep=2)
+
+
+def test_convert_hf_to_megatron_ep2_and_back_is_bit_exact(moe, tmp_path):
+    """`toolkit convert` both ways at TP2 x EP2 (its own read-back and logit checks on): one file per (tp, ep) rank,
+    and the Hugging Face folder it writes back holds the saved tensors bit for bit and loads in transformers."""
+    import transformers
+
+    folder, model, disk = moe
+    mega = convert(folder, tmp_path / "mg", "megatron", tp=2, ep=2, progress=False, log=lambda *_: None)
+    tag = next(mega.glob("step_*"))
+    assert sorted(p.name for p in tag.glob("model_*")) == [f"model_tp0{t}_pp000_ep00{e}.safetensors"
+                                                            for t in range(2) for e in range(2)]
+    assert json.loads((tag / "toolkit_meta.json").read_text())["layout"]["ep"] == 2
+    back = convert(mega, tmp_path / "back", "hf", progress=False, log=lambda *_: None)
+    got = load_file(str(back / "model.safetensors"))
+    assert set(got) == set(disk) and all(torch.equal(got[k], disk[k]) for k in disk)
+    again = transformers.Qwen3MoeForCausalLM.from_pretrained(back)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+
+
+def test_a_gate_up_swap_in_the_expert_map_is_caught_by_verification(moe, tmp_path):
+    """The conversion's logit check places Megatron tensors by the family's separate MODULES table: an expert map
+    with gate= and up= exchanged fails it, and nothing is written."""
+    folder, _, _ = moe
+    real = qwen3_moe.FAMILY.layer
+
+    def swapped(d):
+        return [dataclasses.replace(pm, hf_names=pm.hf_names[::-1]) if "linear_fc1" in pm.megatron_name else pm
+                for pm in real(d)]
+
+    object.__setattr__(qwen3_moe.FAMILY, "layer", swapped)  # a frozen dataclass; restored below
+    try:
+        with pytest.raises(ToolkitError, match=r"verification failed: after decoder layer 0"):
+            convert(folder, tmp_path / "bad", "megatron", ep=2, progress=False, log=lambda *_: None)
+        assert not (tmp_path / "bad").exists()
+    finally:
+        object.__setattr__(qwen3_moe.FAMILY, "layer", real)
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (["parallel.ep=3"], "4 experts are not divisible by ep = 3"),
+    (["parallel.world_size=1"], "2 does not divide dp x cp = 1 x 1 = 1"),
+    (["parallel.world_size=4", "parallel.tp=2"], "parallel.sp: false, but Megatron-Core trains a mixture of experts"),
+    (["model.family=qwen3"], "model.family qwen3 has no experts"),
+    (["parallel.backend=deepspeed"], "expert parallelism is Megatron-Core's"),
+])
+def test_layout_rules_for_ep_are_one_line_each(sets, needle):
+    with pytest.raises(RecipeError) as e:
+        resolve(load_recipe("tiny_qwen3_moe", sets))
+    assert needle in str(e.value), str(e.value)
+
+
+def test_planner_counts_total_and_active_parameters_of_qwen3_30b_a3b():
+    """Qwen3-30B-A3B's model card: 30.5B parameters in total, 3.3B activated (the planner: 30.53B and 3.35B, the
+    active count with the embeddings and output layer, which every token uses)."""
+    from toolkit.metrics import count_params
+
+    counts = count_params(load_recipe("tiny_zero0", ["model.preset=qwen3-30b-a3b"]).model)
+    assert round(counts["total"] / 1e9, 1) == 30.5 and abs(counts["active"] / 1e9 - 3.3) < 0.06
+    tiny = count_params(load_recipe("tiny_qwen3_moe").model)
+    model = tiny_model("qwen3_moe", vocab_size=512)
+    assert tiny["total"] == sum(p.numel() for p in model.parameters())
+    per_expert = 3 * 48 * 64
+    assert tiny["total"] - tiny["active"] == 2 * (4 - 2) * per_expert  # 2 layers, 2 of 4 experts skipped per token
+
+
+def test_real_size_recipe_is_qwen3_30b_a3b_and_ep_divides_its_experts_per_rank():
+    """recipes/qwen3_30b_a3b_ep8_pp2: the published size (30.5B total, 3.3B active), and each of its ranks holds
+    16 of the 128 experts of its 24 layers: about 2.6B parameters instead of 15.3B without expert parallelism."""
+    from toolkit.metrics import count_params, flops_per_token
+    from toolkit.plan.megatron_states import megatron_params
+
+    r = load_recipe("qwen3_30b_a3b_ep8_pp2")
+    plan = resolve(r)
+    assert (plan.layout.ep, plan.layout.pp, plan.layout.dp) == (8, 2, 8)
+    counts = count_params(r.model)
+    assert round(counts["total"] / 1e9, 1) == 30.5 and abs(counts["active"] / 1e9 - 3.3) < 0.06
+    per_rank = megatron_params(r, 1, 2, 1, 0, 0, ep=8)
+    assert round(per_rank / 1e9, 1) == 2.6 and round(megatron_params(r, 1, 2, 1, 0, 0) / 1e9, 1) == 15.3
+    # MFU counts the routed experts a token uses: 6 x the active non-embedding parameters + attention
+    attention = 12 * 48 * 2048 * 4096
+    assert flops_per_token(r.model, 4096) == 6 * (counts["active"] - counts["embedding"]) + attention
+
+
+@pytest.mark.slow
+def test_ep2_training_reproduces_single_process_losses(start, tmp_path):
+    """From the same Hugging Face weights, Megatron-Core at EP2 (2 ranks, each with 2 of the 4 experts, tokens
+    exchanged by the alltoall dispatcher over gloo) gives the single-process transformers loop's losses."""
+    import transformers
+
+    hf_in, want = start
+    launch("tiny_qwen3_moe", ["model.preset=null", f"model.hf_path={hf_in}", "model.pretrained=true",
+                              f"training.steps={STEPS}", *SCHEDULE, "logging.interval=1", "checkpoint.interval=1000"],
+           nproc=2, out_dir=tmp_path / "run")
+    got = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    print("qwen3_moe EP2:", got, "single process:", want)
+    assert len(got) == STEPS and want[-1] < want[0] - 0.05
+    assert got == pytest.approx(want, rel=LOSS_RTOL)
+    tag = tmp_path / "run" / "checkpoints" / "step_00000004"
+    assert json.loads((tag / "toolkit_meta.json").read_text())["layout"]["ep"] == 2
+    assert {p.name for p in tag.glob("model_*")} == {"model_tp00_pp000_ep000.safetensors",
+                                                      "model_tp00_pp000_ep001.safetensors"}
+    # what EP2 training wrote converts to Hugging Face (read back and logit-checked), and transformers loads it
+    hf = convert(tmp_path / "run" / "checkpoints", tmp_path / "trained_hf", "hf", progress=False, log=lambda *_: None)
+    assert transformers.Qwen3MoeForCausalLM.from_pretrained(hf).config.num_experts == 4
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3_trains_the_hf_moe_model_and_converts_back(start, tmp_path):
+    """The DeepSpeed backend trains transformers' Qwen3MoeForCausalLM itself (fused 3-D expert tensors, partitioned
+    by ZeRO-3 on 2 ranks; DeepSpeed's own MoE layer is not used: it replaces a model's MLP with its own, which an HF
+    checkpoint does not fit), with the single-process loop's losses; its checkpoint converts to a Hugging Face
+    folder stored per expert, as transformers saves, that transformers loads."""
+    import transformers
+
+    hf_in, want = start
+    launch("tiny_qwen3_moe", ["model.preset=null", f"model.hf_path={hf_in}", "model.pretrained=true",
+                              "parallel.backend=deepspeed", "parallel.ep=1", "parallel.zero_stage=3",
+                              f"training.steps={STEPS}", *SCHEDULE, "logging.interval=1", "checkpoint.interval=1000"],
+           nproc=2, out_dir=tmp_path / "run")
+    got = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    print("qwen3_moe DeepSpeed ZeRO-3:", got, "single process:", want)
+    assert got == pytest.approx(want, rel=LOSS_RTOL)
+    hf = convert(tmp_path / "run" / "checkpoints", tmp_path / "trained_hf", "hf", progress=False, log=lambda *_: None)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in load_file(str(hf / "model.safetensors"))
+    assert transformers.Qwen3MoeForCausalLM.from_pretrained(hf).config.num_experts == 4
