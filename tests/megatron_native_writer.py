@@ -2,7 +2,7 @@
 Megatron-LM 0.16 lays them out, in one launch.
 
     torchrun --nproc_per_node 2 tests/megatron_native_writer.py HF_TIED HF_UNTIED OUT [TORCH_DIST_ITER LEGACY_TIED
-        LEGACY_UNTIED]
+        LEGACY_UNTIED [HF_QWEN2 HF_QWEN3]]
 
 OUT/legacy: the legacy layout (`--ckpt-format torch`, `--no-save-optim`) at TP1 x PP2 x VPP2 from HF_TIED (4 layers,
 tied embeddings): iter_0000003/mp_rank_00_00{0,1}/model_optim_rng.pt holding args (an argparse.Namespace with the
@@ -15,6 +15,9 @@ same launch then loads it with Megatron-Core's own `dist_checkpointing.load` at 
 (tests/megatron_dist_load_probe.py) and prints "loaded 2x1x1" and "loaded 1x2x1" when every weight matched; and
 loads the legacy checkpoints `toolkit convert --to megatron_lm` wrote (from HF_TIED at TP1 x PP2 x VPP2, from
 HF_UNTIED at TP2) into GPTModels with strict=True ("loaded legacy 1x2x2", "loaded legacy 2x1x1").
+With HF_QWEN2 and HF_QWEN3 (other families), the same launch also writes OUT/legacy_qwen2 (the legacy layout at TP2,
+args with --add-qkv-bias) and OUT/torch_dist_qwen3 (torch_dist at TP1 x PP2, args with --qk-layernorm and kv_channels
+apart from hidden_size / heads), as Megatron-LM writes those families.
 Megatron-LM itself (megatron.training) is not installed here; its save_checkpoint's layout is reproduced around
 Megatron-Core's objects. The __main__ guard matters: dist_checkpointing's writer spawns a process that re-imports it.
 """
@@ -54,13 +57,15 @@ def megatron_lm_args(r, layout) -> argparse.Namespace:
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None, num_layers=m.num_layers,
         hidden_size=m.hidden_size, ffn_hidden_size=m.intermediate_size, num_attention_heads=m.num_attention_heads,
-        group_query_attention=True, num_query_groups=m.num_kv_heads, kv_channels=m.hidden_size // m.num_attention_heads,
+        group_query_attention=True, num_query_groups=m.num_kv_heads,
+        kv_channels=m.head_dim or m.hidden_size // m.num_attention_heads,
         max_position_embeddings=m.max_position_embeddings, norm_epsilon=m.rms_norm_eps, rotary_base=int(m.rope_theta),
         untie_embeddings_and_output_weights=not m.tie_word_embeddings, padded_vocab_size=dims.padded_vocab,
         make_vocab_size_divisible_by=128, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
         add_bias_linear=False, params_dtype=torch.float32, main_grads_dtype=torch.float32, bf16=False,
         attention_backend=AttnBackend.auto, exit_signal=signal.SIGTERM, ckpt_format="torch", seed=1234,
-        data_path=["/data/corpus_text_document"], tokenizer_type="HuggingFaceTokenizer")
+        data_path=["/data/corpus_text_document"], tokenizer_type="HuggingFaceTokenizer",
+        add_qkv_bias=m.family == "qwen2", qk_layernorm=m.family == "qwen3")  # --add-qkv-bias, --qk-layernorm
 
 
 def build(hf: str, tp: int, pp: int, vpp: int):
@@ -74,19 +79,20 @@ def build(hf: str, tp: int, pp: int, vpp: int):
     return r, layout, chunks
 
 
-def legacy(hf: str, out: Path) -> None:
+def legacy(hf: str, out: Path, tp: int = 1, pp: int = 2, vpp: int = 2) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    r, layout, chunks = build(hf, 1, 2, 2)
+    r, layout, chunks = build(hf, tp, pp, vpp)
     state = {"args": megatron_lm_args(r, layout), "checkpoint_version": 3.0, "iteration": 3,
              "num_floating_point_operations_so_far": 0}
     for i, chunk in enumerate(chunks):
-        state[f"model{i}"] = chunk.state_dict_for_save_checkpoint()
+        state["model" if vpp == 1 else f"model{i}"] = chunk.state_dict_for_save_checkpoint()
     state["rng_state"] = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
                            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.get_rng_state(),
                            "rng_tracker_states": get_cuda_rng_tracker().get_states()}]
-    folder = out / "iter_0000003" / f"mp_rank_00_{ps.get_pipeline_model_parallel_rank():03d}"
+    t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    folder = out / "iter_0000003" / (f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}")
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(state, folder / "model_optim_rng.pt")
     if dist.get_rank() == 0:
@@ -95,11 +101,11 @@ def legacy(hf: str, out: Path) -> None:
     ps.destroy_model_parallel()
 
 
-def torch_dist(hf: str, out: Path) -> None:
+def torch_dist(hf: str, out: Path, tp: int = 2, pp: int = 1) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    r, layout, chunks = build(hf, 2, 1, 1)
+    r, layout, chunks = build(hf, tp, pp, 1)
     state = {"args": megatron_lm_args(r, layout), "checkpoint_version": 3.0, "iteration": 5,
              "num_floating_point_operations_so_far": 0, "model": chunks[0].sharded_state_dict()}
     state["args"].ckpt_format = "torch_dist"
@@ -115,10 +121,13 @@ def torch_dist(hf: str, out: Path) -> None:
 
 
 def main(hf_tied: str, hf_untied: str, out: str, torch_dist_iter: str | None = None, legacy_tied: str | None = None,
-         legacy_untied: str | None = None) -> None:
+         legacy_untied: str | None = None, hf_qwen2: str | None = None, hf_qwen3: str | None = None) -> None:
     init_distributed(with_deepspeed=False)
     legacy(hf_tied, Path(out) / "legacy")
     torch_dist(hf_untied, Path(out) / "torch_dist")
+    if hf_qwen2:
+        legacy(hf_qwen2, Path(out) / "legacy_qwen2", tp=2, pp=1, vpp=1)
+        torch_dist(hf_qwen3, Path(out) / "torch_dist_qwen3", tp=1, pp=2)
     if torch_dist_iter:
         from megatron_dist_load_probe import check, check_legacy
 
@@ -130,4 +139,4 @@ def main(hf_tied: str, hf_untied: str, out: str, torch_dist_iter: str | None = N
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:7])
+    main(*sys.argv[1:9])

@@ -69,13 +69,15 @@ def _zero_to_fp32(tag_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def bf16_run(tmp_path_factory):
-    """A 2-rank bf16 run per ZeRO stage (4 steps, checkpoint at 4) with the engine's 16-bit weights beside it."""
+    """A 2-rank bf16 run per ZeRO stage (4 steps, checkpoint at 4) with the engine's 16-bit weights beside it. ZeRO-3
+    runs another family than Llama: Qwen2 (q/k/v biases) with tied embeddings, as the small Qwen2.5 sizes have."""
     runs: dict[int, Path] = {}
 
     def get(stage: int) -> Path:
         if stage not in runs:
             out = tmp_path_factory.mktemp(f"zero{stage}_bf16")
-            extra = ["model.tie_word_embeddings=true"] if stage == 1 else []  # one run with tied embeddings
+            extra = ["model.tie_word_embeddings=true"] if stage in (1, 3) else []  # two runs with tied embeddings
+            extra += ["model.family=qwen2", "model.rms_norm_eps=1e-6"] if stage == 3 else []
             _run_with_engine_reference(f"tiny_zero{stage}", ["training.steps=4", "checkpoint.interval=4",
                                                              "training.precision=bf16", *SHORT, *extra], out)
             runs[stage] = out
@@ -113,8 +115,10 @@ def test_source_equals_engine_weights(stage, bf16_run):
     names = half.names()
     assert names == full.names()
     assert "model.layers.3.mlp.down_proj.weight" in names
-    assert ("lm_head.weight" in names) == (stage != 1)  # stage 1 ran with tied embeddings
-    assert set(names) == set(engine16) - ({"lm_head.weight"} if stage == 1 else set())
+    tied = stage in (1, 3)  # stages 1 and 3 ran with tied embeddings
+    assert ("lm_head.weight" in names) == (not tied)
+    assert set(names) == set(engine16) - ({"lm_head.weight"} if tied else set())
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) == (stage == 3)  # ZeRO-3 ran Qwen2
 
     reference32 = _zero_to_fp32(tag_dir) if stage > 0 else None  # zero_to_fp32 does not read ZeRO-0
     differ = 0
@@ -309,22 +313,29 @@ def test_damaged_zero3_checkpoint_is_refused(how, file, bf16_run, tmp_path):
 
 @pytest.mark.slow
 def test_toolkit_convert_zero3_to_hf_from_model_states_and_fp32_master(bf16_run, tmp_path):
-    """The command line end to end: a ZeRO-3 checkpoint directory to Hugging Face folders equal to the engine's
-    own 16-bit weights and to DeepSpeed's fp32 consolidation, loadable by transformers, tokenizer included."""
+    """The command line end to end: a ZeRO-3 checkpoint directory of a Qwen2 run (q/k/v biases, tied embeddings) to
+    Hugging Face folders equal to the engine's own 16-bit weights and to DeepSpeed's fp32 consolidation, verified by
+    transformers' Qwen2ForCausalLM, loadable, tokenizer included; the run trained (its loss fell, its biases moved)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = bf16_run(3)
+    losses = [m["loss"] for m in read_metrics(out)]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
     engine16 = torch.load(out / "engine16_step4" / "model.pt", weights_only=True)
+    engine16.pop("lm_head.weight", None)  # tied: the engine's state dict repeats the embeddings, HF stores them once
     reference32 = _zero_to_fp32(out / "checkpoints" / "step_00000004")
+    reference32.pop("lm_head.weight", None)
     for flag, want, dtype in (([], engine16, torch.bfloat16), (["--fp32"], reference32, torch.float32)):
         dst = tmp_path / f"hf{'32' if flag else '16'}"
         proc = subprocess.run([sys.executable, "-m", "toolkit", "convert", str(out / "checkpoints"), str(dst),
                                "--to", "hf", *flag], cwd=REPO, capture_output=True, text=True, check=False)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "verified: transformers' LlamaForCausalLM gives the source's logits" in proc.stdout
+        assert "verified: transformers' Qwen2ForCausalLM gives the source's logits" in proc.stdout
         got = load_file(str(dst / "model.safetensors"))
-        assert set(got) == set(want)
+        assert set(got) == set(want) and got["model.layers.1.self_attn.k_proj.bias"].abs().max() > 0
         assert all(got[k].dtype == dtype and torch.equal(got[k], want[k]) for k in got)
-        assert AutoModelForCausalLM.from_pretrained(dst).dtype == dtype
+        loaded = AutoModelForCausalLM.from_pretrained(dst)
+        assert loaded.dtype == dtype and type(loaded).__name__ == "Qwen2ForCausalLM"
+        assert loaded.config.tie_word_embeddings
         assert len(AutoTokenizer.from_pretrained(dst)) == 512  # the recipe's tokenizer came along

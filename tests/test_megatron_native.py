@@ -24,6 +24,7 @@ import pytest
 import torch
 from conftest import REPO, free_port
 from safetensors.torch import load_file
+from test_families import CONFIGS, tiny_model
 
 from toolkit.checkpoint.convert import convert, convert_to_hf
 from toolkit.errors import ToolkitError
@@ -51,18 +52,44 @@ def native(tmp_path_factory):
     """{"tied", "untied": HF folders, "legacy", "torch_dist": checkpoint roots written by Megatron-Core's code}."""
     root = tmp_path_factory.mktemp("native")
     tied, untied = _hf(root / "hf_tied", True, 4, 11), _hf(root / "hf_untied", False, 2, 12)
+    for family in ("qwen2", "qwen3"):  # random biases and q/k norms, qwen2 tied (test_families.tiny_model)
+        tiny_model(family).save_pretrained(root / f"hf_{family}")
     quiet = dict(vocab_size=VOCAB, progress=False, log=lambda *_: None)
     ours = convert(untied, root / "ours", "torch_dist", tp=2, **quiet)
     lm_tied = convert(tied, root / "lm_tied", "megatron_lm", tp=1, pp=2, vpp=2, **quiet)
     lm_untied = convert(untied, root / "lm_untied", "megatron_lm", tp=2, **quiet)
     cmd = [str(os.path.join(os.path.dirname(sys.executable), "torchrun")), "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(WRITER), str(tied), str(untied), str(root / "out"),
-           str(ours / "iter_0000000"), str(lm_tied), str(lm_untied)]
+           str(ours / "iter_0000000"), str(lm_tied), str(lm_untied), str(root / "hf_qwen2"), str(root / "hf_qwen3")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {"tied": tied, "untied": untied, "legacy": root / "out" / "legacy", "torch_dist": root / "out" / "torch_dist",
-            "ours": ours, "lm_tied": lm_tied, "lm_untied": lm_untied, "stdout": proc.stdout}
+    return {"tied": tied, "untied": untied, "legacy": root / "out" / "legacy",
+            "torch_dist": root / "out" / "torch_dist", "ours": ours, "lm_tied": lm_tied, "lm_untied": lm_untied, "stdout": proc.stdout,
+            "hf_qwen2": root / "hf_qwen2", "hf_qwen3": root / "hf_qwen3",
+            "legacy_qwen2": root / "out" / "legacy_qwen2", "torch_dist_qwen3": root / "out" / "torch_dist_qwen3"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,kind", [("qwen2", "legacy_qwen2"), ("qwen3", "torch_dist_qwen3")])
+def test_real_qwen_checkpoints_convert_to_their_family_bit_exact(family, kind, native, tmp_path):
+    """Megatron-LM's args name the family: --add-qkv-bias (Qwen2, legacy at TP2, tied) and --qk-layernorm (Qwen3,
+    torch_dist at TP1 x PP2, head_dim 32 != hidden 64 / 4 heads). Each converts to its own transformers class with
+    the weights and logits it was built from, bit for bit, and to the toolkit's layout (TP2) and back."""
+    from transformers import AutoModelForCausalLM
+
+    hf = native[f"hf_{family}"]
+    out = convert_to_hf(native[kind], tmp_path / "hf", vocab_size=VOCAB)
+    _equal_to(out, hf)
+    got, want = (AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32).eval() for f in (out, hf))
+    assert type(got).__name__ == CONFIGS[family][1]
+    assert getattr(got.config, "head_dim", None) == getattr(want.config, "head_dim", None)
+    assert got.config.tie_word_embeddings == want.config.tie_word_embeddings
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, want(ids).logits)
+    m = convert(native[kind], tmp_path / "m", "megatron", tp=2, vocab_size=VOCAB, progress=False, log=lambda *_: None)
+    _equal_to(convert_to_hf(m, tmp_path / "hf2"), hf)
 
 
 def _copy(native, kind, tmp_path):

@@ -4,7 +4,8 @@ Each model is built the way the toolkit builds it (Hugging Face LlamaForCausalLM
 gradient checkpointing as the DeepSpeed backend enables it; Megatron-Core's GPTModel with the local spec on CPU)
 with 1 and with 2 layers; one forward with labels is measured by tests/activation_probe.py (distinct saved
 storages, weights excluded, plus the returned outputs). A layer is the difference of the two, the rest of the
-model what is left. Two shapes (GQA ratios 4 and 5, different seq and micro-batch) so that no constant fits both.
+model what is left. Two shapes (GQA ratios 4 and 5, different seq and micro-batch) so that no constant fits both;
+a Qwen2 (q/k/v biases) and a Qwen3 (q/k norms, head_dim 48 != 256 / 8) shape for the other families' layers.
 The GPU flavour (megatron_te) cannot run here; only its arithmetic is checked.
 """
 from __future__ import annotations
@@ -31,6 +32,11 @@ SHAPES = {
                     "vocab_size": 512}, "seq": 128, "micro": 2},
     "B": {"model": {"hidden_size": 320, "intermediate_size": 864, "num_attention_heads": 10, "num_kv_heads": 2,
                     "vocab_size": 1000}, "seq": 192, "micro": 3},
+    # other families: Qwen2's q/k/v biases (nothing more kept), Qwen3's q/k norms with head_dim 48 != 256 / 8
+    "Q2": {"model": {"family": "qwen2", "hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 8,
+                     "num_kv_heads": 2, "vocab_size": 512}, "seq": 128, "micro": 2},
+    "Q3": {"model": {"family": "qwen3", "hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 8,
+                     "num_kv_heads": 2, "head_dim": 48, "vocab_size": 512}, "seq": 96, "micro": 3},
 }
 
 
@@ -71,7 +77,8 @@ def _hf_kept(case: dict, layers: int) -> int:
 
 @pytest.mark.parametrize("shape,recompute,precision", [("A", "none", "bf16"), ("B", "none", "bf16"),
                                                        ("A", "full", "bf16"), ("B", "full", "bf16"),
-                                                       ("A", "none", "fp32")])
+                                                       ("A", "none", "fp32"), ("Q2", "none", "bf16"),
+                                                       ("Q3", "none", "bf16"), ("Q3", "none", "fp32")])
 def test_hf_layer_matches_saved_tensors(shape, recompute, precision):
     case = _case(shape, recompute, precision)
     one, two = _hf_kept(case, 1), _hf_kept(case, 2)
@@ -94,7 +101,8 @@ def _megatron_rows(cases: list[dict], tp: int, tmp_path) -> list[dict]:
 
 
 MEGATRON_TP1 = [_case("A", "none"), _case("A", "selective"), _case("A", "full"), _case("B", "none"),
-                _case("B", "selective"), _case("B", "full"), _case("A", "none", "fp32")]
+                _case("B", "selective"), _case("B", "full"), _case("A", "none", "fp32"), _case("Q3", "none"),
+                _case("Q3", "none", "fp32"), _case("Q3", "selective", "fp32")]
 MEGATRON_TP2 = [_case("A", "none"), _case("A", "none", sp=True), _case("B", "none", sp=True),
                 _case("B", "selective", sp=True), _case("B", "full", sp=True)]
 

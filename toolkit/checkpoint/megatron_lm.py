@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from toolkit.errors import ToolkitError
+from toolkit.families import family_named
 from toolkit.families.mapping import local_spec_name
 from toolkit.format import paths
 from toolkit.format.safe_load import load as load_weights_only
@@ -69,29 +70,47 @@ def read(path: Path, mmap: bool = False) -> tuple[argparse.Namespace, dict, int]
 
 
 LLAMA_ARGS = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "add_bias_linear": False,
-              "add_qkv_bias": False, "rotary_percent": 1.0, "num_experts": None, "multi_latent_attention": False}
-"""Megatron-LM arguments (when present) that a Llama-style model has; anything else is another architecture."""
+              "rotary_percent": 1.0, "num_experts": None, "multi_latent_attention": False, "window_size": None}
+"""Megatron-LM arguments (when present) that every dense family the converters know has (Llama, Mistral, Qwen2, Qwen3:
+RMSNorm, SwiGLU, RoPE over the whole head, no linear biases, no sliding window); anything else is another architecture.
+Two arguments tell the families apart: `--add-qkv-bias` (Qwen2) and `--qk-layernorm` (Qwen3)."""
 
 
-def check_llama(args: argparse.Namespace, where: Path) -> None:
-    """One line when Megatron-LM's args describe a model the Llama map cannot convert exactly."""
+def family_of_args(args: argparse.Namespace, where: Path | str = "the checkpoint's args") -> str:
+    """The family Megatron-LM's args describe: qwen2 with add_qkv_bias, qwen3 with qk_layernorm, else mistral when
+    the tokenizer (--tokenizer-model) is Mistral's, else llama. Mistral 7B v0.2/v0.3 has exactly Llama's arguments and
+    weights, so only its tokenizer names it. One line when the args describe a model no family converts exactly."""
     wrong = [f"{k}={getattr(args, k)!r}" for k, v in LLAMA_ARGS.items() if hasattr(args, k) and getattr(args, k) != v]
+    bias, qk_norm = bool(getattr(args, "add_qkv_bias", False)), bool(getattr(args, "qk_layernorm", False))
+    if bias and qk_norm:
+        wrong.append("add_qkv_bias=True with qk_layernorm=True")
+    tokenizer = str(getattr(args, "tokenizer_model", None) or "")
+    family = "qwen2" if bias else "qwen3" if qk_norm else "mistral" if "mistral" in tokenizer.lower() else "llama"
     heads = getattr(args, "num_attention_heads", None)
     kv = getattr(args, "kv_channels", None)
-    if heads and kv and kv * heads != args.hidden_size:
+    if family != "qwen3" and heads and kv and kv * heads != args.hidden_size:  # Qwen3 sets head_dim on its own
         wrong.append(f"kv_channels={kv} (not hidden_size / num_attention_heads)")
     if wrong:
-        raise ToolkitError(f"{where}: the model is not Llama-shaped ({', '.join(wrong)}); only Llama-style GPT models "
-                           "(RMSNorm, SwiGLU, RoPE, no biases) convert")
+        raise ToolkitError(f"{where}: the model is none of the dense families ({', '.join(wrong)}); only GPT models "
+                           "with RMSNorm, SwiGLU, RoPE and no linear biases (Llama, Mistral; Qwen2 with "
+                           "--add-qkv-bias; Qwen3 with --qk-layernorm) convert")
+    return family
 
 
-def hf_config(args: argparse.Namespace, vocab_size: int) -> dict:
-    """A Hugging Face Llama config.json built from Megatron-LM's arguments and the true vocabulary size."""
+def hf_config(args: argparse.Namespace, vocab_size: int, where: Path | str = "the checkpoint's args") -> dict:
+    """A Hugging Face config.json of the family Megatron-LM's arguments describe (family_of_args), with the true
+    vocabulary size."""
+    family = family_named(family_of_args(args, where))
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else args.num_attention_heads
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
-            "hidden_size": args.hidden_size, "intermediate_size": args.ffn_hidden_size,
-            "num_hidden_layers": args.num_layers, "num_attention_heads": args.num_attention_heads,
-            "num_key_value_heads": groups, "max_position_embeddings": args.max_position_embeddings,
-            "rms_norm_eps": getattr(args, "norm_epsilon", 1e-5), "rope_theta": float(getattr(args, "rotary_base", 10000)),
-            "tie_word_embeddings": not getattr(args, "untie_embeddings_and_output_weights", False),
-            "hidden_act": "silu", "torch_dtype": "float32"}
+    config = {"architectures": [family.hf_architecture], "model_type": family.model_types[0], "vocab_size": vocab_size,
+              "hidden_size": args.hidden_size, "intermediate_size": args.ffn_hidden_size,
+              "num_hidden_layers": args.num_layers, "num_attention_heads": args.num_attention_heads,
+              "num_key_value_heads": groups, "max_position_embeddings": args.max_position_embeddings,
+              "rms_norm_eps": getattr(args, "norm_epsilon", 1e-5),
+              "rope_theta": float(getattr(args, "rotary_base", 10000)),
+              "tie_word_embeddings": not getattr(args, "untie_embeddings_and_output_weights", False),
+              "hidden_act": "silu", "torch_dtype": "float32", **family.hf_config_fields}
+    head_dim = getattr(args, "kv_channels", None)
+    if head_dim and head_dim * args.num_attention_heads != args.hidden_size:  # Qwen3's own head size
+        config["head_dim"] = head_dim
+    return config

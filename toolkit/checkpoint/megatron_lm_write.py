@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.families import family_named
 from toolkit.families.entries import iter_entries, raise_problems
 from toolkit.families.mapping import check_dims
 
@@ -28,7 +29,8 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 def model_args(dims, config: dict, tp: int, pp: int, vpp: int, divisible_by: int, dtype: torch.dtype,
                ckpt_format: str) -> argparse.Namespace:
-    """Megatron-LM's model arguments for a Llama-style model at tp x pp x vpp."""
+    """Megatron-LM's model arguments for a model of dims.family at tp x pp x vpp (the family's own Megatron fields,
+    add_qkv_bias or qk_layernorm, included: the readers take the family from them)."""
     rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000)
     return argparse.Namespace(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -39,7 +41,8 @@ def model_args(dims, config: dict, tp: int, pp: int, vpp: int, divisible_by: int
         rotary_base=int(rope), untie_embeddings_and_output_weights=not dims.tied, padded_vocab_size=dims.padded_vocab,
         make_vocab_size_divisible_by=divisible_by, normalization="RMSNorm", swiglu=True,
         position_embedding_type="rope", add_position_embedding=False, add_bias_linear=False, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, ckpt_format=ckpt_format)
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, ckpt_format=ckpt_format,
+        **family_named(dims.family).megatron_fields)
 
 
 class MegatronLMTarget:

@@ -247,7 +247,7 @@ class MegatronLMSource(_ShardedSource):
     def __init__(self, path: Path, vocab_size: int | None):
 
         args, self._shards, self.step = megatron_lm.read(path, mmap=True)
-        megatron_lm.check_llama(args, path)
+        megatron_lm.family_of_args(args, path)
         if vocab_size is None:
             raise ToolkitError(f"{path} stores the vocabulary padded to {args.padded_vocab_size} rows; pass the true "
                                "vocabulary size with --vocab-size (the tokenizer's, e.g. 32000 for Llama 2) so the "
@@ -291,7 +291,7 @@ class TorchDistSource(Source):
             raise ToolkitError(f"{it_dir} stores the vocabulary padded to {args.padded_vocab_size} rows; pass the true "
                                "vocabulary size with --vocab-size (the tokenizer's, e.g. 32000 for Llama 2) so the "
                                "padding rows are dropped")
-        megatron_lm.check_llama(args, it_dir / "common.pt")
+        megatron_lm.family_of_args(args, it_dir / "common.pt")
         self.step = self._r.common.get("iteration")
         self.config = megatron_lm.hf_config(args, vocab_size)
         self.divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)

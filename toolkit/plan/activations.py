@@ -1,4 +1,7 @@
-"""Activation memory of one Llama layer, and of the model's two ends, on one rank for one micro-batch.
+"""Activation memory of one decoder layer of the dense families (Llama, Mistral, Qwen2, Qwen3), and of the model's two
+ends, on one rank for one micro-batch. Qwen2's q/k/v biases keep nothing more (a linear's bias needs no saved tensor
+for its gradient); Qwen3's per-head q/k RMSNorms keep what a norm keeps, over q and k, and its head_dim may differ
+from hidden / heads (toolkit/families/: the family's qk_layernorm).
 
 Pure arithmetic, written as a per-op account of the tensors autograd keeps for backward (what each op passes to
 save_for_backward, one storage counted once, weights excluded), so every term names the op that holds it. Three
@@ -30,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from toolkit.errors import ToolkitError
+from toolkit.families import family_named
 from toolkit.layout import padded_vocab_size
 from toolkit.recipe.schema import ModelConfig
 
@@ -52,6 +56,7 @@ class _Dims:
     f: int  # ffn width on this rank
     p: int  # bytes per activation element
     r: int  # sequence split of the tensors outside the TP region (tp under SP, else 1)
+    qk_norm: bool = False  # per-head RMSNorm over q and k (Qwen3)
 
     @property
     def t(self) -> int:
@@ -91,8 +96,8 @@ def _check(impl: str, tp: int, sp: bool, cp: int, recompute: str, precision: str
 def _dims(m: ModelConfig, seq: int, micro: int, tp: int, sp: bool, cp: int, precision: str) -> _Dims:
     kv = m.num_kv_heads or m.num_attention_heads
     return _Dims(b=micro, s=seq // cp, h=m.hidden_size, n=m.num_attention_heads // tp, g=max(kv // tp, 1),
-                 d=m.hidden_size // m.num_attention_heads, f=-(-m.intermediate_size // tp),
-                 p=DTYPE_BYTES[precision], r=tp if sp else 1)
+                 d=m.head_dim or m.hidden_size // m.num_attention_heads, f=-(-m.intermediate_size // tp),
+                 p=DTYPE_BYTES[precision], r=tp if sp else 1, qk_norm=family_named(m.family).qk_norm)
 
 
 # ---- one layer ----------------------------------------------------------------------------------------------------
@@ -102,7 +107,9 @@ def _hf_layer(x: _Dims) -> dict[str, int]:
     # LlamaRMSNorm upcasts: pow and mul keep the fp32 copy of the input, mul keeps rsqrt [t, 1], and the weight
     # multiply keeps the normalised tensor cast back to the training dtype. (In fp32 the copy is the input itself.)
     norm = F32 * th + F32 * t + p * th
-    return {
+    heads = t * (x.n + x.g)  # rows of the q and k per-head norms (Qwen3): the same three tensors over [t, n + g, d]
+    qk = {"q_k_norms": F32 * heads * x.d + F32 * heads + p * heads * x.d} if x.qk_norm else {}
+    return qk | {
         "input_norm": norm,
         "qkv_proj_input": p * th,  # q/k/v_proj share their input; RoPE keeps only the shared cos/sin tables
         "sdpa_q_k_v": p * t * x.d * (x.n + 2 * x.g),  # rope'd q and k, v, at kv heads (enable_gqa, no repeat)
@@ -119,7 +126,16 @@ def _megatron_local_layer(x: _Dims, recompute: str) -> dict[str, int]:
     # torch.nn.RMSNorm off CUDA is the composite: fp32 upcast of the input, rstd, and the fp32 normalised tensor
     # the weight multiply keeps (the fused CUDA kernel would keep input + rstd only).
     norm = 2 * F32 * th + F32 * t // x.r
-    out = {"input_norm": norm,
+    # q and k norms (Qwen3) run on this rank's heads of every token, never sequence-split: the same composite. In fp32
+    # there is no upcast copy: q arrives as a tensor of its own, k as a view of the fused qkv output, which it keeps
+    # whole (under selective recompute the checkpoint keeps that already)
+    heads = t * (x.n + x.g)
+    if p != F32:
+        qk = 2 * F32 * heads * x.d
+    else:
+        qk = F32 * t * x.d * (2 * x.n + x.g) + (0 if recompute == "selective" else F32 * t * x.d * (x.n + 2 * x.g))
+    out = {"q_k_norms": qk + F32 * heads} if x.qk_norm else {}
+    out |= {"input_norm": norm,
            "linear_qkv_input": p * th,  # column-parallel input; under SP its shard, re-gathered in backward
            "rope_cos_sin": 4 * p * x.s * x.d}  # cos and sin rebuilt in the training dtype for q and for k
     if recompute == "selective":
@@ -144,7 +160,9 @@ def _megatron_local_layer(x: _Dims, recompute: str) -> dict[str, int]:
 def _megatron_te_layer(x: _Dims, recompute: str) -> dict[str, int]:
     t, th, p, q = x.t, x.th, x.p, x.t * x.n * x.d
     norm = p * th + F32 * x.t // x.r  # TE LayerNormLinear keeps its input and rsigma ...
-    out = {"input_norm": norm, "linear_qkv_ln_out": p * th,  # ... and ln_out (the shard under SP) for wgrad
+    heads = t * (x.n + x.g)  # TE's RMSNorm over q and k (Qwen3) likewise: input and rsigma per head
+    out = {"q_k_norms": p * heads * x.d + F32 * heads} if x.qk_norm else {}
+    out |= {"input_norm": norm, "linear_qkv_ln_out": p * th,  # ... and ln_out (the shard under SP) for wgrad
            "rope_cos_sin": 4 * p * x.s * x.d}  # the toolkit sets apply_rope_fusion off
     if recompute == "selective":
         out |= {"checkpoint_q_k": p * t * x.d * (x.n + x.g), "checkpoint_v_qkv_output": p * t * x.d * (x.n + 2 * x.g)}

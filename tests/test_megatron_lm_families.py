@@ -1,0 +1,66 @@
+"""Megatron-LM's arguments name the model family (toolkit/checkpoint/megatron_lm.py family_of_args): --add-qkv-bias is
+Qwen2, --qk-layernorm is Qwen3, a Mistral tokenizer is Mistral, the rest of the dense shape is Llama's; anything else
+is refused in one line. The toolkit's own Megatron-LM legacy and torch_dist outputs carry those arguments, so a Qwen2
+or Qwen3 model goes HF -> megatron_lm / torch_dist -> HF bit for bit and comes back as its own family. (Files written
+by Megatron-Core's own save functions: tests/test_megatron_native.py.)"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_families import CONFIGS, tiny_model
+
+from toolkit.checkpoint.convert import convert, convert_to_hf
+from toolkit.checkpoint.megatron_lm import family_of_args, hf_config
+from toolkit.errors import ToolkitError
+
+LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
+             hidden_size=64, num_attention_heads=4, kv_channels=16, num_layers=2, ffn_hidden_size=96,
+             group_query_attention=True, num_query_groups=2, max_position_embeddings=256, norm_epsilon=1e-6,
+             untie_embeddings_and_output_weights=True)
+
+
+@pytest.mark.parametrize("change,family", [
+    ({}, "llama"),
+    ({"tokenizer_model": "/models/Mistral-7B-v0.3"}, "mistral"),
+    ({"add_qkv_bias": True, "untie_embeddings_and_output_weights": False}, "qwen2"),
+    ({"qk_layernorm": True, "kv_channels": 32}, "qwen3"),
+])
+def test_args_name_the_family(change, family):
+    args = argparse.Namespace(**{**LLAMA, **change})
+    assert family_of_args(args) == family
+    config = hf_config(args, 500)
+    architecture = CONFIGS[family][1] if family in CONFIGS else "LlamaForCausalLM"
+    assert config["model_type"] == family and config["architectures"] == [architecture]
+    assert config["tie_word_embeddings"] == (not args.untie_embeddings_and_output_weights)
+    assert config.get("head_dim", 16) == args.kv_channels
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"add_qkv_bias": True, "qk_layernorm": True}, "add_qkv_bias=True with qk_layernorm=True"),
+    ({"add_bias_linear": True}, "add_bias_linear=True"),
+    ({"window_size": (4096, 0)}, "window_size=(4096, 0)"),
+    ({"kv_channels": 32}, "kv_channels=32"),  # only Qwen3 (q/k norms) has its own head size
+    ({"num_experts": 8}, "num_experts=8"),
+])
+def test_args_no_family_converts_are_refused_in_one_line(change, needle):
+    with pytest.raises(ToolkitError, match=r"none of the dense families \(.*" + re.escape(needle)) as e:
+        family_of_args(argparse.Namespace(**{**LLAMA, **change}), "ckpt/common.pt")
+    assert "\n" not in str(e.value) and str(e.value).startswith("ckpt/common.pt: ")
+
+
+@pytest.mark.parametrize("family,to,layout", [("qwen2", "megatron_lm", dict(tp=2)),
+                                              ("qwen3", "torch_dist", dict(tp=1, pp=2))])
+def test_toolkit_megatron_lm_outputs_keep_the_family(family, to, layout, tmp_path):
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path / "hf")
+    out = convert(tmp_path / "hf", tmp_path / to, to, vocab_size=500, progress=False, log=lambda *_: None, **layout)
+    back = convert_to_hf(out, tmp_path / "back", vocab_size=500)
+    got, want = load_file(str(back / "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    config = json.loads((back / "config.json").read_text())
+    assert config["model_type"] == family and config["architectures"] == [CONFIGS[family][1]]
