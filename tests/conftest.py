@@ -201,12 +201,27 @@ def _deselect(config, items, marker: str) -> None:
         items[:] = [item for item in items if not item.get_closest_marker(marker)]
 
 
+# The files that take longest (measured with --durations=0), longest first. pytest-xdist hands out whole files in
+# collection order (`--dist loadfile --no-loadscope-reorder`, pyproject.toml): starting with the long ones leaves
+# short files for the end, so no worker runs alone for minutes while the other is done. The Slurm file leads: its
+# tests share one cluster and run one after another on one worker.
+LONGEST_FIRST = ["test_slurm_cluster", "test_megatron_parity", "test_zero_parity", "test_fault_injection",
+                 "test_deepspeed_convert", "test_megatron_resume", "test_convert_layouts", "test_resume", "test_moe",
+                 "test_planted_pickles", "test_bench_overhead", "test_deepspeed_plain", "test_preemption",
+                 "test_megatron_torch_dist", "test_bench_convert", "test_families", "test_plan_deepspeed_states",
+                 "test_plan_megatron_states", "test_claims_convert", "test_megatron_native", "test_train_e2e"]
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need CUDA GPUs: on a machine without them they are deselected (reported as such, never
     counted as passed); `pytest -m gpu` on a GPU machine runs them. Tests marked `slurm` need Slurm installed
     and root: deselected otherwise, unless TOOLKIT_REQUIRE_SLURM=1 (set by .ci/run), which makes a missing Slurm
-    an error instead."""
+    an error instead. The long files go first (LONGEST_FIRST); the order within a file is kept."""
     import torch
+
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    order = {id(item): n for n, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(item.path.stem, len(rank)), order[id(item)]))
 
     if not torch.cuda.is_available():
         _deselect(config, items, "gpu")

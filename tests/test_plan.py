@@ -4,9 +4,9 @@ is refused without writing; the pipeline arithmetic is Megatron's own schedule's
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -83,13 +83,16 @@ def test_nothing_fits_says_what_is_missing():
 # ---- the command ------------------------------------------------------------------------------------------------
 
 def test_table_and_json_carry_the_same_numbers_quickly():
-    start = time.monotonic()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     text = cli("--recipe", "llama70b_tp8_pp4", "--gpus", "64", "--gpus-per-node", "8", "--gpu-memory", "80")
-    elapsed = time.monotonic() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert text.returncode == 0, text.stderr
-    # The issue asks for under 2 s; the bound here is loose because CI machines are shared. What keeps it fast is
-    # that planning never imports torch, DeepSpeed or Megatron (checked below); docs/plan.md gives the measured time.
-    assert elapsed < 10, elapsed
+    # The issue asks for under 2 s. The command's CPU time, not its wall time, is bounded here: the suite runs
+    # beside other tests (pytest-xdist workers, training launches), which stretch wall time but not CPU time. What
+    # keeps it fast is that planning never imports torch, DeepSpeed or Megatron (checked below); docs/plan.md gives
+    # the measured wall time on an idle machine.
+    assert cpu_s < 4, cpu_s
     data = json.loads(cli("--recipe", "llama70b_tp8_pp4", "--gpus", "64", "--json").stdout)
     first = data["ranked"][0]
     row = next(line for line in text.stdout.splitlines() if line.strip().startswith("1  "))
