@@ -215,6 +215,11 @@ def test_config_missing_or_of_another_model_is_refused(runs, tmp_path, capsys):
     assert "pass the model's config with --config" in capsys.readouterr().err
     assert convert(root / "llama_z3_bf16", tmp_path / "b", "--config", root / "qwen_z2_fp32.config") != 0
     assert "does not describe the model" in capsys.readouterr().err
+    # --no-verify checks a known family against toolkit/families' map instead of a transformers model: as strictly
+    for wrong in (root / "qwen_z2_fp32.config", root / "llama_z3_bf16.config"):
+        assert convert(root / ("llama_z3_bf16" if "qwen" in wrong.name else "qwen_z2_fp32"), tmp_path / "b",
+                       "--config", wrong, "--no-verify") != 0
+        assert "does not describe the model" in capsys.readouterr().err
     assert cli.main(["convert", str(root / "qwen_z1_bf16"), str(tmp_path / "c"), "--to", "megatron"]) != 0
     assert "is a plain DeepSpeed checkpoint (engine.save_checkpoint, no toolkit files): it converts --to hf" in (
         capsys.readouterr().err)
