@@ -6,7 +6,8 @@ the engine's own gathered 16-bit weights (`engine.save_16bit_model`).
 
 RUNS_JSON is a list of {"name", "model": "llama"|"qwen2", "stage", "dtype": "bf16"|"fp16"|"fp32", "steps",
 "extra_step": bool, "config_beside": bool, "freeze": bool, "sizes": {config overrides}, "no_16bit": bool,
-"global_batch": G, "save_at": N, "resume_universal": DIR, "resume": DIR}; the runs train one after another in this one launch (one
+"global_batch": G, "save_at": N, "resume_universal": DIR, "resume": DIR, "zero": {zero_optimization overrides}};
+the runs train one after another in this one launch (one
 process start for several checkpoints). With "global_batch" every step draws one global batch of G sequences from
 a seed of its own and each rank takes its slice (so the batches do not depend on the world size), the mean loss
 of every step goes to DIR/NAME.losses.json, and the checkpoint is saved after "save_at" steps (training goes on to
@@ -51,7 +52,8 @@ def train_one(run: dict, out: Path) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     micro = run["global_batch"] // world if "global_batch" in run else 2
     ds_config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
-                 "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
+                 "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True,
+                                       **run.get("zero", {})},
                  "gradient_clipping": 1.0}
     if dtype == "bf16":
         ds_config["bf16"] = {"enabled": True}
