@@ -343,7 +343,12 @@ def test_reshard_bad_input_one_line_nothing_written(runs, tmp_path, capsys):
         f.unlink()
     shutil.copytree(root / "uc_qwen_z3_fp32", planted)
     _plant(planted / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt", marker)
+    moe = tmp_path / "moe"  # an expert file beside DeepSpeed's ZeRO files: never left behind silently
+    shutil.copytree(root / "uc_qwen_z3_fp32", moe)
+    shutil.copy(moe / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                moe / "global_step2" / "expp_rank_0_mp_rank_00_optim_states.pt")
     cases = [(planted, "3", "holds a pickled posix.system"), (no_optim, "3", "holds no optimizer state"),
+             (moe, "1", "holds expp_rank_0_mp_rank_00_optim_states.pt, which re-partitioning does not know"),
              (root / "llama_z0_bf16", "3", "is a ZeRO-0 checkpoint"), (root / "uc_qwen_z3_fp32", None, "pass --dp N")]
     for src, dp, message in cases:
         capsys.readouterr()
@@ -351,7 +356,7 @@ def test_reshard_bad_input_one_line_nothing_written(runs, tmp_path, capsys):
                          *(["--dp", dp] if dp else [])]) != 0
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err and message in err, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["no_optim", "planted"] and not marker.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["moe", "no_optim", "planted"] and not marker.exists()
 
 
 @pytest.mark.slow

@@ -289,6 +289,12 @@ def reshard_plain(src: str | Path, dst_root: str | Path, dp: int, overwrite: boo
     PlainDeepSpeedSource(tag, fp32=True).close()  # the optimizer files, checked (one save, partition counts)
     bf16 = any(p.name.startswith("bf16_") for p in tag.glob("*_optim_states.pt"))
     files = [p for p in tag.iterdir() if p.is_file()]
+    known = {optim_states(r, bf16) for r in range(old_dp)}
+    known |= {zero3_model_states(r) for r in range(old_dp)} if stage == 3 else {MODEL_STATES}
+    other = sorted(p.name for p in files if p.name not in known and p.name.endswith(".pt"))
+    if other:  # e.g. MoE expert files (expp_rank_*): leaving them behind would lose their weights
+        raise ToolkitError(f"{tag} holds {', '.join(other[:3])}, which re-partitioning does not know how to re-cut; "
+                           "--to deepspeed takes checkpoints of DeepSpeed's ZeRO model and optimizer files only")
     with output.scratch_folder(dst_root, "reshard") as tmp:
         manifest.require_space(dst_root.parent, sum(p.stat().st_size for p in files), manifest.free_bytes(tmp),
                                str(dst_root), f"the size of {tag.name}")
