@@ -20,6 +20,7 @@ config, kept outside the checkpoint unless config_beside: then it is also in DIR
 """
 import argparse
 import json
+import time
 from pathlib import Path
 
 import deepspeed
@@ -127,7 +128,10 @@ def main() -> None:
     args = ap.parse_args()
     deepspeed.init_distributed()
     for run in json.loads(args.runs):
+        start = time.monotonic()
         train_one(run, Path(args.out))
+        if dist.get_rank() == 0:  # what each run adds to a launch, for sizing the tests
+            print(f"run {run['name']}: {time.monotonic() - start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
