@@ -1,6 +1,7 @@
 """DeepSpeed checkpoints without an engine: full Hugging Face tensors from real ZeRO-0/1/2/3 runs, checked against
 what DeepSpeed itself produces (the engine's save_16bit_model, DeepSpeed's zero_to_fp32); a ZeRO-2 checkpoint
-re-partitioned from 2 ranks to 1 (and 3) that resumes like the uninterrupted run; damaged checkpoints refused."""
+re-partitioned from 2 ranks to 1 (and 3) that resumes like the uninterrupted run, a ZeRO-3 one to 1 rank and back;
+damaged checkpoints refused."""
 from __future__ import annotations
 
 import contextlib
