@@ -3,12 +3,14 @@
 run.
 
     python bench/convert_plain_deepspeed.py                  # a 0.13B Llama, ZeRO-3 bf16 on 2 CPU ranks
-    python bench/convert_plain_deepspeed.py --size 0.7b      # 0.76B (needs ~20 GB RAM to train the checkpoint)
+    python bench/convert_plain_deepspeed.py --size 0.7b      # 0.74B (needs ~16 GB RAM to train the checkpoint)
     python bench/convert_plain_deepspeed.py --size tiny      # seconds; the test suite's smoke run
 
 The checkpoint is written by tests/plain_deepspeed_train.py (plain `deepspeed.initialize` + `engine.save_checkpoint`,
 no toolkit code; one training step). Then, each in a fresh process whose peak resident memory is read from the
-kernel (wait4; it counts the rank files' memory-mapped pages the converter touches, which the kernel can drop):
+kernel (wait4; it counts the rank files' memory-mapped pages the converter touches, which the kernel can drop) and
+whose peak anonymous memory (RssAnon, summed over the process and its children, e.g. ds_to_universal.py's workers,
+sampled every 50 ms) is what the issue bounds:
   cp             cp -r of the checkpoint's tag folder, then sync
   zero_to_fp32   python CKPT/zero_to_fp32.py CKPT OUT --safe_serialization
   toolkit        toolkit convert CKPT OUT --to hf --fp32 --no-verify --quiet
@@ -16,16 +18,21 @@ kernel (wait4; it counts the rank files' memory-mapped pages the converter touch
                    (its default 4 extract / 2 merge worker processes)
   toolkit universal  toolkit convert CKPT OUT --to universal --quiet
 and both pairs of outputs are compared tensor by tensor (they must be equal bit for bit; for the universal
-checkpoints every zero/<param>/*.pt file).
+checkpoints every zero/<param>/*.pt file), one tensor at a time; each pair is deleted once compared, so the disk
+holds the checkpoint and at most one pair (about 4x the checkpoint at the peak, ds_to_universal.py's temp folder
+included). The load average is printed with each step (the machine may be shared).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -37,14 +44,20 @@ SIZES = {
                  num_key_value_heads=2, vocab_size=500),
     "0.1b": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                  num_key_value_heads=4, vocab_size=32000),
-    "0.7b": dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                 num_key_value_heads=4, vocab_size=32000),
+    "0.7b": dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=26, num_attention_heads=16,
+                 num_key_value_heads=4, vocab_size=32000),  # 0.742B parameters (untied embeddings)
 }
 
 
 def train(work: Path, size: str) -> Path:
+    # Smaller communication buckets than DeepSpeed's defaults (5e8 elements), and optimizer sub-groups of 1e8
+    # elements instead of one per rank (Adam's temporaries and the fp32 gradients are per sub-group): about 4 GB less
+    # to train the 0.7b size on a shared machine. The buckets leave no trace in the files; the sub-groups do (each
+    # rank's fp32_flat_groups holds several), as in any run that sets sub_group_size.
     run = dict(name="ckpt", model="llama", stage=3, dtype="bf16", steps=1, no_16bit=True,
-               sizes={**SIZES[size], "max_position_embeddings": 64})
+               sizes={**SIZES[size], "max_position_embeddings": 64},
+               zero={"reduce_bucket_size": 50_000_000, "stage3_prefetch_bucket_size": 5_000_000,
+                     "sub_group_size": 100_000_000})
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
            str(29500 + os.getpid() % 1000), "tests/plain_deepspeed_train.py", "--out", str(work),
            "--runs", json.dumps([run])]
@@ -55,18 +68,76 @@ def train(work: Path, size: str) -> Path:
 
 
 def compare(ours: Path, theirs: Path) -> int:
-    """Run in a child: every tensor of zero_to_fp32's output equals ours (a tied alias is in theirs only)."""
+    """Run in a child: every tensor of zero_to_fp32's output equals ours (a tied alias is in theirs only), read one
+    pair at a time."""
     import torch
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
-    mine = {k: v for f in sorted(ours.glob("*.safetensors")) for k, v in load_file(f).items()}
-    ref = {k: v for f in sorted(theirs.glob("*.safetensors")) for k, v in load_file(f).items()}
-    bad = [k for k in ref if k not in mine or mine[k].dtype != ref[k].dtype or not torch.equal(mine[k], ref[k])]
+    def index(folder: Path) -> dict:
+        return {k: f for f in sorted(folder.glob("*.safetensors")) for k in safe_open(f, "pt").keys()}
+
+    mine, ref = index(ours), index(theirs)
+    bad = []
+    for k, f in ref.items():
+        if k not in mine:
+            bad.append(k)
+            continue
+        with safe_open(f, "pt") as a, safe_open(mine[k], "pt") as b:
+            x, y = a.get_tensor(k), b.get_tensor(k)
+        if x.dtype != y.dtype or not torch.equal(x, y):
+            bad.append(k)
     if bad or set(mine) - set(ref):
         print(f"outputs differ: {bad[:5]} {sorted(set(mine) - set(ref))[:5]}")
         return 1
     print(f"outputs equal: {len(ref)} tensors")
     return 0
+
+
+def _tree_anon_kib(pid: int) -> int:
+    """RssAnon (KiB) of `pid` and all its descendants now."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += kids.get(p, [])
+        try:
+            total += int(re.search(r"RssAnon:\s+(\d+)", Path(f"/proc/{p}/status").read_text())[1])
+        except (OSError, TypeError):
+            pass
+    return total
+
+
+def measure_tree(cmd: list[str]) -> dict:
+    """bench/convert.py's measure(), plus the peak anonymous memory of the whole process tree (sampled)."""
+    peak, stop = [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            for proc in Path("/proc").iterdir():  # our own direct children: the command just started
+                if proc.name.isdigit() and proc.name != str(os.getpid()):
+                    try:
+                        if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                            peak[0] = max(peak[0], _tree_anon_kib(int(proc.name)))
+                    except (OSError, IndexError, ValueError):
+                        pass
+            time.sleep(0.05)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        r = measure(cmd)
+    finally:
+        stop.set()
+        t.join()
+    r["peak_anon_tree_mib"] = peak[0] / 1024
+    return r
 
 
 def compare_universal(ours: Path, theirs: Path) -> int:
@@ -87,6 +158,15 @@ def compare_universal(ours: Path, theirs: Path) -> int:
     return 0
 
 
+def _param_shapes(tag: Path) -> list[list[int]]:
+    """The element count of every parameter DeepSpeed recorded (param_shapes), read in a child (no torch here)."""
+    code = ("import sys, math, json, torch; s = torch.load(sys.argv[1], weights_only=False, mmap=True); "
+            "print(json.dumps([[math.prod(v) for v in g.values()] for g in s['param_shapes']]))")
+    out = subprocess.run([sys.executable, "-c", code, str(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=list(SIZES), default="0.1b")
@@ -104,7 +184,9 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         ckpt = train(work, args.size)
         tag = ckpt / (ckpt / "latest").read_text().strip()
-        print(f"{args.size}: ZeRO-3 bf16 checkpoint on 2 ranks, {folder_bytes(tag) / 2**30:.2f} GiB, trained and "
+        params = sum(n for g in _param_shapes(tag) for n in g)
+        print(f"{args.size}: {params / 1e9:.3f}B parameters, ZeRO-3 bf16 checkpoint on 2 ranks, "
+              f"{folder_bytes(tag) / 2**30:.2f} GiB, trained and "
               f"saved in {time.perf_counter() - t0:.0f} s", flush=True)
         steps = [
             ("cp", ["bash", "-c", f"cp -r {tag} {work / 'copy'} && sync {work / 'copy'}/*"], work / "copy"),
@@ -119,29 +201,35 @@ def main(argv=None) -> int:
             ("toolkit universal", [sys.executable, "-m", "toolkit", "convert", str(ckpt), str(work / "uc"), "--to",
                                    "universal", "--quiet"], work / "uc"),
         ]
-        rows = []
+        rows, same = [], {}
+        pairs = {"toolkit convert": ("zero_to_fp32.py", "--compare", "", "zero_to_fp32.py"),
+                 "toolkit universal": ("ds_to_universal", "--compare-universal", tag.name, "ds_to_universal.py")}
+        outs = {label: out for label, _, out in steps}
         for label, cmd, out in steps:
             os.sync()
-            r = measure(cmd)
-            r.update(step=label, size=args.size, gib=folder_bytes(out) / 2**30)
+            load = os.getloadavg()[0]
+            r = measure_tree(cmd)
+            r.update(step=label, size=args.size, gib=folder_bytes(out) / 2**30, load_before=load)
             rows.append(r)
-            print(f"  {label:<16} {r['gib']:6.2f} GiB written  wall {r['wall_s']:6.1f} s  "
-                  f"peak RSS {r['peak_rss_mib']:6.0f} MiB", flush=True)
-        z2f, ours = rows[1]["wall_s"], rows[2]["wall_s"]
-        print(f"  toolkit is x{z2f / ours:.2f} the speed of zero_to_fp32.py, peak RSS "
-              f"{rows[2]['peak_rss_mib'] / rows[1]['peak_rss_mib']:.2f} of its", flush=True)
-        same = subprocess.run([sys.executable, __file__, "--compare", str(work / "hf"), str(work / "z2f")],
-                              capture_output=True, text=True)
-        print("  " + (same.stdout.strip() or same.stderr[-500:]))
-        dsu, uc = rows[3]["wall_s"], rows[4]["wall_s"]
-        print(f"  toolkit --to universal is x{dsu / uc:.2f} the speed of ds_to_universal.py, peak RSS "
-              f"{rows[4]['peak_rss_mib'] / rows[3]['peak_rss_mib']:.2f} of its", flush=True)
-        same_uc = subprocess.run([sys.executable, __file__, "--compare-universal", str(work / "uc" / tag.name),
-                                  str(work / "dsu" / tag.name)], capture_output=True, text=True)
-        print("  " + (same_uc.stdout.strip() or same_uc.stderr[-500:]))
+            print(f"  {label:<17} {r['gib']:6.2f} GiB written  wall {r['wall_s']:6.1f} s  peak RSS "
+                  f"{r['peak_rss_mib']:6.0f} MiB  peak anonymous {r['peak_anon_tree_mib']:6.0f} MiB  (load "
+                  f"{load:.1f} before)", flush=True)
+            if label == "cp":
+                shutil.rmtree(out)
+            if label in pairs:
+                theirs, flag, sub, name = pairs[label]
+                ref = next(x for x in rows if x["step"] == theirs)
+                print(f"  {label} is x{ref['wall_s'] / r['wall_s']:.2f} the speed of {name}, peak anonymous memory "
+                      f"{r['peak_anon_tree_mib']:.0f} vs {ref['peak_anon_tree_mib']:.0f} MiB", flush=True)
+                proc = subprocess.run([sys.executable, __file__, flag, str(out / sub), str(outs[theirs] / sub)],
+                                      capture_output=True, text=True)
+                same[label] = proc.returncode
+                print("  " + (proc.stdout.strip() or proc.stderr[-500:]), flush=True)
+                shutil.rmtree(out)
+                shutil.rmtree(outs[theirs])
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
-        return same.returncode or same_uc.returncode
+        return max(same.values())
 
 
 if __name__ == "__main__":

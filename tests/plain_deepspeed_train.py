@@ -6,23 +6,27 @@ the engine's own gathered 16-bit weights (`engine.save_16bit_model`).
 
 RUNS_JSON is a list of {"name", "model": "llama"|"qwen2", "stage", "dtype": "bf16"|"fp16"|"fp32", "steps",
 "extra_step": bool, "config_beside": bool, "freeze": bool, "sizes": {config overrides}, "no_16bit": bool,
-"global_batch": G, "save_at": N, "resume_universal": DIR}; the runs train one after another in this one launch (one
+"global_batch": G, "save_at": N, "resume_universal": DIR, "resume": DIR, "zero": {zero_optimization overrides}};
+the runs train one after another in this one launch (one
 process start for several checkpoints). With "global_batch" every step draws one global batch of G sequences from
 a seed of its own and each rank takes its slice (so the batches do not depend on the world size), the mean loss
 of every step goes to DIR/NAME.losses.json, and the checkpoint is saved after "save_at" steps (training goes on to
 "steps"); "resume_universal" first loads that universal checkpoint folder with DeepSpeed's own
-`load_universal_checkpoint` (`checkpoint.load_universal` in the config) and trains from its step. Each writes
+`load_universal_checkpoint` (`checkpoint.load_universal` in the config) and trains from its step; "resume" loads
+that (plain, e.g. re-partitioned) checkpoint folder with `engine.load_checkpoint`, optimizer state included. Each writes
 DIR/NAME/ (the checkpoint: `latest`, global_stepN/),
 DIR/NAME.16bit/model16.bin (the engine's gathered 16-bit weights) and DIR/NAME.config/config.json (the model
 config, kept outside the checkpoint unless config_beside: then it is also in DIR/NAME/).
 """
 import argparse
 import json
+import time
 from pathlib import Path
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -49,12 +53,16 @@ def train_one(run: dict, out: Path) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     micro = run["global_batch"] // world if "global_batch" in run else 2
     ds_config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
-                 "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
+                 "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True,
+                                       **run.get("zero", {})},
                  "gradient_clipping": 1.0}
     if dtype == "bf16":
         ds_config["bf16"] = {"enabled": True}
     elif dtype == "fp16":
         ds_config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+        # DeepSpeed's CPU accelerator offers fp16 only where oneDNN has fp16 kernels (not on this x86 CPU); torch
+        # computes fp16 on any CPU, so the check is lifted here, in the user's script: the files are DeepSpeed's own
+        get_accelerator().is_fp16_supported = lambda: True
     if run.get("resume_universal"):
         ds_config["checkpoint"] = {"load_universal": True}
     torch.manual_seed(1234)
@@ -67,8 +75,9 @@ def train_one(run: dict, out: Path) -> None:
     gen = torch.Generator().manual_seed(100 + rank)
     ckpt = out / run["name"]
     losses = []
-    if run.get("resume_universal"):
-        engine.load_checkpoint(run["resume_universal"])
+    if run.get("resume_universal") or run.get("resume"):
+        path, _ = engine.load_checkpoint(run.get("resume_universal") or run["resume"])
+        assert path is not None, f"nothing loaded from {run.get('resume_universal') or run['resume']}"
 
     def step() -> None:
         if "global_batch" in run:  # the same global batch at any world size: a seed per step, a slice per rank
@@ -91,7 +100,7 @@ def train_one(run: dict, out: Path) -> None:
     if "global_batch" in run and rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{run['name']}.losses.json").write_text(json.dumps(losses))
-    if "save_at" in run or run.get("resume_universal"):
+    if "save_at" in run or run.get("resume_universal") or run.get("resume"):
         if rank == 0:
             config.save_pretrained(out / f"{run['name']}.config")
         dist.barrier()
@@ -119,7 +128,10 @@ def main() -> None:
     args = ap.parse_args()
     deepspeed.init_distributed()
     for run in json.loads(args.runs):
+        start = time.monotonic()
         train_one(run, Path(args.out))
+        if dist.get_rank() == 0:  # what each run adds to a launch, for sizing the tests
+            print(f"run {run['name']}: {time.monotonic() - start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 `deepspeed.initialize` + `engine.save_checkpoint`, no toolkit code) on 2 and 3 gloo ranks, read by `toolkit
 convert --to hf` and `toolkit inspect`.
 
-Two launches (one per world size, module-scoped) train and save six checkpoints: Llama and Qwen2 (QKV biases, tied
-embeddings, one frozen parameter) at ZeRO-1, 2 and 3 in bf16 and fp32, and a Llama at ZeRO-0. The converted
+Two launches (one per world size, module-scoped) train and save seven checkpoints: Llama and Qwen2 (QKV biases, tied
+embeddings, one frozen parameter) at ZeRO-1, 2 and 3 in bf16 and fp32, a Llama at ZeRO-2 in fp16 (dynamic loss
+scaler) and a Llama at ZeRO-0. The converted
 weights must equal bit for bit DeepSpeed's own `zero_to_fp32` (--fp32) and the engine's own gathered 16-bit
 weights (`engine.save_16bit_model`; the default), and load with `from_pretrained`. Broken folders (a missing rank
 file, mixed stages, files of two saves, a `latest` naming a missing tag, a planted pickle) are refused with one
@@ -24,7 +25,7 @@ import pytest
 import torch
 from conftest import REPO, free_port
 from safetensors.torch import load_file
-from universal_compare import assert_same_universal
+from universal_compare import assert_same_universal, comparable
 
 from toolkit import cli
 
@@ -39,11 +40,13 @@ RUNS = {
         dict(name="llama_z2_bf16", model="llama", stage=2, dtype="bf16", steps=2),
         dict(name="qwen_z3_fp32", model="qwen2", stage=3, dtype="fp32", steps=2, freeze=True),
         dict(name="llama_z0_bf16", model="llama", stage=0, dtype="bf16", steps=1),
+        dict(name="llama_z2_fp16", model="llama", stage=2, dtype="fp16", steps=2),  # a dynamic loss scaler
         # universal checkpoints (test_universal_*): 4 uninterrupted steps on one global batch per step, saved at 2
         *[dict(name=n, model=m, stage=z, dtype=d, steps=4, save_at=2, global_batch=6) for n, m, z, d in UNIVERSAL]],
 }
 CASES = [(world, run["name"]) for world, runs in RUNS.items() for run in runs if "save_at" not in run]
 TIED = {"qwen_z2_fp32", "qwen_z1_bf16", "qwen_z3_fp32"}
+RESHARD = [n for n, *_ in UNIVERSAL]  # ZeRO-2 and ZeRO-3 at DP2, re-partitioned for DP1 and DP3 (--to deepspeed)
 
 
 def _train(world: int, out: Path, runs: list | None = None) -> Path:
@@ -212,6 +215,11 @@ def test_config_missing_or_of_another_model_is_refused(runs, tmp_path, capsys):
     assert "pass the model's config with --config" in capsys.readouterr().err
     assert convert(root / "llama_z3_bf16", tmp_path / "b", "--config", root / "qwen_z2_fp32.config") != 0
     assert "does not describe the model" in capsys.readouterr().err
+    # --no-verify checks a known family against toolkit/families' map instead of a transformers model: as strictly
+    for wrong in (root / "qwen_z2_fp32.config", root / "llama_z3_bf16.config"):
+        assert convert(root / ("llama_z3_bf16" if "qwen" in wrong.name else "qwen_z2_fp32"), tmp_path / "b",
+                       "--config", wrong, "--no-verify") != 0
+        assert "does not describe the model" in capsys.readouterr().err
     assert cli.main(["convert", str(root / "qwen_z1_bf16"), str(tmp_path / "c"), "--to", "megatron"]) != 0
     assert "is a plain DeepSpeed checkpoint (engine.save_checkpoint, no toolkit files): it converts --to hf" in (
         capsys.readouterr().err)
@@ -222,8 +230,9 @@ def test_config_missing_or_of_another_model_is_refused(runs, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def universal(runs, tmp_path_factory):
     """The DP2 checkpoints of UNIVERSAL_ALSO, written as universal checkpoints by the toolkit (ours/) and by DeepSpeed's own
-    ds_to_universal.py (ds/), then resumed from ours/ with DeepSpeed's load_universal_checkpoint at DP1 and DP3 (one
-    launch each) for the last 2 of the 4 steps."""
+    ds_to_universal.py (ds/); those of RESHARD re-partitioned for DP1 and DP3 (rs1/, rs3/, `--to deepspeed`). Then one
+    launch at DP1 and one at DP3 resume each for the last 2 of the 4 steps: from ours/ with DeepSpeed's
+    load_universal_checkpoint, and from rs1/ or rs3/ with its plain load_checkpoint."""
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     root, out = runs(2), tmp_path_factory.mktemp("universal")
@@ -234,8 +243,13 @@ def universal(runs, tmp_path_factory):
             num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
             inject_missing_state=True))  # a plain checkpoint has no universal_checkpoint_info: DeepSpeed needs this
     for world in (1, 3):
+        for name in RESHARD:
+            assert cli.main(["convert", str(root / name), str(out / f"rs{world}" / name), "--to", "deepspeed",
+                             "--dp", str(world), "--quiet"]) == 0
         _train(world, out / f"dp{world}", [dict(name=n, model=m, stage=z, dtype=d, steps=2, global_batch=6,
-                                                resume_universal=str(out / "ours" / n)) for n, m, z, d in UNIVERSAL])
+                                                resume_universal=str(out / "ours" / n)) for n, m, z, d in UNIVERSAL]
+               + [dict(name=f"rs_{n}", model=m, stage=z, dtype=d, steps=2, global_batch=6,
+                       resume=str(out / f"rs{world}" / n)) for n, m, z, d in UNIVERSAL])
     return root, out
 
 
@@ -265,6 +279,84 @@ def test_universal_resumes_in_deepspeed_at_another_dp_and_the_loss_continues(nam
     assert resumed[2] == pytest.approx(whole[2], rel=1e-6)
     assert resumed[3] == pytest.approx(whole[3], rel=1e-4)
     assert abs(whole[3] - whole[2]) > 1e-3 * abs(whole[2])  # the steps differ more than the tolerance: it can fail
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("name", RESHARD)
+def test_resharded_resumes_in_deepspeeds_load_checkpoint_at_another_dp_and_the_loss_continues(name, world, universal):
+    """Plain ZeRO-2 (bf16) and ZeRO-3 (fp32) checkpoints of DP2, re-partitioned for DP1 and DP3, loaded by the
+    user's script with DeepSpeed's own engine.load_checkpoint, optimizer state included (DeepSpeed itself refuses the
+    DP2 folder at another DP size)."""
+    root, out = universal
+    whole, resumed = _losses(root, name), _losses(out / f"dp{world}", f"rs_{name}")
+    assert sorted(resumed) == [2, 3]  # resumed at the saved step 2
+    # As for the universal resume above; measured: step 2 within 1.6e-7, step 3 within 2.1e-5 (bf16 ZeRO-2) and
+    # 9.4e-8 (fp32 ZeRO-3).
+    assert resumed[2] == pytest.approx(whole[2], rel=1e-6)
+    assert resumed[3] == pytest.approx(whole[3], rel=1e-4)
+    assert abs(whole[3] - whole[2]) > 1e-3 * abs(whole[2])
+    # and bit for bit what DeepSpeed's own universal loader restores from the same save at this DP size
+    assert resumed == _losses(out / f"dp{world}", name)
+
+
+@pytest.mark.slow
+def test_reshard_zero3_moves_every_state_exactly_and_round_trips(universal, tmp_path, capsys):
+    """The ZeRO-3 DP2 Qwen2 with a frozen parameter and tied embeddings -> DP3: every parameter's fp32 master, Adam
+    moments are those of the source (its universal checkpoint is equal file by file), the frozen parameter
+    too (its slices are re-cut), and DP3 -> DP2 gives back DeepSpeed's own files tensor for tensor."""
+    root, out = universal
+    name, three, back = "qwen_z3_fp32", tmp_path / "dp3", tmp_path / "dp2"
+    assert cli.main(["convert", str(root / name), str(three), "--to", "deepspeed", "--dp", "3", "--quiet"]) == 0
+    assert cli.main(["convert", str(three), str(back), "--to", "deepspeed", "--dp", "2", "--quiet"]) == 0
+    assert (three / "latest").read_text() == "global_step2" and (three / "zero_to_fp32.py").is_file()
+    capsys.readouterr()
+    assert cli.main(["inspect", str(three), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layout"] == {"zero_stage": 3, "dp": 3} and report["optimizer_state"] == "complete"
+    assert cli.main(["convert", str(three), str(tmp_path / "uc"), "--to", "universal", "--quiet"]) == 0
+    ours = sorted(p.relative_to(tmp_path / "uc") for p in (tmp_path / "uc").glob("global_step2/zero/*/*.pt"))
+    assert len(ours) == 3 * 25  # fp32, exp_avg, exp_avg_sq of every trained parameter (ZeRO-3 keeps no step.pt)
+    for f in ours:
+        a, b = torch.load(tmp_path / "uc" / f, weights_only=True), torch.load(out / "ours" / name / f, weights_only=True)
+        assert a.dtype == b.dtype and torch.equal(a, b), f
+    conf = ["--config", str(root / f"{name}.config"), "--fp32"]
+    assert convert(three, tmp_path / "hf3", *conf) == 0 and convert(root / name, tmp_path / "hf2", *conf) == 0
+    got, ref = load_file(tmp_path / "hf3" / "model.safetensors"), load_file(tmp_path / "hf2" / "model.safetensors")
+    assert "model.layers.0.post_attention_layernorm.weight" in ref  # the frozen one
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    for f in sorted((root / name / "global_step2").iterdir()):
+        mine, theirs = torch.load(back / "global_step2" / f.name, weights_only=False), torch.load(f, weights_only=False)
+        if not f.name.startswith("zero_pp_rank_0_") and "model_states" in f.name:  # DeepSpeed records tied names in rank 0's file only;
+            assert theirs["shared_params"] == {} and mine["shared_params"] == {  # ours repeats it in every rank's
+                "lm_head.weight": "model.embed_tokens.weight"}
+            mine["shared_params"] = {}
+        assert comparable(mine) == comparable(theirs), f.name
+
+
+@pytest.mark.slow
+def test_reshard_bad_input_one_line_nothing_written(runs, tmp_path, capsys):
+    root = runs(2)
+    no_optim, planted, marker = tmp_path / "no_optim", tmp_path / "planted", tmp_path / "payload_ran"
+    shutil.copytree(root / "uc_llama_z2_bf16", no_optim)  # ZeRO-1/2 weights convert without them; not this
+    for f in (no_optim / "global_step2").glob("*optim_states.pt"):
+        f.unlink()
+    shutil.copytree(root / "uc_qwen_z3_fp32", planted)
+    _plant(planted / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt", marker)
+    moe = tmp_path / "moe"  # an expert file beside DeepSpeed's ZeRO files: never left behind silently
+    shutil.copytree(root / "uc_qwen_z3_fp32", moe)
+    shutil.copy(moe / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                moe / "global_step2" / "expp_rank_0_mp_rank_00_optim_states.pt")
+    cases = [(planted, "3", "holds a pickled posix.system"), (no_optim, "3", "holds no optimizer state"),
+             (moe, "1", "holds expp_rank_0_mp_rank_00_optim_states.pt, which re-partitioning does not know"),
+             (root / "llama_z0_bf16", "3", "is a ZeRO-0 checkpoint"), (root / "uc_qwen_z3_fp32", None, "pass --dp N")]
+    for src, dp, message in cases:
+        capsys.readouterr()
+        assert cli.main(["convert", str(src), str(tmp_path / "out"), "--to", "deepspeed", "--quiet",
+                         *(["--dp", dp] if dp else [])]) != 0
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["moe", "no_optim", "planted"] and not marker.exists()
 
 
 @pytest.mark.slow

@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(with the optimizer state when SRC has it, so training resumes on the new layout); torch_dist: "
                    "Megatron-Core's distributed checkpoint (weights; args for --tp/--pp/--vpp); megatron_lm: Megatron-LM's "
                    "legacy layout at --tp/--pp/--vpp (weights); deepspeed: "
-                   "a toolkit DeepSpeed checkpoint at another data-parallel size (--dp); universal: DeepSpeed's universal "
+                   "a DeepSpeed ZeRO checkpoint (the toolkit's or a plain one) at another data-parallel size (--dp); universal: DeepSpeed's universal "
                    "checkpoint of a ZeRO-1/2/3 checkpoint (resumes at any DP size with checkpoint.load_universal)")
     p.add_argument("--tp", type=count("a tensor-parallel size, e.g. 2", RANKS), default=1, help="tensor-parallel size of a Megatron target (default 1)")
     p.add_argument("--pp", type=count("a pipeline-parallel size, e.g. 2", RANKS), default=1, help="pipeline-parallel size of a Megatron target (default 1)")

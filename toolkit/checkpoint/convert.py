@@ -9,8 +9,8 @@ Targets: a Hugging Face folder (sharded safetensors + index, config, tokenizer f
 checkpoint directory at a new TP x PP x VPP that the Megatron backend resumes from when the source carried
 optimizer state, a Megatron-Core torch_dist checkpoint (toolkit/checkpoint/torch_dist_write.py) or Megatron-LM's
 legacy layout (toolkit/checkpoint/megatron_lm_write.py). DeepSpeed
-targets change the data-parallel size of a DeepSpeed checkpoint
-(toolkit/checkpoint/deepspeed_io.py).
+targets change the data-parallel size of a DeepSpeed checkpoint, the toolkit's or a plain one, ZeRO-3 included
+(toolkit/checkpoint/deepspeed_reshard.py).
 
 Streaming: one Megatron parameter at a time is read (positioned reads of safetensors, or memory-mapped legacy
 files), merged to its Hugging Face tensors, split for the target and written at its offset in the target file, so
@@ -31,7 +31,7 @@ import torch
 
 from toolkit.checkpoint import output
 from toolkit.checkpoint.deepspeed_plain import is_plain
-from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed
+from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed, reshard_plain
 from toolkit.checkpoint.hf_io import SHARD_BYTES, shard_layout, write_index
 from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.plain_to_hf import convert_plain_to_hf
@@ -250,7 +250,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     if dtype is not None and dtype not in DTYPES:
         raise ToolkitError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if to == "deepspeed":
-        return _to_deepspeed(src, dst, dp, overwrite)
+        return _to_deepspeed(src, dst, dp, overwrite, log)
     if to not in ("hf", "megatron", "torch_dist", "megatron_lm"):
         raise ToolkitError(f"--to {to!r} is not one of hf, megatron, torch_dist, megatron_lm, deepspeed, universal")
     if to == "hf" and (tp, pp, vpp) != (1, 1, 1):
@@ -329,10 +329,12 @@ def _verify(source: Source, written: Path, fields: tuple[str, ...], cast, log, d
         output_source.close()
 
 
-def _to_deepspeed(src: Path, dst: Path, dp: int | None, overwrite: bool) -> Path:
+def _to_deepspeed(src: Path, dst: Path, dp: int | None, overwrite: bool, log=print) -> Path:
 
     if dp is None:
         raise ToolkitError("--to deepspeed changes a DeepSpeed checkpoint's data-parallel size: pass --dp N")
+    if is_plain(src):  # engine.save_checkpoint in the user's own script: ZeRO-1/2/3, DeepSpeed's files only
+        return reshard_plain(src, dst, dp, overwrite, log)
     tag = follow_pointer(src)
     if tag.name.startswith("step_") and not (tag / META).is_file():
         raise ToolkitError(f"{tag} is not a complete checkpoint: {META} is missing: the save never completed")

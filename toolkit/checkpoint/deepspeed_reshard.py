@@ -1,7 +1,8 @@
-"""Re-partition a toolkit DeepSpeed ZeRO-0/1/2 checkpoint for another data-parallel size, without a DeepSpeed
-engine: the fp32 masters and Adam moments are cut out of each rank's flat partition (the layout deepspeed_io.py
-describes) and laid into the new ranks' partitions, one optimizer group at a time through a reusable scratch buffer;
-the data position is split for the new ranks."""
+"""Re-partition a DeepSpeed ZeRO-0/1/2/3 checkpoint (the toolkit's, or a plain `engine.save_checkpoint` folder) for
+another data-parallel size, without a DeepSpeed engine: the fp32 masters and Adam moments are cut out of each rank's
+flat partition (the layout deepspeed_io.py describes; ZeRO-3 in deepspeed_zero3.py) and laid into the new ranks'
+partitions, one rank at a time through reusable file-backed scratch tensors; for the toolkit's checkpoints the data
+position is split for the new ranks."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,10 @@ from toolkit.checkpoint.deepspeed_io import (
     load_rank_file,
     optim_states,
     read_meta,
+    zero3_model_states,
 )
+from toolkit.checkpoint.deepspeed_plain import PlainDeepSpeedSource, resolve_tag
+from toolkit.checkpoint.deepspeed_zero3 import reshard_zero3
 from toolkit.errors import ToolkitError
 from toolkit.format import manifest, safe_load
 from toolkit.format.names import DEEPSPEED_POINTER, META, POINTER
@@ -71,7 +75,7 @@ class _Scratch:
 
 
 def reshard_deepspeed(src_tag_dir: str | Path, dst_root: str | Path, dp: int, overwrite: bool = False) -> Path:
-    """Write a copy of a ZeRO-0/1/2 checkpoint re-partitioned for `dp` data-parallel ranks, as the new checkpoint
+    """Write a copy of a toolkit ZeRO-0/1/2/3 checkpoint re-partitioned for `dp` data-parallel ranks, as the new checkpoint
     directory `dst_root` (the step folder under the same tag, toolkit_meta.json with the new layout and manifest,
     `latest` and `latest_complete`). Returns the new step folder.
 
@@ -90,9 +94,6 @@ def reshard_deepspeed(src_tag_dir: str | Path, dst_root: str | Path, dp: int, ov
     src, dst_root = Path(src_tag_dir), Path(dst_root)
     meta, recipe = read_meta(src)
     stage, old_dp = int(meta["layout"]["zero_stage"]), int(meta["layout"]["dp"])
-    if stage == 3:
-        raise ToolkitError(f"{src} is a ZeRO-3 checkpoint; reshard_deepspeed re-partitions ZeRO-0/1/2 only: resume it "
-                           f"with the saved dp={old_dp}")
     if not isinstance(dp, int) or dp < 1:
         raise ToolkitError(f"dp must be a positive integer, not {dp!r}")
     output.check_destination(src.parent, dst_root, overwrite)
@@ -132,26 +133,37 @@ def reshard_deepspeed(src_tag_dir: str | Path, dst_root: str | Path, dp: int, ov
 def _write_resharded(src: Path, tag_dir: Path, stage: int, old_dp: int, dp: int, bf16: bool, batch,
                      data_states: list[dict], scratch: _Scratch) -> None:
     """DeepSpeed's files and the toolkit's per-rank files of the checkpoint at `dp` ranks, into tag_dir."""
-    states = load_rank_file(src / MODEL_STATES)
-    states["dp_world_size"] = dp
-    if isinstance(states.get("ds_config"), dict):
-        states["ds_config"] = _ds_config(states["ds_config"], batch)
-    torch.save(states, tag_dir / MODEL_STATES)
-    del states
-    if stage in (1, 2):
-        _reshard_zero12(src, tag_dir, old_dp, dp, bf16, batch, scratch)
-    shutil.rmtree(scratch.folder)
+    _write_deepspeed_files(src, tag_dir, stage, old_dp, dp, bf16, batch, scratch)
     for r in range(dp):
         state = safe_load.load(src / f"toolkit_rank{r % old_dp:05d}.pt")
         state["data"] = data_states[r % old_dp]
         torch.save(state, tag_dir / f"toolkit_rank{r:05d}.pt")
 
 
+def _write_deepspeed_files(src: Path, tag_dir: Path, stage: int, old_dp: int, dp: int, bf16: bool, batch,
+                           scratch: _Scratch) -> None:
+    """DeepSpeed's own files at `dp` ranks; `batch` (the toolkit's) also updates the recorded ds_config's batch."""
+    edit = (lambda cfg: _ds_config(cfg, batch)) if batch is not None else (lambda cfg: cfg)
+    if stage == 3:  # model states per rank, written with the optimizer files
+        reshard_zero3(src, tag_dir, old_dp, dp, bf16, edit, scratch)
+    else:
+        states = load_rank_file(src / MODEL_STATES)
+        states["dp_world_size"] = dp
+        if isinstance(states.get("ds_config"), dict):
+            states["ds_config"] = edit(states["ds_config"])
+        torch.save(states, tag_dir / MODEL_STATES)
+        del states
+    if stage in (1, 2):
+        _reshard_zero12(src, tag_dir, old_dp, dp, bf16, batch, scratch)
+    shutil.rmtree(scratch.folder)
+
+
 def _check_known_files(src: Path, meta: dict, stage: int, old_dp: int, bf16: bool) -> None:
     """Only files this module knows how to rewrite; anything else (MoE expert files, ...) is refused."""
-    want = {MODEL_STATES, *(f"toolkit_rank{r:05d}.pt" for r in range(old_dp))}
+    want = {*(f"toolkit_rank{r:05d}.pt" for r in range(old_dp))}
+    want |= {zero3_model_states(r) for r in range(old_dp)} if stage == 3 else {MODEL_STATES}
     optim = [optim_states(r, bf16) for r in range(old_dp)]
-    if stage in (1, 2):
+    if stage in (1, 2, 3):
         if not (src / optim[0]).is_file() and (src / optim_states(0, not bf16)).is_file():
             optim = [optim_states(r, not bf16) for r in range(old_dp)]
         want |= set(optim)
@@ -237,7 +249,7 @@ def _reshard_zero12(src: Path, tag_dir: Path, old_dp: int, dp: int, bf16: bool, 
                     FP32_PARTITIONS: fp32, "group_paddings": group_paddings,
                     "partition_count": [dp] * len(groups), "param_slice_mappings": mappings})
         out = {k: v for k, v in files[0].items() if k != OSD}
-        if isinstance(out.get("ds_config"), dict):
+        if isinstance(out.get("ds_config"), dict) and batch is not None:
             out["ds_config"] = _ds_config(out["ds_config"], batch)
         torch.save({OSD: osd, **out}, tag_dir / names[0].replace("zero_pp_rank_0_", f"zero_pp_rank_{r}_"))
         del fp32, state, osd
@@ -251,3 +263,47 @@ def _copy_into(dst: torch.Tensor, pieces: list[torch.Tensor]) -> None:
         off += p.numel()
     if off != dst.numel():
         raise ToolkitError(f"re-partitioning copied {off} elements into a partition of {dst.numel()}")
+
+
+def reshard_plain(src: str | Path, dst_root: str | Path, dp: int, overwrite: bool = False, log=print) -> Path:
+    """A plain DeepSpeed ZeRO-1/2/3 checkpoint (engine.save_checkpoint in a user's own script: `latest` + a
+    global_step* folder, or that folder) re-partitioned for `dp` ranks, written as the new checkpoint folder
+    `dst_root` (`latest`, the tag folder, DeepSpeed's zero_to_fp32.py when the source has it beside it). The user's
+    script at `dp` ranks resumes from it with its own `engine.load_checkpoint(dst_root)`, optimizer state included;
+    the recorded ds_config is kept as saved (DeepSpeed takes the one the script passes)."""
+    src, dst_root = Path(src), Path(dst_root)
+    if not isinstance(dp, int) or dp < 1:
+        raise ToolkitError(f"dp must be a positive integer, not {dp!r}")
+    output.check_destination(src, dst_root, overwrite)
+    tag = resolve_tag(src)
+    probe = PlainDeepSpeedSource(tag)  # every rank's file is there, all of one save
+    stage, old_dp, complete = probe.stage, probe.dp, probe.report["optimizer_complete"]
+    probe.close()
+    if stage == 0:
+        raise ToolkitError(f"{tag} is a ZeRO-0 checkpoint: --to deepspeed re-partitions plain ZeRO-1/2/3 "
+                           "checkpoints; convert it --to hf for the weights")
+    if not complete:
+        raise ToolkitError(f"{tag} holds no optimizer state (its *_optim_states.pt files are missing): "
+                           "re-partitioning moves the fp32 masters and Adam moments; use a checkpoint saved with "
+                           "its optimizer state, or convert --to hf for the weights alone")
+    PlainDeepSpeedSource(tag, fp32=True).close()  # the optimizer files, checked (one save, partition counts)
+    bf16 = any(p.name.startswith("bf16_") for p in tag.glob("*_optim_states.pt"))
+    files = [p for p in tag.iterdir() if p.is_file()]
+    known = {optim_states(r, bf16) for r in range(old_dp)}
+    known |= {zero3_model_states(r) for r in range(old_dp)} if stage == 3 else {MODEL_STATES}
+    other = sorted(p.name for p in files if p.name not in known and p.name.endswith(".pt"))
+    if other:  # e.g. MoE expert files (expp_rank_*): leaving them behind would lose their weights
+        raise ToolkitError(f"{tag} holds {', '.join(other[:3])}, which re-partitioning does not know how to re-cut; "
+                           "--to deepspeed takes checkpoints of DeepSpeed's ZeRO model and optimizer files only")
+    with output.scratch_folder(dst_root, "reshard") as tmp:
+        manifest.require_space(dst_root.parent, sum(p.stat().st_size for p in files), manifest.free_bytes(tmp),
+                               str(dst_root), f"the size of {tag.name}")
+        log(f"re-partitioning DeepSpeed ZeRO-{stage} dp={old_dp} at {tag} -> dp={dp}")
+        (tmp / tag.name).mkdir()
+        _write_deepspeed_files(tag, tmp / tag.name, stage, old_dp, dp, bf16, None, _Scratch(tmp / ".scratch"))
+        (tmp / "latest").write_text(tag.name)
+        if (tag.parent / "zero_to_fp32.py").is_file() and (tag.parent / "latest").is_file():
+            shutil.copy2(tag.parent / "zero_to_fp32.py", tmp / "zero_to_fp32.py")
+        PlainDeepSpeedSource(tmp / tag.name, fp32=True).close()  # what was written reads back as a whole save
+        output.replace(tmp, dst_root)
+    return dst_root

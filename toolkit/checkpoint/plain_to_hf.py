@@ -22,6 +22,8 @@ from toolkit.checkpoint.deepspeed_plain import PlainDeepSpeedSource, resolve_tag
 from toolkit.checkpoint.hf_io import shard_layout, write_index
 from toolkit.checkpoint.sources import TOKENIZER_FILES
 from toolkit.errors import ToolkitError
+from toolkit.families.entries import iter_entries
+from toolkit.families.registry import FAMILIES, dims_from_hf
 from toolkit.format import manifest, paths
 from toolkit.format import safetensors_stream as st
 
@@ -72,9 +74,29 @@ def _model_on_meta(config_file: Path):
     return cls, cfg, tensors
 
 
-def check_against_config(source: PlainDeepSpeedSource, config_file: Path):
-    """Refuse (one line) a config whose model does not hold exactly the checkpoint's tensors."""
-    cls, cfg, want = _model_on_meta(config_file)
+def _family_tensors(config_file: Path) -> dict | None:
+    """{name: (shape, None)} of the model, from the toolkit's own map of its family (toolkit/families) when the
+    config's model_type is one it knows, so transformers need not be imported; None otherwise."""
+    try:
+        config = json.loads(config_file.read_text())
+        if not isinstance(config, dict) or config.get("model_type") not in FAMILIES:
+            return None
+        dims = dims_from_hf(config)
+    except (ValueError, OSError, KeyError, TypeError, ToolkitError):
+        return None  # transformers' reading of it decides (and names the problem)
+    return {n: (tuple(s), None) for e in iter_entries(dims, 1, 1) if e.reads_back
+            for n, s in zip(e.hf_names, e.hf_shapes)}
+
+
+def check_against_config(source: PlainDeepSpeedSource, config_file: Path, need_class: bool = True):
+    """Refuse (one line) a config whose model does not hold exactly the checkpoint's tensors. Returns the model
+    class (for the from_pretrained check); without need_class a model of a toolkit family is checked against the
+    family's map instead (no transformers import, which costs more than converting a small model) and None is
+    returned."""
+    want = None if need_class else _family_tensors(config_file)
+    cls = None
+    if want is None:
+        cls, cfg, want = _model_on_meta(config_file)
     have = {n: source.shape(n) for n in source.names()}
     tied = set(source.shared()) | {n for n, (_, to) in want.items() if to is not None}
     missing = [n for n in want if n not in have and n not in tied]
@@ -99,7 +121,7 @@ def convert_plain_to_hf(src: str | Path, dst: str | Path, config: str | Path | N
     config_file = find_config(src, tag, config)
     source = reader(tag, fp32=fp32)
     try:
-        cls = check_against_config(source, config_file)
+        cls = check_against_config(source, config_file, need_class=verify)
         names = source.names()
         cast = {n: dtype if dtype is not None and source.out_dtype(n).is_floating_point else source.out_dtype(n)
                 for n in names}

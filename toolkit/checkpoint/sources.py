@@ -429,7 +429,8 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
         return MegatronLMSource(src, vocab_size)
     if is_plain(src):
         raise ToolkitError(f"{src} is a plain DeepSpeed checkpoint (engine.save_checkpoint, no toolkit files): it "
-                           "converts --to hf (with --config HF_FOLDER_OR_config.json when it holds no config.json)")
+                           "converts --to hf (with --config HF_FOLDER_OR_config.json when it holds no config.json), "
+                           "--to universal, or --to deepspeed --dp N (another DP size)")
     raise ToolkitError(f"{src} is not a checkpoint this toolkit reads: expected a Hugging Face folder (config.json + "
                        "*.safetensors), a toolkit checkpoint (step_* folder with toolkit_meta.json, or its directory) "
                        "or a Megatron-LM checkpoint (latest_checkpointed_iteration.txt + iter_*/mp_rank_* or a torch_dist iter_*)")
