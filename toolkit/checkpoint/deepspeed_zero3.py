@@ -154,6 +154,8 @@ def reshard_zero3(src: Path, tag_dir: Path, old_dp: int, dp: int, bf16: bool, ed
         model = dict(states)
         model.update(dp_world_size=dp, param_shapes=[OrderedDict((k, torch.Size(s)) for k, s in g.items())
                                                      for g in new_subs])
+        if r and "shared_params" in model:  # DeepSpeed records tied parameters on rank 0 only (_get_shared_params)
+            model["shared_params"] = {}
         if isinstance(model.get("ds_config"), dict):
             model["ds_config"] = edit_config(model["ds_config"])
         if frozen:
