@@ -125,8 +125,8 @@ def test_copied_ranges_write_what_the_streaming_path_writes(ref, tmp_path, monke
 
 def test_ranges_follow_the_rules(ref, tmp_path, monkeypatch):
     """TP2 x PP2 -> TP4: gate/up of a target rank are two ranges (one block each, from one source rank); a
-    row-parallel shard is one range per row, so at the default MIN_RANGE it takes the streaming path; the TP copies
-    of a norm are never planned (the streaming path checks that they agree)."""
+    row-parallel shard is one range per row, here of 32 bytes, so at the default MIN_RANGE it takes the streaming
+    path; the TP copies of a norm are never planned (the streaming path checks that they agree)."""
     from toolkit.checkpoint.convert import MegatronTarget
     from toolkit.checkpoint.sources import open_source
 
