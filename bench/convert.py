@@ -14,8 +14,9 @@ runs, each `--reps` times in a fresh process, and reports the median of each fig
             (written at TP2 x PP2), read into Megatron-LM's legacy layout at TP2 x PP2, read back to Hugging Face
 and prints wall time, its ratio to cp's wall time (the targets: 1.3 with --no-verify, 2 verified), CPU seconds
 (user + system, wait4: less sensitive to a shared machine than wall time), the 1-minute load average at its end,
-the throughput ratio to cp, peak RSS (wait4's ru_maxrss), peak anonymous memory (RssAnon from /proc, sampled every
-10 ms) and the converter's phases (read, split, write, hash, close/fsync/manifest, verify; seconds).
+the throughput ratio to cp, the GiB copied file to file (os.copy_file_range), peak RSS (wait4's ru_maxrss), peak
+anonymous memory (RssAnon from /proc, sampled every 10 ms) and the converter's phases (read, split, write, hash,
+close/fsync/manifest, verify; seconds).
 Wall time includes Python start-up and imports (about 3 s here).
 The machine is shared and noisy: compare ratios within one run, not absolute numbers across runs.
 """
@@ -100,12 +101,14 @@ def measure(cmd: list[str]) -> dict:
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{text[-3000:]}")
     stream = re.search(r"wrote [\d.]+ GiB in ([\d.]+) s", text)
+    copied = re.search(r"copied file to file: ([\d.]+) MiB by copy_file_range", text)
     phases = {k: float(v) for k, v in re.findall(r"(read|split|write|hash|verify|close/fsync/manifest) ([\d.]+) s",
                                                     " ".join(line for line in text.splitlines()
                                                              if line.startswith("phases:")))}
     return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "load": os.getloadavg()[0],
             "peak_rss_mib": usage.ru_maxrss / 1024, "peak_anon_mib": peak_anon / 1024,
-            "stream_s": float(stream[1]) if stream else None, "phases": phases}
+            "stream_s": float(stream[1]) if stream else None, "phases": phases,
+            "copied_gib": float(copied[1]) / 1024 if copied else None}
 
 
 def folder_bytes(folder: Path) -> int:
@@ -149,7 +152,7 @@ def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | N
             os.sync()  # each run starts with nothing of the previous one still being written back
             runs.append(measure(cmd))
         r = {"size": name, "params": params, "step": label, "gib": folder_bytes(out) / 2**30, "reps": len(runs)}
-        for key in ("wall_s", "cpu_s", "load", "peak_rss_mib", "peak_anon_mib", "stream_s"):
+        for key in ("wall_s", "cpu_s", "load", "peak_rss_mib", "peak_anon_mib", "stream_s", "copied_gib"):
             r[key] = _median(runs, key)
         r["phases"] = {k: _median([x["phases"] for x in runs], k) for k in runs[0]["phases"]}
         r["gib_per_s"] = r["gib"] / r["wall_s"]
@@ -167,6 +170,7 @@ def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | N
         print(f"  {r['step']:<33} {r['gib']:6.2f} GiB  wall {r['wall_s']:6.1f} s  x{r['wall_vs_cp']:.2f} cp wall  "
               f"cpu {r['cpu_s']:5.1f} s  load {r['load']:4.1f}  "
               f"x{r['vs_cp']:.2f} of cp  peak RSS {r['peak_rss_mib']:6.0f} MiB  anon {r['peak_anon_mib']:6.0f} MiB"
+              + (f"  copy_file_range {r['copied_gib']:.2f} GiB" if r["copied_gib"] is not None else "")
               + (f"  phases (s): {phases}" if phases else ""), flush=True)
     shutil.rmtree(root)
     return rows

@@ -50,8 +50,9 @@ def _add_optimizer_state(tag_dir: Path, tp: int, pp: int) -> None:
     for p in range(pp):
         for t in range(tp):
             model = st.load(model_file(tag_dir, t, p))[0]
-            st.save({f"{k}:exp_avg": torch.randn(v.shape, generator=torch.Generator().manual_seed(zlib.crc32(k.encode())))
-                     for k, v in model.items()}, optim_file(tag_dir, t, p), {"step": "0"})
+            seeded = {k: torch.Generator().manual_seed(zlib.crc32(k.encode())) for k in model}
+            st.save({f"{k}:exp_avg": torch.randn(v.shape, generator=seeded[k]) for k, v in model.items()},
+                    optim_file(tag_dir, t, p), {"step": "0"})
 
 
 def _quiet(**kw):
@@ -134,7 +135,8 @@ def test_ranges_follow_the_rules(ref, tmp_path, monkeypatch):
     target = MegatronTarget(tmp_path / "probe", source, 4, 1, 1, None, True)
     try:
         entries = {e.megatron_name: e for e in iter_entries(target.dims, 1, 1)}
-        fc1, proj = entries["decoder.layers.0.mlp.linear_fc1.weight"], entries["decoder.layers.0.self_attention.linear_proj.weight"]
+        fc1 = entries["decoder.layers.0.mlp.linear_fc1.weight"]
+        proj = entries["decoder.layers.0.self_attention.linear_proj.weight"]
         assert byte_ranges.plan(source, target, proj, "weight", None) is None  # 64 ranges of 32 bytes
         monkeypatch.setattr(byte_ranges, "MIN_RANGE", 0)
         assert [len(r) for _, _, r in byte_ranges.plan(source, target, fc1, "weight", None)] == [2, 2, 2, 2]

@@ -313,8 +313,8 @@ def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log,
             release()  # what glibc kept of the tensors freed so far goes back: memory does not creep with layers
     t3 = time.monotonic()
     writers = getattr(target, "writers", [])
-    kernel = sum(getattr(w, "kernel_bytes", 0) for w in (writers.values() if isinstance(writers, dict) else writers))
-    user = sum(getattr(w, "user_bytes", 0) for w in (writers.values() if isinstance(writers, dict) else writers))
+    writers = list(writers.values() if isinstance(writers, dict) else writers)
+    kernel, user = (sum(getattr(w, attr, 0) for w in writers) for attr in ("kernel_bytes", "user_bytes"))
     target.close()
     log(f"wrote {target.total / 2**30:.2f} GiB in {time.monotonic() - t0:.1f} s")
     if verbose:
