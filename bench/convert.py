@@ -12,9 +12,11 @@ runs, each `--reps` times in a fresh process, and reports the median of each fig
             with the default verification (SHA-256 read-back and the layer-by-layer logit check)
   hf->torch_dist, torch_dist->megatron_lm, megatron_lm->hf   the same two modes: Megatron-Core's torch_dist
             (written at TP2 x PP2), read into Megatron-LM's legacy layout at TP2 x PP2, read back to Hugging Face
-and prints wall time, its ratio to cp's wall time (the targets: 1.3 with --no-verify, 2 verified), the
-throughput ratio to cp, peak RSS (wait4's ru_maxrss), peak anonymous memory (RssAnon from /proc, sampled every
-10 ms) and the converter's phases (read, split, write, hash, close/fsync/manifest, verify; seconds).
+and prints wall time, its ratio to cp's wall time (the targets: 1.3 with --no-verify, 2 verified), CPU seconds
+(user + system, wait4: less sensitive to a shared machine than wall time), the 1-minute load average at its end,
+the throughput ratio to cp, the GiB copied file to file (os.copy_file_range), peak RSS (wait4's ru_maxrss), peak
+anonymous memory (RssAnon from /proc, sampled every 10 ms) and the converter's phases (read, split, write, hash,
+close/fsync/manifest, verify; seconds).
 Wall time includes Python start-up and imports (about 3 s here).
 The machine is shared and noisy: compare ratios within one run, not absolute numbers across runs.
 """
@@ -99,11 +101,14 @@ def measure(cmd: list[str]) -> dict:
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{text[-3000:]}")
     stream = re.search(r"wrote [\d.]+ GiB in ([\d.]+) s", text)
+    copied = re.search(r"copied file to file: ([\d.]+) MiB by copy_file_range", text)
     phases = {k: float(v) for k, v in re.findall(r"(read|split|write|hash|verify|close/fsync/manifest) ([\d.]+) s",
                                                     " ".join(line for line in text.splitlines()
                                                              if line.startswith("phases:")))}
-    return {"wall_s": wall, "peak_rss_mib": usage.ru_maxrss / 1024, "peak_anon_mib": peak_anon / 1024,
-            "stream_s": float(stream[1]) if stream else None, "phases": phases}
+    return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "load": os.getloadavg()[0],
+            "peak_rss_mib": usage.ru_maxrss / 1024, "peak_anon_mib": peak_anon / 1024,
+            "stream_s": float(stream[1]) if stream else None, "phases": phases,
+            "copied_gib": float(copied[1]) / 1024 if copied else None}
 
 
 def folder_bytes(folder: Path) -> int:
@@ -115,7 +120,7 @@ def _median(rows: list[dict], key: str):
     return values[len(values) // 2] if values else None
 
 
-def bench_size(name: str, work: Path, dtype: str, reps: int) -> list[dict]:
+def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | None = None) -> list[dict]:
     root = work / name
     t0 = time.perf_counter()
     subprocess.run([sys.executable, __file__, "--generate", str(root / "hf"), name, dtype], check=True)
@@ -132,6 +137,7 @@ def bench_size(name: str, work: Path, dtype: str, reps: int) -> list[dict]:
              ("torch_dist->megatron_lm", "td", "mlm", ["--to", "megatron_lm", "--tp", "2", "--pp", "2",
                                                       "--vocab-size", str(SIZES[name]["vocab_size"])]),
              ("megatron_lm->hf", "mlm", "back2", ["--to", "hf", "--vocab-size", str(SIZES[name]["vocab_size"])])]
+    steps = [s for s in steps if not only or s[0] in only]
     plan = [("cp", None, ["bash", "-c", cp.format(out=root / "copy")], root / "copy")]
     for mode, flag in (("no-verify", ["--no-verify"]), ("verify", [])):
         for label, src, dst, args in steps:
@@ -146,7 +152,7 @@ def bench_size(name: str, work: Path, dtype: str, reps: int) -> list[dict]:
             os.sync()  # each run starts with nothing of the previous one still being written back
             runs.append(measure(cmd))
         r = {"size": name, "params": params, "step": label, "gib": folder_bytes(out) / 2**30, "reps": len(runs)}
-        for key in ("wall_s", "peak_rss_mib", "peak_anon_mib", "stream_s"):
+        for key in ("wall_s", "cpu_s", "load", "peak_rss_mib", "peak_anon_mib", "stream_s", "copied_gib"):
             r[key] = _median(runs, key)
         r["phases"] = {k: _median([x["phases"] for x in runs], k) for k in runs[0]["phases"]}
         r["gib_per_s"] = r["gib"] / r["wall_s"]
@@ -162,7 +168,9 @@ def bench_size(name: str, work: Path, dtype: str, reps: int) -> list[dict]:
         r["stream_vs_cp"] = r["gib"] / max(r["stream_s"], 1e-3) / cp_rate if r["stream_s"] is not None else None
         phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items())
         print(f"  {r['step']:<33} {r['gib']:6.2f} GiB  wall {r['wall_s']:6.1f} s  x{r['wall_vs_cp']:.2f} cp wall  "
+              f"cpu {r['cpu_s']:5.1f} s  load {r['load']:4.1f}  "
               f"x{r['vs_cp']:.2f} of cp  peak RSS {r['peak_rss_mib']:6.0f} MiB  anon {r['peak_anon_mib']:6.0f} MiB"
+              + (f"  copy_file_range {r['copied_gib']:.2f} GiB" if r["copied_gib"] is not None else "")
               + (f"  phases (s): {phases}" if phases else ""), flush=True)
     shutil.rmtree(root)
     return rows
@@ -177,6 +185,8 @@ def main(argv=None) -> int:
                     "checkpoint size free)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     ap.add_argument("--reps", type=int, default=3, help="runs of each step; the median is reported (default 3)")
+    ap.add_argument("--steps", default=None, help="comma-separated conversions to run (default all), e.g. "
+                    "hf->tp2pp2,tp2pp2->tp4pp1,tp4pp1->hf: the three the issue's targets name")
     ap.add_argument("--generate", nargs=3, metavar=("FOLDER", "SIZE", "DTYPE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.generate:
@@ -190,7 +200,8 @@ def main(argv=None) -> int:
     dtype = args.dtype
     print(f"bench/convert.py: {os.cpu_count()} CPUs; sizes {sizes}")
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="bench_convert_") as work:
-        rows = [r for s in sizes for r in bench_size(s, Path(work), dtype, args.reps)]
+        only = [s.strip() for s in args.steps.split(",")] if args.steps else None
+        rows = [r for s in sizes for r in bench_size(s, Path(work), dtype, args.reps, only)]
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

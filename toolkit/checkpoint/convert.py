@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint import output
+from toolkit.checkpoint import byte_ranges, output
 from toolkit.checkpoint.deepspeed_plain import is_plain
 from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed, reshard_plain
 from toolkit.checkpoint.hf_io import SHARD_BYTES, shard_layout, write_index
@@ -93,7 +93,7 @@ class _WriteBehind:
 
     def _run(self, writes: list) -> int:
         t0 = time.monotonic()
-        n = sum(w.write(k, t) for w, k, t in writes)
+        n = sum(w.write_ranges(k, t) if isinstance(t, list) else w.write(k, t) for w, k, t in writes)
         self.seconds += time.monotonic() - t0
         return n
 
@@ -110,6 +110,8 @@ class _WriteBehind:
 
 class HFTarget:
     """A Hugging Face folder: config.json, model.safetensors or model-0000i-of-0000n.safetensors + index."""
+
+    raw_bytes = True  # safetensors files: byte ranges can be copied in (toolkit/checkpoint/byte_ranges.py)
 
     def __init__(self, folder: Path, source: Source, dtype: torch.dtype | None, shard_bytes: int = SHARD_BYTES):
         self.folder, self.dims = folder, source.dims()
@@ -155,6 +157,8 @@ def _copy_tokenizer(source: Source, folder: Path) -> None:
 class MegatronTarget:
     """A toolkit Megatron checkpoint directory: <dst>/step_XXXXXXXX/{model,optim}_tpTT_ppPPP.safetensors,
     toolkit_meta.json (layout, model config, recipe when known, manifest) and the latest_complete pointer."""
+
+    raw_bytes = True  # safetensors files: byte ranges can be copied in (toolkit/checkpoint/byte_ranges.py)
 
     def __init__(self, root: Path, source: Source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None,
                  weights_only: bool, ep: int = 1):
@@ -296,6 +300,15 @@ def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log,
         for entry in iter_entries(target.dims, pp, vpp, getattr(target, "ep", 1)):
             for field in target.fields:
                 t1 = time.monotonic()
+                copies = byte_ranges.plan(source, target, entry, field, cast, WEIGHT)
+                if copies is not None:  # file to file in the kernel; the hash still comes from what read() gives
+                    if digests is not None and entry.reads_back:
+                        digests.add(entry.hf_names, field, [_cast(x, cast, field)
+                                                            for x in source.read(entry.hf_names, field)])
+                    read_s += time.monotonic() - t1
+                    behind.submit(copies)
+                    del copies
+                    continue
                 hf = [_cast(x, cast, field) for x in source.read(entry.hf_names, field)]
                 if digests is not None and entry.reads_back:
                     # hashed here (hashlib releases the GIL while the writer thread writes), so no queued write
@@ -308,6 +321,9 @@ def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log,
                 del hf, writes
             release()  # what glibc kept of the tensors freed so far goes back: memory does not creep with layers
     t3 = time.monotonic()
+    writers = getattr(target, "writers", [])
+    writers = list(writers.values() if isinstance(writers, dict) else writers)
+    kernel, user = (sum(getattr(w, attr, 0) for w in writers) for attr in ("kernel_bytes", "user_bytes"))
     target.close()
     log(f"wrote {target.total / 2**30:.2f} GiB in {time.monotonic() - t0:.1f} s")
     if verbose:
@@ -315,6 +331,8 @@ def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log,
             f"{digests.seconds if digests else 0:.1f} s, split {split_s:.1f} s (main thread); write {behind.seconds:.1f} "
             f"s (writer thread, overlapped); close/fsync/manifest "
             f"{time.monotonic() - t3:.1f} s")
+        log(f"copied file to file: {kernel / 2**20:.1f} MiB by copy_file_range, {user / 2**20:.1f} MiB through a "
+            f"buffer where the kernel would not copy (of {target.total / 2**30:.2f} GiB)")
 
 
 def _verify(source: Source, written: Path, fields: tuple[str, ...], cast, log, digests: Digests,

@@ -70,6 +70,13 @@ class Source:
     def dtype(self) -> torch.dtype:
         raise NotImplementedError
 
+    def spans(self, hf_names: Sequence[str], field: str = WEIGHT):
+        """Where the raw bytes behind read(hf_names, field) lie, for copying them file to file
+        (toolkit/checkpoint/byte_ranges.py): ([(safetensors reader, key), ...], merge), where merge turns tensors shaped
+        like those keys into the Hugging Face tensors read() gives; None for a source whose files are not raw
+        tensor bytes at known offsets (pickles, DCP)."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -135,6 +142,9 @@ class HFSource(Source):
 
     def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
         return [self._where[n].get(n) for n in hf_names]
+
+    def spans(self, hf_names: Sequence[str], field: str = WEIGHT):
+        return [(self._where[n], n) for n in hf_names], list
 
     def dtype(self) -> torch.dtype:
         return self._where["model.embed_tokens.weight"].dtype("model.embed_tokens.weight")
@@ -215,6 +225,13 @@ class ToolkitMegatronSource(_ShardedSource):
 
     def _get(self, p: int, t: int, key: str, e: int = 0) -> torch.Tensor:
         return (self._optims if ":" in key else self._models)[rank_key(p, t, e, self.ep)].get(key)
+
+    def spans(self, hf_names: Sequence[str], field: str = WEIGHT):
+        entry = self._entries[tuple(hf_names)]
+        key = chunk_key(entry.chunk, entry.megatron_name, None if field == WEIGHT else field)
+        readers = self._optims if ":" in key else self._models
+        return ([(readers[(entry.pp_rank, t)], key) for t in range(self.layout[0])],
+                lambda shards: list(entry.to_hf(shards).values()))
 
     def dtype(self) -> torch.dtype:
         r = next(iter(self._models.values()))

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from toolkit.errors import ToolkitError
@@ -43,13 +44,19 @@ def entries(paths: Iterable[Path], fsync: bool = False) -> dict[str, dict]:
     return {p.name: file_entry(p, fsync) for p in paths}
 
 
+def _threads(n: int) -> ThreadPoolExecutor:
+    """Files are hashed (and fsynced) in parallel: hashlib and the file reads release the GIL."""
+    return ThreadPoolExecutor(max(1, min(n, os.cpu_count() or 1, 8)))
+
+
 def complete(tag_dir: Path, known: dict[str, dict]) -> dict[str, dict]:
     """The manifest of a folder: the `known` entries (hashed by the ranks that wrote them) plus an entry for every
     other file in it, so the manifest never depends on which rank claimed what."""
     files = dict(known)
-    for p in sorted(tag_dir.iterdir()):
-        if p.is_file() and p.name not in (META, STARTED) and p.name not in files:
-            files[p.name] = file_entry(p, fsync=True)
+    todo = [p for p in sorted(tag_dir.iterdir()) if p.is_file() and p.name not in (META, STARTED)
+            and p.name not in files]
+    with _threads(len(todo)) as pool:
+        files.update(zip((p.name for p in todo), pool.map(lambda p: file_entry(p, fsync=True), todo)))
     return dict(sorted(files.items()))
 
 
@@ -94,7 +101,7 @@ def verify(tag_dir: Path, checksums: bool | set[str] = True) -> list[str]:
         files = read_meta(tag_dir).get("files") or {}  # none: written before manifests existed
     except ToolkitError as e:
         return [str(e).replace(f"{tag_dir / META}", META, 1)]
-    problems = []
+    problems, to_hash = [], []
     for name, entry in files.items():
         want = _size(entry)
         try:
@@ -106,9 +113,12 @@ def verify(tag_dir: Path, checksums: bool | set[str] = True) -> list[str]:
             problems.append(f"{name} is missing")
         elif path.stat().st_size != want:
             problems.append(f"{name} has {path.stat().st_size} bytes, the manifest says {want}")
-        elif _hashes(entry, name, checksums) and file_entry(path)[DIGEST] != entry[DIGEST]:
-            problems.append(f"{name} does not match its {DIGEST} in the manifest (the file or the manifest changed "
-                            "after the save)")
+        elif _hashes(entry, name, checksums):
+            to_hash.append((name, path, entry[DIGEST]))
+    with _threads(len(to_hash)) as pool:
+        digests = list(pool.map(lambda job: file_entry(job[1])[DIGEST], to_hash))
+    problems += [f"{name} does not match its {DIGEST} in the manifest (the file or the manifest changed after the "
+                 "save)" for (name, _, want), got in zip(to_hash, digests) if got != want]
     return problems
 
 

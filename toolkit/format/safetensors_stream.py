@@ -9,6 +9,7 @@ standard: `safetensors.safe_open` and `transformers` read them.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -25,6 +26,10 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 _NAMES = {v: k for k, v in _DTYPES.items()}
 _ALIGN = 8  # header padded so the data starts 8-byte aligned, as the reference writer does
 _MAX_HEADER = 100 * 2**20
+_CHUNK = 16 * 2**20  # the bounded buffer of the user-space copy (when copy_file_range cannot be used)
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM}
+"""copy_file_range errors that mean "not between these files" (another file system, an old kernel, a file system
+without it, a sandbox that forbids it): the copy then goes through user space. Any other error is raised."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -122,6 +127,11 @@ class Reader:
         begin, stop = self._info[name]["data_offsets"]
         return stop - begin
 
+    def span(self, name: str) -> tuple[int, int, int]:
+        """(file descriptor, absolute byte offset, byte count) of one tensor's raw little-endian bytes in the file."""
+        begin, stop = self._info[name]["data_offsets"]
+        return self._f.fileno(), self._base + begin, stop - begin
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self._info:
             raise ToolkitError(f"{self.path} has no tensor {name!r}: the checkpoint is incomplete or of another "
@@ -163,15 +173,26 @@ class Writer:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-(8 + len(raw)) % _ALIGN)
         self._base, self._header, self._pending, self._size = 8 + len(raw), header, set(specs), 8 + len(raw) + offset
+        self.kernel_bytes = self.user_bytes = 0  # what write_ranges copied in the kernel, and through user space
         self._f = self.path.open("wb")
         self._f.write(struct.pack("<Q", len(raw)) + raw)
         self._f.flush()
 
-    def write(self, name: str, tensor: torch.Tensor) -> int:
-        """Write one declared tensor; returns its byte count."""
+    def declared(self, name: str) -> tuple[tuple[int, ...], torch.dtype, int]:
+        """(shape, dtype, byte count) of a declared tensor."""
+        info = self._header[name]
+        begin, stop = info["data_offsets"]
+        return tuple(info["shape"]), _DTYPES[info["dtype"]], stop - begin
+
+    def _take(self, name: str) -> dict:
         info = self._header.get(name)
         if info is None or name not in self._pending:
             raise ToolkitError(f"{self.path}: {name!r} was {'already written' if info else 'not declared'}")
+        return info
+
+    def write(self, name: str, tensor: torch.Tensor) -> int:
+        """Write one declared tensor; returns its byte count."""
+        info = self._take(name)
         if list(tensor.shape) != info["shape"] or dtype_name(tensor.dtype) != info["dtype"]:
             raise ToolkitError(f"{self.path}: {name} is {tuple(tensor.shape)} {tensor.dtype}, declared "
                                f"{tuple(info['shape'])} {info['dtype']}")
@@ -182,6 +203,29 @@ class Writer:
             done += os.pwrite(self._f.fileno(), view[done:], self._base + begin + done)
         self._pending.discard(name)
         return data.size
+
+    def write_ranges(self, name: str, ranges: list[tuple[int | None, int, int]]) -> int:
+        """Write one declared tensor as byte ranges of other files, in order: (file descriptor, offset, count), or
+        (None, 0, count) for zeros. The bytes go file to file in the kernel (os.copy_file_range), never through
+        this process, or through a bounded buffer where the kernel cannot copy them; returns the byte count."""
+        info = self._take(name)
+        begin, stop = info["data_offsets"]
+        if sum(n for _, _, n in ranges) != stop - begin:
+            raise ToolkitError(f"{self.path}: {name} takes {stop - begin} bytes, the ranges to copy hold "
+                               f"{sum(n for _, _, n in ranges)}")
+        at = self._base + begin
+        for fd, offset, n in ranges:
+            if fd is None:
+                zeros = bytes(min(n, _CHUNK))
+                for done in range(0, n, len(zeros)):
+                    _pwrite_all(self._f.fileno(), memoryview(zeros)[:min(len(zeros), n - done)], at + done)
+            else:
+                kernel = copy_range(fd, offset, self._f.fileno(), at, n)
+                self.kernel_bytes += kernel
+                self.user_bytes += n - kernel
+            at += n
+        self._pending.discard(name)
+        return stop - begin
 
     def close(self) -> None:
         if self._f.closed:
@@ -196,6 +240,42 @@ class Writer:
             raise ToolkitError(f"{self.path}: wrote {size} bytes, expected {self._size}")
         os.fsync(self._f.fileno())
         self._f.close()
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, n: int) -> int:
+    """Copy n bytes between two open files at the given offsets; returns how many of them the kernel copied
+    (os.copy_file_range), the rest went through a bounded user-space buffer (no copy_file_range, or the kernel
+    refused these two files: another file system, an old kernel, EXDEV / ENOSYS / EOPNOTSUPP)."""
+    done = 0
+    kernel_copy = getattr(os, "copy_file_range", None)
+    if kernel_copy is not None:
+        try:
+            while done < n:
+                got = kernel_copy(src, dst, n - done, src_offset + done, dst_offset + done)
+                if got <= 0:
+                    raise ToolkitError(f"the file being copied from ended {n - done} bytes early (at offset "
+                                       f"{src_offset + done}): it was truncated while converting; re-copy it")
+                done += got
+        except OSError as e:
+            if e.errno not in _NO_KERNEL_COPY:
+                raise
+    kernel = done
+    if done < n:
+        buf = memoryview(bytearray(min(n - done, _CHUNK)))
+        while done < n:
+            got = os.preadv(src, [buf[:min(len(buf), n - done)]], src_offset + done)
+            if got <= 0:
+                raise ToolkitError(f"the file being copied from ended {n - done} bytes early (at offset "
+                                   f"{src_offset + done}): it was truncated while converting; re-copy it")
+            _pwrite_all(dst, buf[:got], dst_offset + done)
+            done += got
+    return kernel
 
 
 def save(tensors: Mapping[str, torch.Tensor], path: str | Path, metadata: Mapping[str, str] | None = None) -> None:

@@ -1,0 +1,173 @@
+"""`toolkit convert` copies the byte ranges a conversion leaves contiguous file to file (os.copy_file_range,
+toolkit/checkpoint/byte_ranges.py). Every kind of conversion routed that way must write byte for byte what the
+streaming path writes, also when the kernel refuses the copy (EXDEV, ENOSYS, no copy_file_range at all, or a
+refusal halfway through) and the bytes go through a buffer instead; a real I/O error fails in one line with nothing
+written; and the read-back hash catches a range copied from the wrong place."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit.checkpoint import byte_ranges
+from toolkit.checkpoint import convert as convert_mod
+from toolkit.checkpoint.convert import convert
+from toolkit.errors import ToolkitError
+from toolkit.families.entries import iter_entries
+from toolkit.families.registry import dims_from_hf
+from toolkit.format import safetensors_stream as st
+from toolkit.format.names import model_file, optim_file
+
+# (source, destination, options): HF -> Megatron (split), a relayout with optimizer state (merge + split, moves
+# between pipeline stages), Megatron -> HF (merge), HF -> HF (whole tensors moved)
+STEPS = {"hf->tp2pp2": ("hf", "tp2pp2", dict(to="megatron", tp=2, pp=2)),
+         "tp2pp2+optim->tp4": ("tp2pp2_optim", "tp4", dict(to="megatron", tp=4)),
+         "tp4->hf": ("tp4", "back", dict(to="hf")),
+         "hf->hf": ("hf", "hf_copy", dict(to="hf"))}
+
+
+def _write_hf(folder: Path) -> None:
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 500, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16"}
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(0)
+    st.save({n: torch.randn(s, generator=gen).to(torch.bfloat16) for e in iter_entries(dims_from_hf(config), 1, 1)
+             for n, s in zip(e.hf_names, e.hf_shapes)}, folder / "model.safetensors", {"format": "pt"})
+
+
+def _add_optimizer_state(tag_dir: Path, tp: int, pp: int) -> None:
+    """exp_avg beside every weight, as the Megatron backend saves it, so the relayout copies optimizer files too
+    (the same on every TP rank, as a replicated tensor's must be)."""
+    for p in range(pp):
+        for t in range(tp):
+            model = st.load(model_file(tag_dir, t, p))[0]
+            seeded = {k: torch.Generator().manual_seed(zlib.crc32(k.encode())) for k in model}
+            st.save({f"{k}:exp_avg": torch.randn(v.shape, generator=seeded[k]) for k, v in model.items()},
+                    optim_file(tag_dir, t, p), {"step": "0"})
+
+
+def _quiet(**kw):
+    return dict(verify=False, progress=False, log=lambda *_: None, **kw)
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory) -> Path:
+    """The source checkpoints and what the streaming path (no copy_file_range) writes from them."""
+    root = tmp_path_factory.mktemp("copy_range")
+    _write_hf(root / "hf")
+    enabled, byte_ranges.ENABLED = byte_ranges.ENABLED, False
+    try:
+        for src, dst, opts in STEPS.values():
+            convert(root / src, root / dst, **opts, **_quiet())
+            if dst == "tp2pp2":
+                shutil.copytree(root / dst, root / "tp2pp2_optim")
+                _add_optimizer_state(root / "tp2pp2_optim" / "step_00000000", 2, 2)
+    finally:
+        byte_ranges.ENABLED = enabled
+    return root
+
+
+def _same_files(a: Path, b: Path) -> None:
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for f in files:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f"{f} differs from the streaming path's"
+
+
+def _refuse(code: int):
+    def refuse(*_args):
+        raise OSError(code, os.strerror(code))
+    return refuse
+
+
+@pytest.mark.parametrize("kernel", ["copy_file_range", "EXDEV", "ENOSYS", "missing", "refused halfway"])
+@pytest.mark.parametrize("step", list(STEPS))
+def test_copied_ranges_write_what_the_streaming_path_writes(ref, tmp_path, monkeypatch, step, kernel):
+    src, dst, opts = STEPS[step]
+    real = os.copy_file_range
+    if kernel in ("EXDEV", "ENOSYS"):
+        monkeypatch.setattr(os, "copy_file_range", _refuse(getattr(errno, kernel)))
+    elif kernel == "missing":
+        monkeypatch.delattr(os, "copy_file_range")
+    elif kernel == "refused halfway":  # a short copy first, then the kernel refuses: the rest goes through a buffer
+        calls = []
+
+        def halfway(src_fd, dst_fd, n, src_off, dst_off):
+            calls.append(n)
+            if len(calls) % 2 == 0:
+                raise OSError(errno.EXDEV, "cross-device")
+            return real(src_fd, dst_fd, max(1, n // 2), src_off, dst_off)
+        monkeypatch.setattr(os, "copy_file_range", halfway)
+    copied = []
+    real_copy = st.copy_range
+    monkeypatch.setattr(st, "copy_range", lambda *a: copied.append((a[-1], real_copy(*a))) or copied[-1][1])
+    monkeypatch.setattr(byte_ranges, "MIN_RANGE", 0)  # every parameter the ranges can express goes file to file
+    convert(ref / src, tmp_path / dst, **opts, **_quiet())
+    _same_files(tmp_path / dst, ref / dst)
+    total, kernel_bytes = sum(n for n, _ in copied), sum(k for _, k in copied)
+    written = sum(p.stat().st_size for p in (tmp_path / dst).rglob("*.safetensors"))
+    assert total > written / 2, f"only {total} of {written} bytes were copied as ranges"
+    if kernel == "copy_file_range":
+        assert kernel_bytes == total
+    elif kernel == "refused halfway":
+        assert 0 < kernel_bytes < total
+    else:
+        assert kernel_bytes == 0
+
+
+def test_ranges_follow_the_rules(ref, tmp_path, monkeypatch):
+    """TP2 x PP2 -> TP4: gate/up of a target rank are two ranges (one block each, from one source rank); a
+    row-parallel shard is one range per row, here of 32 bytes, so at the default MIN_RANGE it takes the streaming
+    path; the TP copies of a norm are never planned (the streaming path checks that they agree)."""
+    from toolkit.checkpoint.convert import MegatronTarget
+    from toolkit.checkpoint.sources import open_source
+
+    source = open_source(ref / "tp2pp2")
+    target = MegatronTarget(tmp_path / "probe", source, 4, 1, 1, None, True)
+    try:
+        entries = {e.megatron_name: e for e in iter_entries(target.dims, 1, 1)}
+        fc1 = entries["decoder.layers.0.mlp.linear_fc1.weight"]
+        proj = entries["decoder.layers.0.self_attention.linear_proj.weight"]
+        assert byte_ranges.plan(source, target, proj, "weight", None) is None  # 64 ranges of 32 bytes
+        monkeypatch.setattr(byte_ranges, "MIN_RANGE", 0)
+        assert [len(r) for _, _, r in byte_ranges.plan(source, target, fc1, "weight", None)] == [2, 2, 2, 2]
+        assert [len(r) for _, _, r in byte_ranges.plan(source, target, proj, "weight", None)] == [64] * 4
+        assert byte_ranges.plan(source, target, entries["decoder.layers.0.input_layernorm.weight"], "weight",
+                                None) is None
+        assert byte_ranges.plan(source, target, fc1, "weight", torch.float32) is None  # a cast changes the bytes
+    finally:
+        for w in target.writers.values():
+            w._f.close()
+        source.close()
+
+
+def test_read_back_catches_a_range_copied_from_the_wrong_place(ref, tmp_path, monkeypatch):
+    """The source's hash comes from read(), the output's from its own reader: a wrong range fails verification."""
+    monkeypatch.setattr(byte_ranges, "MIN_RANGE", 0)
+    monkeypatch.setattr(convert_mod, "import_early", lambda _arch: None)
+    monkeypatch.setattr(convert_mod, "verify_logits", lambda *a: None)  # the logit check: test_convert_verify.py
+    lines = []
+    convert(ref / "tp2pp2", tmp_path / "good", "megatron", tp=4, progress=False, log=lines.append)
+    assert any("read back bit-exactly" in line for line in lines), lines
+    real_copy = st.copy_range
+    monkeypatch.setattr(st, "copy_range", lambda s, off, d, doff, n: real_copy(s, off - 2, d, doff, n))
+    with pytest.raises(ToolkitError, match="reads back different from what was written"):
+        convert(ref / "tp2pp2", tmp_path / "bad", "megatron", tp=4, progress=False, log=lines.append)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_an_io_error_in_the_copy_fails_in_one_line_and_writes_nothing(ref, tmp_path, monkeypatch):
+    monkeypatch.setattr(byte_ranges, "MIN_RANGE", 0)
+    monkeypatch.setattr(os, "copy_file_range", _refuse(errno.EIO))
+    with pytest.raises(ToolkitError, match="Input/output error.*nothing was written"):
+        convert(ref / "hf", tmp_path / "out", "megatron", tp=2, **_quiet())
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
