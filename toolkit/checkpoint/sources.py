@@ -230,7 +230,8 @@ class ToolkitMegatronSource(_ShardedSource):
         entry = self._entries[tuple(hf_names)]
         key = chunk_key(entry.chunk, entry.megatron_name, None if field == WEIGHT else field)
         readers = self._optims if ":" in key else self._models
-        return ([(readers[(entry.pp_rank, t)], key) for t in range(self.layout[0])],
+        ranks = [rank_key(entry.pp_rank, t, entry.ep_rank or 0, self.ep) for t in range(self.layout[0])]
+        return ([(readers[r], key) for r in ranks],
                 lambda shards: list(entry.to_hf(shards).values()))
 
     def dtype(self) -> torch.dtype:
