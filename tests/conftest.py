@@ -204,9 +204,10 @@ def _deselect(config, items, marker: str) -> None:
 # The files that take longest (measured with --durations=0), longest first. pytest-xdist hands out whole files in
 # collection order (`--dist loadfile --no-loadscope-reorder`, pyproject.toml): starting with the long ones leaves
 # short files for the end, so no worker runs alone for minutes while the other is done. The Slurm file leads: its
-# tests share one cluster and run one after another on one worker.
-LONGEST_FIRST = ["test_slurm_cluster", "test_megatron_parity", "test_zero_parity", "test_fault_injection",
-                 "test_deepspeed_convert", "test_megatron_resume", "test_convert_layouts", "test_resume", "test_moe",
+# tests share one cluster and run one after another on one worker. test_zero_parity, the first file whose runs
+# offload (DeepSpeed's CPU Adam and async I/O ops), comes after a few others: by then the ops are built.
+LONGEST_FIRST = ["test_slurm_cluster", "test_megatron_parity", "test_fault_injection", "test_megatron_resume",
+                 "test_deepspeed_convert", "test_convert_layouts", "test_resume", "test_moe", "test_zero_parity",
                  "test_planted_pickles", "test_bench_overhead", "test_deepspeed_plain", "test_preemption",
                  "test_megatron_torch_dist", "test_bench_convert", "test_families", "test_plan_deepspeed_states",
                  "test_plan_megatron_states", "test_claims_convert", "test_megatron_native", "test_train_e2e"]
@@ -236,14 +237,15 @@ _op_builder: subprocess.Popen | None = None
 
 
 def pytest_collection_finish(session):
-    """With slow tests selected, build DeepSpeed's JIT ops in the background at the lowest CPU priority
-    (tests/build_ops.py): the compile uses the time single-process tests leave a core idle."""
+    """With slow tests selected, build DeepSpeed's JIT ops in the background as the session starts
+    (tests/build_ops.py), one builder per run. At normal priority: with the suite in two workers no core is idle,
+    and a build niced to the lowest priority starved while a test that needed its op waited past its timeout."""
     global _op_builder
-    first_worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"  # one builder per run, not per worker
-    if first_worker and os.environ.get("TOOLKIT_NO_OP_PREBUILD") != "1" and any(i.get_closest_marker("slow") for i in session.items):
+    first_worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
+    slow = any(i.get_closest_marker("slow") for i in session.items)
+    if first_worker and slow and os.environ.get("TOOLKIT_NO_OP_PREBUILD") != "1":
         _op_builder = subprocess.Popen([sys.executable, str(REPO / "tests" / "build_ops.py")], cwd=REPO,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                       preexec_fn=lambda: os.nice(19),
                                        env={**os.environ, "MAX_JOBS": str(os.cpu_count() or 1)})
 
 
