@@ -26,7 +26,7 @@ from toolkit.checkpoint.deepspeed_io import (
     zero3_model_states,
 )
 from toolkit.checkpoint.deepspeed_plain import PlainDeepSpeedSource, resolve_tag
-from toolkit.checkpoint.deepspeed_zero3 import reshard_zero3
+from toolkit.checkpoint.deepspeed_zero3 import copy_pieces, reshard_zero3
 from toolkit.errors import ToolkitError
 from toolkit.format import manifest, safe_load
 from toolkit.format.names import DEEPSPEED_POINTER, META, POINTER
@@ -228,7 +228,7 @@ def _reshard_zero12(src: Path, tag_dir: Path, old_dp: int, dp: int, bf16: bool, 
         for g, (old, new) in enumerate(zip(old_layouts, new_layouts)):
             lo, lean = r * new.partition, new.lean_size(r)
             master = scratch.zeros(lean)
-            _copy_into(master, old.gather([o[FP32_PARTITIONS][g] for o in osds], lo, lo + lean, old.partition))
+            copy_pieces(master, old.gather([o[FP32_PARTITIONS][g] for o in osds], lo, lo + lean, old.partition))
             fp32.append(master)
             group_paddings.append(new.partition - lean)
             mappings.append(OrderedDict((k, fragment_address(numel=n, start=s)) for k, (n, s) in new.fragments(r).items()))
@@ -239,7 +239,7 @@ def _reshard_zero12(src: Path, tag_dir: Path, old_dp: int, dp: int, bf16: bool, 
                         raise ToolkitError(f"{names[0]}: optimizer state {key} of group {g} has {value.numel()} "
                                            f"elements, the partition {old.partition}: shapes do not add up")
                     moment = scratch.zeros(new.partition, value.dtype)
-                    _copy_into(moment[:lean], old.gather([o["base_optimizer_state"]["state"][g][key] for o in osds],
+                    copy_pieces(moment[:lean], old.gather([o["base_optimizer_state"]["state"][g][key] for o in osds],
                                                          lo, lo + lean, old.partition))
                     state[g][key] = moment
                 else:
@@ -254,15 +254,6 @@ def _reshard_zero12(src: Path, tag_dir: Path, old_dp: int, dp: int, bf16: bool, 
         torch.save({OSD: osd, **out}, tag_dir / names[0].replace("zero_pp_rank_0_", f"zero_pp_rank_{r}_"))
         del fp32, state, osd
         scratch.clear()
-
-
-def _copy_into(dst: torch.Tensor, pieces: list[torch.Tensor]) -> None:
-    off = 0
-    for p in pieces:
-        dst[off:off + p.numel()].copy_(p.view(-1))
-        off += p.numel()
-    if off != dst.numel():
-        raise ToolkitError(f"re-partitioning copied {off} elements into a partition of {dst.numel()}")
 
 
 def reshard_plain(src: str | Path, dst_root: str | Path, dp: int, overwrite: bool = False, log=print) -> Path:

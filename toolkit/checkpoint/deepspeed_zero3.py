@@ -138,7 +138,7 @@ def reshard_zero3(src: Path, tag_dir: Path, old_dp: int, dp: int, bf16: bool, ed
                 n, c = math.prod(shape), _chunk(shape, dp)
                 lo, hi = min(r * c, n), min((r + 1) * c, n)  # the rest of the slice stays zero (padding)
                 for what, t in made.items():
-                    _copy(t[at:at + hi - lo], _slices(old[what], [offs[name]] * old_dp, shape, old_dp, lo, hi))
+                    copy_pieces(t[at:at + hi - lo], _slices(old[what], [offs[name]] * old_dp, shape, old_dp, lo, hi))
                 at += c
             flat.append(made.pop("fp32"))
             state[i] = {**{k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}, **made}
@@ -171,7 +171,7 @@ def _frozen_slice(old: list[torch.Tensor], shape, old_dp: int, dp: int, r: int) 
     n, c = math.prod(shape), _chunk(shape, dp)
     out = torch.zeros(c, dtype=old[0].dtype)
     lo, hi = min(r * c, n), min((r + 1) * c, n)
-    _copy(out[:hi - lo], _slices([[t] for t in old], [0] * old_dp, shape, old_dp, lo, hi))
+    copy_pieces(out[:hi - lo], _slices([[t] for t in old], [0] * old_dp, shape, old_dp, lo, hi))
     return out
 
 
@@ -179,7 +179,8 @@ def _same(a, b) -> bool:
     return torch.equal(a, b) if torch.is_tensor(a) and torch.is_tensor(b) else a == b
 
 
-def _copy(dst: torch.Tensor, pieces: list[torch.Tensor]) -> None:
+def copy_pieces(dst: torch.Tensor, pieces: list[torch.Tensor]) -> None:
+    """Lay `pieces` end to end into the flat `dst`, which they must fill exactly."""
     at = 0
     for p in pieces:
         dst[at:at + p.numel()].copy_(p.view(-1))
