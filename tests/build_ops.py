@@ -1,7 +1,7 @@
 """Build DeepSpeed's JIT ops into this environment's extensions cache while the suite runs.
 
 conftest.py starts this in the background when slow tests are selected: on a fresh machine the ops take
-about 6 CPU-minutes to compile, and a test that needs one only finds it built, or waits on torch's build lock
+about 11 CPU-minutes to compile (docs/testing.md), and a test that needs one only finds it built, or waits on torch's build lock
 for the rest, instead of compiling it in its own time. Killed with SIGTERM, it stops through torch's `finally`, so
 no abandoned lock is left behind.
 """

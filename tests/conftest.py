@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,29 +34,62 @@ TINY = dict(preset="tiny")  # 2 layers, hidden 64, GQA 4 heads / 2 kv heads, voc
 LAUNCHES: list[tuple[str, str, int, float]] = []
 
 
+# every launch's environment: one thread per rank (two ranks share the 2-core machine), nothing downloaded
+LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1",
+              "HF_HUB_OFFLINE": "1"}
+# TOOLKIT_TEST_LAUNCHER=real: every launch through the real torchrun (or python), as before the warm launcher
+WARM = os.environ.get("TOOLKIT_TEST_LAUNCHER", "warm") != "real"
+_zygote = None
+
+
+def _warm():
+    global _zygote
+    if _zygote is None:
+        import zygote  # tests/zygote.py
+
+        _zygote = zygote.Client()
+    return _zygote
+
+
 def launch(recipe: str, overrides: list[str], nproc: int, out_dir: Path, launcher: str = "torchrun",
            timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
     """Run recipes/train.py in `nproc` real processes (gloo on CPU)."""
     sets = [f"output_dir={out_dir}", *overrides]
-    args = [a for s in sets for a in ("--set", s)]
-    port = str(free_port())
-    bin_dir = Path(sys.executable).parent
-    if launcher == "deepspeed":
-        cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port]
-    elif launcher == "torchrun":
-        cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", port]
-    else:
-        cmd = [sys.executable]
-    cmd += ["recipes/train.py", "--recipe", recipe, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1",
-           "HF_HUB_OFFLINE": "1"}
+    args = ["recipes/train.py", "--recipe", recipe, *(a for s in sets for a in ("--set", s))]
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_ranks(args, nproc, dict(os.environ), launcher, timeout)
     LAUNCHES.append((os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], recipe, nproc,
                      time.monotonic() - start))
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+        raise AssertionError(f"{' '.join(proc.args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-6000:]}")
+    return proc
+
+
+def run_ranks(args: list[str], nproc: int, env: dict, launcher: str = "torchrun", timeout: float = 600,
+              preexec_fn=None) -> subprocess.CompletedProcess:
+    """`launcher [its options] *args` from the repository root. torchrun and python runs go through the warm launcher
+    (tests/zygote.py) unless TOOLKIT_TEST_LAUNCHER=real; its ranks start from default signal dispositions, so
+    `preexec_fn` applies to real launches only."""
+    env = {**env, **LAUNCH_ENV}
+    for attempt in range(2):
+        port = str(free_port())
+        if launcher in ("torchrun", "python") and WARM:
+            with tempfile.TemporaryDirectory(prefix="launch-") as work:
+                proc = _warm().run(args, {**env, "MASTER_PORT": port}, str(REPO), nproc, timeout, work,
+                                   plain=launcher == "python")
+        else:
+            bin_dir = Path(sys.executable).parent
+            if launcher == "deepspeed":
+                cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port]
+            elif launcher == "torchrun":
+                cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", port]
+            else:
+                cmd = [sys.executable]
+            proc = subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+                                  preexec_fn=preexec_fn)
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:  # else the free port was taken meanwhile
+            return proc
     return proc
 
 
@@ -250,6 +284,8 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session):
+    if _zygote is not None:
+        _zygote.close()
     if hasattr(session.config, "workeroutput"):  # an xdist worker: its launches go to the controller's summary
         session.config.workeroutput["launches"] = json.dumps(LAUNCHES)
     if _op_builder is not None and _op_builder.poll() is None:
@@ -358,6 +394,25 @@ def pytest_xdist_auto_num_workers(config):
 def pytest_testnodedown(node, error):
     """xdist's controller: collect each worker's launches for the summary."""
     LAUNCHES.extend(tuple(x) for x in json.loads(getattr(node, "workeroutput", {}).get("launches", "[]")))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    """TOOLKIT_TEST_CPU_LOG=FILE: append each test's wall and CPU seconds (this process and the children it waited for:
+    launches, CLI runs, their ranks) as JSON lines: where the suite's CPU goes, which wall times under load hide."""
+    path = os.environ.get("TOOLKIT_TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+    warm = _zygote.cpu if _zygote else 0.0  # the warm launcher's ranks are its children, not ours
+    before, start = os.times(), time.monotonic()
+    yield
+    after = os.times()
+    cpu = sum(getattr(after, f) - getattr(before, f) for f in ("user", "system", "children_user", "children_system"))
+    cpu += (_zygote.cpu if _zygote else 0.0) - warm
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "wall": round(time.monotonic() - start, 2), "cpu": round(cpu, 2)})
+                + "\n")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conftest import REPO, free_port, read_metrics, signal_process_tree  # noqa: E402
+from conftest import REPO, free_port, read_metrics, run_ranks, signal_process_tree  # noqa: E402
 from toolkit.train.faults import PHASES  # noqa: E402
 
 STEPS, INTERVAL = 8, 2
@@ -50,10 +50,13 @@ class Trial:
     note: str = ""
 
 
+def _args(recipe: str, out: Path) -> list[str]:
+    return ["recipes/train.py", "--recipe", recipe, *(a for s in [f"output_dir={out}", *RUN] for a in ("--set", s))]
+
+
 def _cmd(recipe: str, out: Path) -> list[str]:
-    sets = [a for s in [f"output_dir={out}", *RUN] for a in ("--set", s)]
     return [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
-            str(free_port()), "recipes/train.py", "--recipe", recipe, *sets]
+            str(free_port()), *_args(recipe, out)]
 
 
 def _env(fault: str | None) -> dict:
@@ -66,8 +69,9 @@ def _env(fault: str | None) -> dict:
 
 
 def run(recipe: str, out: Path, fault: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(_cmd(recipe, out), cwd=REPO, env=_env(fault), capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN))
+    """A run to its end or its fault, through conftest's launcher (torchrun, or the warm launcher)."""
+    return run_ranks(_args(recipe, out), 2, _env(fault), "torchrun", timeout,
+                     preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN))
 
 
 def _saved(text: str) -> list[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, launch, read_metrics
+from conftest import REPO, launch, read_metrics, run_ranks
 
 SHORT = ["training.schedule.warmup_steps=2", "logging.interval=1", "logging.sample_prompt="]
 
@@ -48,16 +48,10 @@ train(load_recipe(recipe, [f"output_dir={{out}}", *overrides]))
 def _run_with_engine_reference(recipe: str, overrides: list[str], out: Path, nproc: int = 2) -> None:
     script = out / "train_with_reference.py"
     script.write_text(ENGINE_REFERENCE.format(repo=str(REPO)))
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), str(script), str(out), recipe, *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1",
-           "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
-    if proc.returncode != 0 and "EADDRINUSE" in proc.stderr:  # the free port was taken meanwhile: once more
-        cmd[cmd.index("--master_port") + 1] = str(free_port())
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    proc = run_ranks([str(script), str(out), recipe, *overrides], nproc, dict(os.environ))
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{' '.join(proc.args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-6000:]}")
 
 
 def _zero_to_fp32(tag_dir: Path) -> dict:

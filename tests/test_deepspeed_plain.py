@@ -17,13 +17,11 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port
+from conftest import run_ranks
 from safetensors.torch import load_file
 from universal_compare import assert_same_universal, comparable
 
@@ -50,12 +48,9 @@ RESHARD = [n for n, *_ in UNIVERSAL]  # ZeRO-2 and ZeRO-3 at DP2, re-partitioned
 
 
 def _train(world: int, out: Path, runs: list | None = None) -> Path:
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(world), "--master_port",
-           str(free_port()), "tests/plain_deepspeed_train.py", "--out", str(out), "--runs",
-           json.dumps(RUNS[world] if runs is None else runs)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd[:6])} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    proc = run_ranks(["tests/plain_deepspeed_train.py", "--out", str(out), "--runs",
+                      json.dumps(RUNS[world] if runs is None else runs)], world, dict(os.environ))
+    assert proc.returncode == 0, f"{' '.join(proc.args[:3])} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return out
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -174,15 +173,12 @@ def worker(cases_json: str, out_dir: str) -> None:
 # ---- the tests --------------------------------------------------------------------------------------------------
 
 def _launch(cases: dict, nproc: int, tmp: Path) -> list[dict]:
-    from conftest import REPO, free_port
+    from conftest import run_ranks
 
     spec = tmp / "cases.json"
     spec.write_text(json.dumps({k: (rec, [*COMMON, *ov]) for k, (rec, ov) in cases.items()}))
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), __file__, str(spec), str(tmp)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_ranks([__file__, str(spec), str(tmp)], nproc, dict(os.environ))
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     print(f"{len(cases)} cases on {nproc} ranks: {time.monotonic() - start:.0f} s")
     return [json.loads((tmp / f"rank{k}.json").read_text()) for k in range(nproc)]
