@@ -444,7 +444,9 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
         meta = manifest.read_meta(src)
         backend = meta.get("backend")
         if backend == "megatron" and meta.get("checkpoint_format") == "torch_dist":  # checkpoint.format: torch_dist
-            return TorchDistSource(src, vocab_size or meta["recipe"]["model"]["vocab_size"], weights_only)
+            source = TorchDistSource(src, vocab_size or meta["recipe"]["model"]["vocab_size"], weights_only)
+            source.meta, source.tag_dir = meta, src  # the run's recipe and per-rank state travel, as from a toolkit one
+            return source
         if backend == "megatron":
             return ToolkitMegatronSource(src, meta, weights_only)
         if backend == "deepspeed":

@@ -3,7 +3,8 @@
 What Megatron-Core 0.16 saves (`optimizer.sharded_state_dict(model_sharded_state_dict, metadata=...)`):
 - the plain optimizer (Float16/FP32Optimizer): `optimizer.state.exp_avg.<model key>`, `optimizer.state.exp_avg_sq.
   <model key>` and, for a 16-bit model, `optimizer.state.fp32_param.<model key>`, each a ShardedTensor of the model
-  parameter's global shape and sharding; the shared Adam step is common.pt's `optimizer.optimizer.state.common_step`;
+  parameter's global shape and sharding; the shared Adam step is common.pt's `optimizer[.optimizer].state.common_step`
+  (the inner `optimizer` level with a 16-bit model's Float16Optimizer only);
 - the distributed optimizer with `distrib_optim_sharding_type: fully_reshardable` (Megatron-LM's
   `--dist-ckpt-optim-fully-reshardable`, and the toolkit's own `checkpoint.format: torch_dist`): the same per-parameter
   tensors, named `optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>` (`param`: the fp32 main weights), with
@@ -46,7 +47,8 @@ def _parts(state) -> list[dict]:
 
 
 def _step(part: dict):
-    opt = part.get("optimizer") if isinstance(part.get("optimizer"), dict) else {}
+    # Float16 and distributed optimizers nest torch's state dict under "optimizer"; FP32Optimizer saves it bare
+    opt = part.get("optimizer") if isinstance(part.get("optimizer"), dict) else part
     step = (opt.get("state") or {}).get("common_step")  # plain optimizer
     if step is None:  # distributed optimizer: torch Adam's step kept in the param groups
         steps = {g.get("step") for g in opt.get("param_groups") or [] if g.get("step") is not None}
