@@ -139,7 +139,7 @@ def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: s
                                              "data.seq_len=16"))
     wrapped, optimizer = runtime.wrap_and_optimize(chunks, r, layout)
     g = torch.Generator().manual_seed(7 + ps.get_data_parallel_rank())
-    for step in range(2):
+    for _ in range(2):
         n = r.training.global_batch_size // layout.dp
         batches = [{"input_ids": (ids := torch.randint(0, 500, (1, 16), generator=g)), "labels": ids.clone()}
                    for _ in range(n)]
