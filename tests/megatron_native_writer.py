@@ -15,6 +15,10 @@ same launch then loads it with Megatron-Core's own `dist_checkpointing.load` at 
 (tests/megatron_dist_load_probe.py) and prints "loaded 2x1x1" and "loaded 1x2x1" when every weight matched; and
 loads the legacy checkpoints `toolkit convert --to megatron_lm` wrote (from HF_TIED at TP1 x PP2 x VPP2, from
 HF_UNTIED at TP2) into GPTModels with strict=True ("loaded legacy 1x2x2", "loaded legacy 2x1x1").
+OUT/optim_plain, OUT/optim_distopt, OUT/optim_dp_reshardable: torch_dist with the optimizer state after two Adam
+steps of Megatron-Core's own optimizer in bf16 (get_megatron_optimizer): plain at TP2, and distributed at DP2 saved as
+fully_reshardable and as dp_reshardable (Megatron-LM's default), each with live.safetensors beside it (the live
+optimizer's state by name; torch_dist_optim).
 With HF_QWEN2 and HF_QWEN3 (other families), the same launch also writes OUT/legacy_qwen2 (the legacy layout at TP2,
 args with --add-qkv-bias) and OUT/torch_dist_qwen3 (torch_dist at TP1 x PP2, args with --qk-layernorm and kv_channels
 apart from hidden_size / heads), as Megatron-LM writes those families.
@@ -37,11 +41,11 @@ from toolkit.recipe import load_recipe, resolve  # noqa: E402
 from toolkit.train.dist import init_distributed  # noqa: E402
 
 
-def recipe(hf: str, tp: int, pp: int, vpp: int):
+def recipe(hf: str, tp: int, pp: int, vpp: int, extra: tuple = ()):
     return load_recipe("tiny_zero0", ["model.preset=null", f"model.hf_path={hf}", "model.pretrained=true",
                                       "parallel.backend=megatron", f"parallel.tp={tp}", f"parallel.pp={pp}",
                                       f"parallel.vpp={vpp}", "training.global_batch_size=2",
-                                      "training.micro_batch_size=1"])
+                                      "training.micro_batch_size=1", *extra])
 
 
 def megatron_lm_args(r, layout) -> argparse.Namespace:
@@ -68,10 +72,10 @@ def megatron_lm_args(r, layout) -> argparse.Namespace:
         add_qkv_bias=m.family == "qwen2", qk_layernorm=m.family == "qwen3")  # --add-qkv-bias, --qk-layernorm
 
 
-def build(hf: str, tp: int, pp: int, vpp: int):
+def build(hf: str, tp: int, pp: int, vpp: int, extra: tuple = ()):
     from toolkit.megatron import runtime
 
-    r = recipe(hf, tp, pp, vpp)
+    r = recipe(hf, tp, pp, vpp, extra)
     layout = resolve(r, dist.get_world_size()).layout
     runtime.init_parallel(r, layout, on_gpu=False)
     chunks = runtime.build_chunks(r, layout, on_gpu=False)
@@ -120,11 +124,95 @@ def torch_dist(hf: str, out: Path, tp: int = 2, pp: int = 1) -> None:
     ps.destroy_model_parallel()
 
 
+def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: str) -> None:
+    """Two Adam steps of Megatron-Core's optimizer (get_megatron_optimizer: plain, or distributed when zero_stage is
+    1) on random tokens, then dist_checkpointing.save of {args, iteration, model, optimizer} as Megatron-LM's
+    save_checkpoint builds it, into each folder of `outs` ({folder: metadata["distrib_optim_sharding_type"] or None}).
+    Beside each, live.safetensors: Megatron's own state by name ("<name>:exp_avg", ":exp_avg_sq", ":master"), gathered
+    from the live optimizer (TP shards and, for the distributed optimizer, its data-parallel ranks' buffer ranges)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from toolkit.megatron import runtime
+
+    r, layout, chunks = build(hf, tp, 1, 1, (f"parallel.zero_stage={zero_stage}", f"training.precision={precision}",
+                                             "data.seq_len=16"))
+    wrapped, optimizer = runtime.wrap_and_optimize(chunks, r, layout)
+    g = torch.Generator().manual_seed(7 + ps.get_data_parallel_rank())
+    for _ in range(2):
+        n = r.training.global_batch_size // layout.dp
+        batches = [{"input_ids": (ids := torch.randint(0, 500, (1, 16), generator=g)), "labels": ids.clone()}
+                   for _ in range(n)]
+        runtime.train_step(wrapped, optimizer, batches, r, 1e-2, torch.device("cpu"))
+    live = _live_state(wrapped, optimizer, zero_stage == 1)
+    for out, sharding in outs.items():
+        meta = {"chained_optim_avoid_prefix": True, **({"distrib_optim_sharding_type": sharding} if sharding else {})}
+        model = wrapped[0].module.sharded_state_dict(metadata=meta)
+        args = megatron_lm_args(r, layout)
+        args.ckpt_format, args.use_distributed_optimizer = "torch_dist", zero_stage == 1
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": 2, "num_floating_point_operations_so_far": 0,
+                 "model": model, "optimizer": optimizer.sharded_state_dict(model, metadata=meta)}
+        folder = Path(out) / "iter_0000002"
+        if dist.get_rank() == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(state, str(folder))
+        if dist.get_rank() == 0:
+            from safetensors.torch import save_file
+
+            (Path(out) / "latest_checkpointed_iteration.txt").write_text("2")
+            save_file(live, str(Path(out) / "live.safetensors"))
+        dist.barrier()
+    ps.destroy_model_parallel()
+
+
+def _live_state(wrapped: list, optimizer, distributed: bool) -> dict:
+    """{local-spec name:field: full tensor} of the live optimizer's Adam moments and fp32 mains, TP shards gathered
+    along each parameter's partition_dim (which the state shares with the parameter) into Megatron's TP1 layout."""
+    from megatron.core import parallel_state as ps
+
+    module = wrapped[0].module
+    names = {p: n for n, p in module.named_parameters()}
+    out = {}
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if distributed:
+            world = o.get_parameter_state_dp_zero(return_on_all_ranks=True)
+            for gbuf_idx, buffer in enumerate(o.buffers):
+                tensors = next(iter(world[gbuf_idx].values()))
+                for p, (start, end, _) in buffer.param_index_map.items():
+                    for field, key in (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"), ("master", "param")):
+                        out[f"{names[p]}:{field}"] = tensors[key][start:end].reshape(p.shape).clone()
+        else:
+            mains = ([(p, m) for mg, fg in zip(o.float16_groups, o.fp32_from_float16_groups) for p, m in zip(mg, fg)]
+                     if hasattr(o, "float16_groups") else [(p, p) for g in o.optimizer.param_groups for p in g["params"]])
+            for p, m in mains:
+                s = o.optimizer.state[m]
+                out.update({f"{names[p]}:exp_avg": s["exp_avg"], f"{names[p]}:exp_avg_sq": s["exp_avg_sq"]})
+                if m is not p:
+                    out[f"{names[p]}:master"] = m.detach()
+    full = {}
+    tp = ps.get_tensor_model_parallel_world_size()
+    for k, v in out.items():
+        p = next(q for q, n in names.items() if n == k.split(":")[0])
+        if tp > 1 and getattr(p, "tensor_model_parallel", False):
+            parts = [torch.empty_like(v) for _ in range(tp)]
+            dist.all_gather(parts, v.contiguous(), group=ps.get_tensor_model_parallel_group())
+            if "linear_fc1." in k:  # each TP rank holds cat(its gate shard, its up shard): TP1's is cat(gate, up)
+                parts = [h for i in (0, 1) for h in (q.chunk(2, dim=0)[i] for q in parts)]
+            v = torch.cat(parts, dim=p.partition_dim)
+        full[k] = v.detach().float().contiguous().clone()
+    return full
+
+
 def main(hf_tied: str, hf_untied: str, out: str, torch_dist_iter: str | None = None, legacy_tied: str | None = None,
          legacy_untied: str | None = None, hf_qwen2: str | None = None, hf_qwen3: str | None = None) -> None:
     init_distributed(with_deepspeed=False)
     legacy(hf_tied, Path(out) / "legacy")
     torch_dist(hf_untied, Path(out) / "torch_dist")
+    # the optimizer state, plain (TP2, bf16) and distributed (DP2, bf16; Megatron-LM's two sharding types)
+    torch_dist_optim(hf_untied, {Path(out) / "optim_plain": None}, 2, 0, "bf16")
+    torch_dist_optim(hf_untied, {Path(out) / "optim_distopt": "fully_reshardable",
+                                 Path(out) / "optim_dp_reshardable": "dp_reshardable"}, 1, 1, "bf16")
     if hf_qwen2:
         legacy(hf_qwen2, Path(out) / "legacy_qwen2", tp=2, pp=1, vpp=1)
         torch_dist(hf_qwen3, Path(out) / "torch_dist_qwen3", tp=1, pp=2)

@@ -275,6 +275,8 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
             log(f"converting {source.describe()} at {src} -> {to}"
                 + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
                 + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write)")
+            if to == "megatron" and getattr(source, "optimizer_note", None):
+                log(f"optimizer state: {source.optimizer_note}")
             digests = Digests() if verify else None
             if verify:
                 import_early(family_of_config(source.config).hf_architecture)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint import megatron_lm, torch_dist
+from toolkit.checkpoint import megatron_lm, torch_dist, torch_dist_optim
 from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
 from toolkit.checkpoint.deepspeed_plain import is_plain
 from toolkit.errors import Problem, ToolkitError
@@ -299,7 +299,7 @@ class TorchDistSource(Source):
 
     kind = "Megatron torch_dist"
 
-    def __init__(self, it_dir: Path, vocab_size: int | None):
+    def __init__(self, it_dir: Path, vocab_size: int | None, weights_only: bool = False):
         self._r = torch_dist.Reader(it_dir)
         args = self._r.common.get("args")
         if args is None or not hasattr(args, "padded_vocab_size"):
@@ -335,16 +335,26 @@ class TorchDistSource(Source):
                                         "the tensors and common.pt are of different models"))
         if dims.tied:  # Megatron keeps a copy of the embeddings at pp > 1: ignored, as HF has no lm_head then
             wanted.add("output_layer.weight")
-        extra = sorted(fqn for n, fqn in self._r.names.items() if n not in wanted and not n.startswith("optimizer."))
+        extra = sorted(fqn for n, fqn in self._r.names.items() if n not in wanted
+                       and not torch_dist_optim.is_optimizer_key(fqn))
         if extra:
             problems.append(Problem("tensors", f"{len(extra)} the {dims.family} map does not know: {', '.join(extra[:6])}",
                                     f"convert a {dims.family} model (local or Transformer Engine spec)"))
+        if not weights_only and not problems:  # Adam's moments (and fp32 mains) by parameter name
+            read = {self._r.names[torch_dist.sharded_name(e.megatron_name)[0]] for e in self._entries.values()}
+            self._optim = torch_dist_optim.OptimizerState(self._r, {f: self._r.shape(f) for f in read},
+                                                          self.dtype() != torch.float32)
+            problems += self._optim.problems
+            self.fields, self.optimizer_meta = (WEIGHT, *self._optim.fields), self._optim.meta
+            self.optimizer_note = self._optim.note
         raise_problems(f"{it_dir} does not match its own arguments", problems)
 
     def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
         entry = self._entries[tuple(hf_names)]
         name, layer = torch_dist.sharded_name(entry.megatron_name)
-        return list(entry.to_hf([self._r.get(self._r.names[name], layer)]).values())
+        fqn = self._r.names[name] if field == WEIGHT else self._optim.key(field, self._r.names[name])
+        tensor = self._r.get(fqn, layer)
+        return list(entry.to_hf([tensor if field == WEIGHT else tensor.float()]).values())
 
     def dtype(self) -> torch.dtype:
         return self._r.dtype(self._r.names["embedding.word_embeddings.weight"])
@@ -434,7 +444,9 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
         meta = manifest.read_meta(src)
         backend = meta.get("backend")
         if backend == "megatron" and meta.get("checkpoint_format") == "torch_dist":  # checkpoint.format: torch_dist
-            return TorchDistSource(src, vocab_size or meta["recipe"]["model"]["vocab_size"])
+            source = TorchDistSource(src, vocab_size or meta["recipe"]["model"]["vocab_size"], weights_only)
+            source.meta, source.tag_dir = meta, src  # the run's recipe and per-rank state travel, as from a toolkit one
+            return source
         if backend == "megatron":
             return ToolkitMegatronSource(src, meta, weights_only)
         if backend == "deepspeed":
@@ -443,7 +455,7 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
     if (src / "latest_checkpointed_iteration.txt").is_file() or src.name.startswith("iter_"):
         it_dir = megatron_lm.iteration_dir(src)
         if torch_dist.is_torch_dist(it_dir):
-            return TorchDistSource(it_dir, vocab_size)
+            return TorchDistSource(it_dir, vocab_size, weights_only)
         return MegatronLMSource(src, vocab_size)
     if is_plain(src):
         raise ToolkitError(f"{src} is a plain DeepSpeed checkpoint (engine.save_checkpoint, no toolkit files): it "

@@ -83,6 +83,9 @@ class Reader:
                                    f"{info.offset}..{info.offset + info.length} of {name}, which has {sizes[name]}; "
                                    "the checkpoint is damaged or mixes two saves: re-copy it")
 
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
     def shape(self, fqn: str) -> tuple[int, ...]:
         return tuple(self._tensors[fqn].size)
 
