@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO
+from conftest import REPO, run_ranks
 
 from toolkit import cli
 from toolkit.format import manifest
@@ -56,10 +56,8 @@ def _deepspeed_run(root: Path) -> Path:
     out = root / "ds_run"
     sets = [f"output_dir={out}", "parallel.world_size=1", "model.preset=tiny", "training.steps=1",
             "checkpoint.interval=1", "training.schedule.warmup_steps=0", "logging.sample_prompt="]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "recipes/train.py", "--recipe", "tiny_zero1",
-                           *[a for s in sets for a in ("--set", s)]], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = run_ranks(["recipes/train.py", "--recipe", "tiny_zero1", *[a for s in sets for a in ("--set", s)]], 1,
+                     dict(os.environ), "python")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out / "checkpoints"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import REPO
+from conftest import REPO, run_ranks
 
 from toolkit.format import manifest
 from toolkit.errors import ToolkitError
@@ -221,10 +221,7 @@ def test_training_stops_with_a_clear_error_when_the_disk_is_full(tmp_path):
     out = tmp_path / "run"
     sets = [f"output_dir={out}", "parallel.world_size=1", "model.preset=tiny", "training.steps=3",
             "checkpoint.interval=1", "training.schedule.warmup_steps=1", "logging.sample_prompt="]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    args = [a for s in sets for a in ("--set", s)]
-    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, cwd=REPO, env=env,
-                          timeout=600)
+    proc = run_ranks([str(script), *(a for s in sets for a in ("--set", s))], 1, dict(os.environ), "python")
     root = out / "checkpoints"
     first = root / "step_00000001"
     total = manifest.total_bytes(json.loads((first / ckpt.META).read_text())["files"])

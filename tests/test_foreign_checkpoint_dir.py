@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import REPO
+from conftest import run_ranks
 from test_checkpoint_integrity import StandIn
 
 from toolkit.errors import ToolkitError
@@ -66,10 +64,8 @@ def test_training_refuses_a_checkpoint_dir_holding_a_foreign_step_folder(tmp_pat
     sets = [f"output_dir={out}", "parallel.world_size=1", "model.preset=tiny", "training.steps=3",
             "checkpoint.interval=1", "checkpoint.keep=1", "training.schedule.warmup_steps=0",
             "logging.sample_prompt="]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "recipes/train.py", "--recipe", "tiny_zero1",
-                           *[a for s in sets for a in ("--set", s)]], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
+    proc = run_ranks(["recipes/train.py", "--recipe", "tiny_zero1", *[a for s in sets for a in ("--set", s)]], 1,
+                     dict(os.environ), "python")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [f"error: {_message(root, 'step_00000001')}"], proc.stderr[-3000:]
     assert snapshot(out) == before  # refused before the run folder, its log or TensorBoard file were made

@@ -24,7 +24,7 @@ import zipfile
 
 import pytest
 import torch
-from conftest import REPO, free_port
+from conftest import REPO, run_ranks
 from safetensors.torch import load_file
 from test_families import CONFIGS, tiny_model
 
@@ -60,11 +60,8 @@ def native(tmp_path_factory):
     ours = convert(untied, root / "ours", "torch_dist", tp=2, **quiet)
     lm_tied = convert(tied, root / "lm_tied", "megatron_lm", tp=1, pp=2, vpp=2, **quiet)
     lm_untied = convert(untied, root / "lm_untied", "megatron_lm", tp=2, **quiet)
-    cmd = [str(os.path.join(os.path.dirname(sys.executable), "torchrun")), "--nproc_per_node", "2", "--master_port",
-           str(free_port()), str(WRITER), str(tied), str(untied), str(root / "out"),
-           str(ours / "iter_0000000"), str(lm_tied), str(lm_untied), str(root / "hf_qwen2"), str(root / "hf_qwen3")]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_ranks([str(WRITER), str(tied), str(untied), str(root / "out"), str(ours / "iter_0000000"), str(lm_tied),
+                      str(lm_untied), str(root / "hf_qwen2"), str(root / "hf_qwen3")], 2, dict(os.environ), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {"tied": tied, "untied": untied, "legacy": root / "out" / "legacy",
             "torch_dist": root / "out" / "torch_dist", "ours": ours, "lm_tied": lm_tied, "lm_untied": lm_untied, "stdout": proc.stdout,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO
+from conftest import REPO, run_ranks
 
 from toolkit.format import manifest, safe_load
 from toolkit.errors import ToolkitError
@@ -181,9 +181,7 @@ RUN = ["parallel.world_size=1", "model.preset=tiny", "training.steps=2", "checkp
 def _train(recipe: str, out: Path, extra: list[str]) -> subprocess.CompletedProcess:
     sets = [f"output_dir={out}", *RUN, *extra]
     args = [a for s in sets for a in ("--set", s)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "recipes/train.py", "--recipe", recipe, *args], capture_output=True,
-                          text=True, cwd=REPO, env=env, timeout=600)
+    return run_ranks(["recipes/train.py", "--recipe", recipe, *args], 1, dict(os.environ), "python")
 
 
 @pytest.mark.slow

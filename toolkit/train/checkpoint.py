@@ -305,6 +305,11 @@ def load(backend, tag_dir: Path, layout_meta: dict, micro_batch: int | None = No
                            f"layout with `{move}` and resume from NEW_DIR (checkpoint.resume), or set "
                            "checkpoint.resume: never to start fresh")
     check_model(tag_dir, meta, _running_model(backend))
+    if meta.get("weights_only"):  # written by `toolkit convert` from a source with no training state
+        raise ToolkitError(f"checkpoint {tag_dir} holds weights only: it was converted from a "
+                           f"{meta.get('converted_from', 'foreign')} checkpoint, which carries no data position and "
+                           "RNG state per rank, so training cannot resume from it; to train from its weights, convert it "
+                           "--to hf and set model.hf_path to that folder with model.pretrained: true")
     _check_pickles(tag_dir)
     state = safe_load.load(tag_dir / rank_file(0 if moved else dist.get_rank()))
     if moved:  # RNG streams cannot map onto another set of ranks: every rank takes rank 0's (no dropout here)
