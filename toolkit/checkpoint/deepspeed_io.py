@@ -202,6 +202,7 @@ class DeepSpeedSource:
         self.config, self._hf_config = hf_config.to_dict(), hf_config
         self._expected = _expected_params(hf_config)
         self._where: dict[str, object] = {}  # name -> zero-argument function returning the full tensor
+        self._pieces: dict[object, object] = {}  # a ZeRO-3 getter -> its pieces (views of the files), uncast
         bf16 = self.recipe.training.precision == "bf16"
         if self.stage == 3:
             self._open_zero3(bf16)
@@ -259,15 +260,20 @@ class DeepSpeedSource:
     def _zero3_getter(self, flats, off, chunk, shape, cast):
         n = _numel(shape)
 
-        def get() -> torch.Tensor:
-            pieces = []
+        def pieces() -> list[torch.Tensor]:
+            out = []
             for r, groups in enumerate(flats):
                 take = min(chunk, n - r * chunk)
                 if take > 0:
-                    pieces += _concat_slice(groups, off, off + take)
-            t = _cat(pieces, shape)
+                    out += _concat_slice(groups, off, off + take)
+            return out
+
+        def get() -> torch.Tensor:
+            t = _cat(pieces(), shape)
             return t.to(cast) if cast is not None else t
 
+        if cast is None:
+            self._pieces[get] = pieces
         return get
 
     def _open_zero012(self, bf16: bool) -> None:
@@ -375,6 +381,12 @@ class DeepSpeedSource:
             raise ToolkitError(f"{name!r} is not a parameter of this checkpoint's model (see names())")
         return self._where[name]().contiguous()
 
+    def pieces(self, name: str) -> list[torch.Tensor] | None:
+        """The flat views of the memory-mapped files that get(name) concatenates, in order, when it only
+        concatenates them (ZeRO-3 without a cast), so a writer can take the bytes without a copy; else None."""
+        pieces = self._pieces.get(self._where.get(name))
+        return pieces() if pieces is not None else None
+
     def __iter__(self):
         for name in self.names():
             yield name, self.get(name)
@@ -382,6 +394,7 @@ class DeepSpeedSource:
     def close(self) -> None:
         """Drop the memory-mapped rank files."""
         self._where.clear()
+        self._pieces.clear()
 
     def __enter__(self) -> Self:
         return self

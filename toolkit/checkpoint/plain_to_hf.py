@@ -134,8 +134,12 @@ def convert_plain_to_hf(src: str | Path, dst: str | Path, config: str | Path | N
             t0 = time.monotonic()
             for file, spec in zip(files, shards):
                 writer = st.Writer(tmp / file, spec, {"format": "pt"})
-                for name in spec:
-                    writer.write(name, source.get(name).to(cast[name]))
+                for name in spec:  # the file slices themselves when they need no cast (ZeRO-3 fp32 masters)
+                    pieces = source.pieces(name) if hasattr(source, "pieces") else None
+                    if pieces is not None and all(p.dtype == cast[name] for p in pieces):
+                        writer.write_pieces(name, pieces)
+                    else:
+                        writer.write(name, source.get(name).to(cast[name]))
                 writer.close()
             write_index(tmp, files, shards, total)
             _write_config(config_file, tmp, cast)
