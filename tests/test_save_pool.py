@@ -3,6 +3,7 @@ no-copy path (Writer.write_pieces): every file written equals what was given, th
 within the byte budget, and a failure anywhere is raised, not lost. Tiny tensors; well under a second."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -74,3 +75,23 @@ def test_write_pieces_writes_the_concatenation_and_refuses_wrong_bytes(tmp_path)
     w.close()
     tensors, _ = st.load(tmp_path / "a.safetensors")
     assert torch.equal(tensors["x"], full) and torch.equal(tensors["y"], flat[:2])
+
+
+def test_file_ranges_point_at_the_tensors_bytes_and_refuse_offsets_that_do_not_check_out(tmp_path):
+    from toolkit.checkpoint import pt_ranges
+
+    groups = [torch.arange(5000, dtype=torch.float32), torch.arange(3000, dtype=torch.float32) * -1]
+    torch.save({"osd": {"flat": groups, "other": torch.ones(7)}}, tmp_path / "o.pt")
+    mapped = torch.load(tmp_path / "o.pt", weights_only=True, mmap=True)["osd"]["flat"]
+    files = pt_ranges.optimizer_ranges(tmp_path / "o.pt", mapped, "flat", "osd")
+    pieces = [mapped[0][4000:], mapped[1][:10]]
+    got = pt_ranges.ranges_of(pieces, [files])
+    assert got is not None
+    data = b"".join(os.pread(fd, n, at) for fd, at, n in got)
+    assert data == torch.cat(pieces).numpy().tobytes()
+    assert pt_ranges.ranges_of([torch.zeros(3)], [files]) is None  # not a view of the file: no range
+    files.close()
+    meta = torch.load(tmp_path / "o.pt", weights_only=True, map_location="meta")["osd"]["flat"]
+    meta[1].untyped_storage()._checkpoint_offset += 4  # a wrong offset: its bytes are not the tensor's
+    wrong = pt_ranges.FileRanges(tmp_path / "o.pt", mapped, list(meta))
+    assert wrong.fd is None and pt_ranges.ranges_of(pieces, [wrong]) is None

@@ -38,6 +38,7 @@ from typing import Self
 
 import torch
 
+from toolkit.checkpoint.pt_ranges import optimizer_ranges, ranges_of
 from toolkit.errors import ToolkitError
 from toolkit.format import manifest, paths, safe_load
 from toolkit.format.names import META
@@ -237,6 +238,8 @@ class DeepSpeedSource:
             osd = load_rank_file(self._file(name))[OSD]
             self._check_partition_count(name, osd)
             flats.append(list(osd["fp32_flat_groups"]))  # memory-mapped; the rest of the file is dropped
+        if self.fp32:  # the masters are written as they are: their byte ranges, to copy file to file
+            self._files = [optimizer_ranges(self._file(n), f, "fp32_flat_groups", OSD) for n, f in zip(optim_names, flats)]
         chunks = {name: -(-_numel(shape) // self.dp) for name, shape in self._shapes.items()}
         per_rank = sum(chunks.values())
         for r, groups in enumerate(flats):
@@ -387,6 +390,10 @@ class DeepSpeedSource:
         pieces = self._pieces.get(self._where.get(name))
         return pieces() if pieces is not None else None
 
+    def file_ranges(self, pieces: list[torch.Tensor]) -> list[tuple[int, int, int]] | None:
+        """(fd, offset, count) in the rank files of each of pieces(name), for a file-to-file copy; None if unknown."""
+        return ranges_of(pieces, getattr(self, "_files", []))
+
     def __iter__(self):
         for name in self.names():
             yield name, self.get(name)
@@ -395,6 +402,8 @@ class DeepSpeedSource:
         """Drop the memory-mapped rank files."""
         self._where.clear()
         self._pieces.clear()
+        for f in getattr(self, "_files", []):
+            f.close()
 
     def __enter__(self) -> Self:
         return self

@@ -137,7 +137,11 @@ def convert_plain_to_hf(src: str | Path, dst: str | Path, config: str | Path | N
                 for name in spec:  # the file slices themselves when they need no cast (ZeRO-3 fp32 masters)
                     pieces = source.pieces(name) if hasattr(source, "pieces") else None
                     if pieces is not None and all(p.dtype == cast[name] for p in pieces):
-                        writer.write_pieces(name, pieces)
+                        ranges = source.file_ranges(pieces)  # file to file, in the kernel, when found
+                        if ranges:
+                            writer.write_ranges(name, ranges)
+                        else:
+                            writer.write_pieces(name, pieces)
                     else:
                         writer.write(name, source.get(name).to(cast[name]))
                 writer.close()

@@ -9,6 +9,7 @@ thread count. The first failure stops the pool and is raised by the next submit(
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Callable
@@ -36,10 +37,22 @@ def save_checked(obj, file: Path) -> None:
                            "written")
 
 
+def _return_freed_memory() -> None:
+    """Buffers of 1 MiB and more from their own memory maps, given back to the system when freed. Otherwise glibc
+    keeps freed tensors under its dynamic mmap threshold (up to 32 MiB: most per-parameter tensors) in each
+    thread's malloc arena, and with several writer threads hundreds of MiB stay resident after they are freed."""
+    try:
+        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (glibc); elsewhere there is no mallopt
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
 class SavePool:
     """submit(file, make, nbytes): save_checked(make(), file) on a worker thread; close() waits for all of them."""
 
     def __init__(self, threads: int = THREADS, budget: int = BUDGET):
+        if threads > 1:
+            _return_freed_memory()
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="toolkit-save")
         self._budget, self._free = budget, budget
         self._cond = threading.Condition()
