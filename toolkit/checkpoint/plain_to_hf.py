@@ -5,7 +5,7 @@ The config comes from `--config` (a Hugging Face folder or its config.json), els
 checkpoint folder or its tag folder. Before anything is written, the checkpoint's names and shapes are checked
 against the model that config builds (on the meta device: no memory). Then one tensor at a time is read (memory-
 mapped rank files, only its slices), written at its offset into sharded safetensors (5 GiB, index), read back and
-compared bit for bit, and the folder is loaded with `from_pretrained` and every tensor compared again. The output
+compared bit for bit (ZeRO-3 fp32 masters, which need no cast, are copied file to file: pt_ranges.py), and the folder is loaded with `from_pretrained` and every tensor compared again. The output
 is built in a hidden folder beside DST and moved into place only when all of that passed (output.py).
 """
 from __future__ import annotations
