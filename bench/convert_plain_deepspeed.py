@@ -5,6 +5,7 @@ run.
     python bench/convert_plain_deepspeed.py                  # a 0.13B Llama, ZeRO-3 bf16 on 2 CPU ranks
     python bench/convert_plain_deepspeed.py --size 0.7b      # 0.74B (needs ~16 GB RAM to train the checkpoint)
     python bench/convert_plain_deepspeed.py --size tiny      # seconds; the test suite's smoke run
+    python bench/convert_plain_deepspeed.py --checkpoint WORK/ckpt   # time a checkpoint an earlier run trained
 
 The checkpoint is written by tests/plain_deepspeed_train.py (plain `deepspeed.initialize` + `engine.save_checkpoint`,
 no toolkit code; one training step). Then, each in a fresh process whose peak resident memory is read from the
@@ -172,6 +173,8 @@ def main(argv=None) -> int:
     ap.add_argument("--size", choices=list(SIZES), default="0.1b")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--checkpoint", default=None, help="time this checkpoint (a folder an earlier run of this "
+                    "script trained, WORK/ckpt, with WORK/ckpt.config beside it) instead of training one")
     ap.add_argument("--compare", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--compare-universal", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -182,18 +185,19 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="bench_plain_ds_") as work:
         work = Path(work)
         t0 = time.perf_counter()
-        ckpt = train(work, args.size)
+        ckpt = Path(args.checkpoint) if args.checkpoint else train(work, args.size)
+        config = ckpt.parent / f"{ckpt.name}.config"
         tag = ckpt / (ckpt / "latest").read_text().strip()
         params = sum(n for g in _param_shapes(tag) for n in g)
-        print(f"{args.size}: {params / 1e9:.3f}B parameters, ZeRO-3 bf16 checkpoint on 2 ranks, "
-              f"{folder_bytes(tag) / 2**30:.2f} GiB, trained and "
-              f"saved in {time.perf_counter() - t0:.0f} s", flush=True)
+        made = f"given ({ckpt})" if args.checkpoint else f"trained and saved in {time.perf_counter() - t0:.0f} s"
+        print(f"{params / 1e9:.3f}B parameters, ZeRO-3 bf16 checkpoint on 2 ranks, {folder_bytes(tag) / 2**30:.2f} "
+              f"GiB, {made}", flush=True)
         steps = [
             ("cp", ["bash", "-c", f"cp -r {tag} {work / 'copy'} && sync {work / 'copy'}/*"], work / "copy"),
             ("zero_to_fp32.py", [sys.executable, str(ckpt / "zero_to_fp32.py"), str(ckpt), str(work / "z2f"),
                                  "--safe_serialization"], work / "z2f"),
             ("toolkit convert", [sys.executable, "-m", "toolkit", "convert", str(ckpt), str(work / "hf"), "--to",
-                                 "hf", "--fp32", "--no-verify", "--quiet", "--config", str(work / "ckpt.config")],
+                                 "hf", "--fp32", "--no-verify", "--quiet", "--config", str(config)],
              work / "hf"),
             ("ds_to_universal", [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                                  str(tag), "--output_folder", str(work / "dsu" / tag.name), "--inject_missing_state"],

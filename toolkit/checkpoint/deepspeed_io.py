@@ -38,6 +38,7 @@ from typing import Self
 
 import torch
 
+from toolkit.checkpoint.pt_ranges import optimizer_ranges, ranges_of
 from toolkit.errors import ToolkitError
 from toolkit.format import manifest, paths, safe_load
 from toolkit.format.names import META
@@ -202,6 +203,7 @@ class DeepSpeedSource:
         self.config, self._hf_config = hf_config.to_dict(), hf_config
         self._expected = _expected_params(hf_config)
         self._where: dict[str, object] = {}  # name -> zero-argument function returning the full tensor
+        self._pieces: dict[object, object] = {}  # a ZeRO-3 getter -> its pieces (views of the files), uncast
         bf16 = self.recipe.training.precision == "bf16"
         if self.stage == 3:
             self._open_zero3(bf16)
@@ -236,6 +238,8 @@ class DeepSpeedSource:
             osd = load_rank_file(self._file(name))[OSD]
             self._check_partition_count(name, osd)
             flats.append(list(osd["fp32_flat_groups"]))  # memory-mapped; the rest of the file is dropped
+        if self.fp32:  # the masters are written as they are: their byte ranges, to copy file to file
+            self._files = [optimizer_ranges(self._file(n), f, "fp32_flat_groups", OSD) for n, f in zip(optim_names, flats)]
         chunks = {name: -(-_numel(shape) // self.dp) for name, shape in self._shapes.items()}
         per_rank = sum(chunks.values())
         for r, groups in enumerate(flats):
@@ -259,15 +263,20 @@ class DeepSpeedSource:
     def _zero3_getter(self, flats, off, chunk, shape, cast):
         n = _numel(shape)
 
-        def get() -> torch.Tensor:
-            pieces = []
+        def pieces() -> list[torch.Tensor]:
+            out = []
             for r, groups in enumerate(flats):
                 take = min(chunk, n - r * chunk)
                 if take > 0:
-                    pieces += _concat_slice(groups, off, off + take)
-            t = _cat(pieces, shape)
+                    out += _concat_slice(groups, off, off + take)
+            return out
+
+        def get() -> torch.Tensor:
+            t = _cat(pieces(), shape)
             return t.to(cast) if cast is not None else t
 
+        if cast is None:
+            self._pieces[get] = pieces
         return get
 
     def _open_zero012(self, bf16: bool) -> None:
@@ -375,6 +384,16 @@ class DeepSpeedSource:
             raise ToolkitError(f"{name!r} is not a parameter of this checkpoint's model (see names())")
         return self._where[name]().contiguous()
 
+    def pieces(self, name: str) -> list[torch.Tensor] | None:
+        """The flat views of the memory-mapped files that get(name) concatenates, in order, when it only
+        concatenates them (ZeRO-3 without a cast), so a writer can take the bytes without a copy; else None."""
+        pieces = self._pieces.get(self._where.get(name))
+        return pieces() if pieces is not None else None
+
+    def file_ranges(self, pieces: list[torch.Tensor]) -> list[tuple[int, int, int]] | None:
+        """(fd, offset, count) in the rank files of each of pieces(name), for a file-to-file copy; None if unknown."""
+        return ranges_of(pieces, getattr(self, "_files", []))
+
     def __iter__(self):
         for name in self.names():
             yield name, self.get(name)
@@ -382,6 +401,9 @@ class DeepSpeedSource:
     def close(self) -> None:
         """Drop the memory-mapped rank files."""
         self._where.clear()
+        self._pieces.clear()
+        for f in getattr(self, "_files", []):
+            f.close()
 
     def __enter__(self) -> Self:
         return self

@@ -109,6 +109,7 @@ class PlainDeepSpeedSource(DeepSpeedSource):
             raise ToolkitError(f"{self.tag_dir}: a ZeRO-0 checkpoint records no parameter names for its fp32 master "
                                "weights (no param_shapes); convert its model states (drop --fp32)")
         self._where: dict[str, object] = {}
+        self._pieces: dict[object, object] = {}  # see DeepSpeedSource.pieces
         if self.stage == 3:
             self._open_zero3(bf16)
         else:

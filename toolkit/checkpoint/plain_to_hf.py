@@ -5,7 +5,7 @@ The config comes from `--config` (a Hugging Face folder or its config.json), els
 checkpoint folder or its tag folder. Before anything is written, the checkpoint's names and shapes are checked
 against the model that config builds (on the meta device: no memory). Then one tensor at a time is read (memory-
 mapped rank files, only its slices), written at its offset into sharded safetensors (5 GiB, index), read back and
-compared bit for bit, and the folder is loaded with `from_pretrained` and every tensor compared again. The output
+compared bit for bit (ZeRO-3 fp32 masters, which need no cast, are copied file to file: pt_ranges.py), and the folder is loaded with `from_pretrained` and every tensor compared again. The output
 is built in a hidden folder beside DST and moved into place only when all of that passed (output.py).
 """
 from __future__ import annotations
@@ -134,8 +134,16 @@ def convert_plain_to_hf(src: str | Path, dst: str | Path, config: str | Path | N
             t0 = time.monotonic()
             for file, spec in zip(files, shards):
                 writer = st.Writer(tmp / file, spec, {"format": "pt"})
-                for name in spec:
-                    writer.write(name, source.get(name).to(cast[name]))
+                for name in spec:  # the file slices themselves when they need no cast (ZeRO-3 fp32 masters)
+                    pieces = source.pieces(name) if hasattr(source, "pieces") else None
+                    if pieces is not None and all(p.dtype == cast[name] for p in pieces):
+                        ranges = source.file_ranges(pieces)  # file to file, in the kernel, when found
+                        if ranges:
+                            writer.write_ranges(name, ranges)
+                        else:
+                            writer.write_pieces(name, pieces)
+                    else:
+                        writer.write(name, source.get(name).to(cast[name]))
                 writer.close()
             write_index(tmp, files, shards, total)
             _write_config(config_file, tmp, cast)

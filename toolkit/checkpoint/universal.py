@@ -21,8 +21,9 @@ difference from ds_to_universal.py, on purpose: its ZeRO-3 optimizer_state.pt ca
 file (fp32 partition and moments included, unused by the loader); ours keeps only what the loader reads (the
 step, param_groups, loss-scaler state), so memory stays that of one parameter.
 
-Writing streams one parameter at a time from memory-mapped rank files read through the allow-listed loader
-(toolkit/format/safe_load.py); each file written is read back and compared. The output is built in a hidden
+Writing streams from memory-mapped rank files read through the allow-listed loader (toolkit/format/safe_load.py):
+each state file is made, written and read back and compared on one of a few threads (save_pool.py), with the
+tensors alive at once bounded in bytes. The output is built in a hidden
 folder beside OUT and moved into place only when complete (output.py).
 """
 from __future__ import annotations
@@ -49,6 +50,7 @@ from toolkit.checkpoint.deepspeed_io import (
     zero3_model_states,
 )
 from toolkit.checkpoint.deepspeed_plain import PlainDeepSpeedSource, _stage_of, is_plain, resolve_tag
+from toolkit.checkpoint.save_pool import SavePool
 from toolkit.checkpoint.sources import follow_pointer
 from toolkit.errors import ToolkitError
 from toolkit.format import manifest, paths, safe_load
@@ -220,7 +222,8 @@ def _tag_of(src: Path) -> Path:
 
 
 def _save(obj, file: Path) -> None:
-    """torch.save, then read back through the allow-listed loader and compared."""
+    """torch.save, then read back through the allow-listed loader (DeepSpeed's records) and compared; in this thread
+    (the per-parameter files go through save_pool.SavePool)."""
     file.parent.mkdir(parents=True, exist_ok=True)
     torch.save(obj, file)
     back = safe_load.load(file, mmap=True, deepspeed=True)
@@ -253,23 +256,28 @@ def _zero12(tag: Path, zero: Path, models: list[str], optims: list[str], dp: int
     osds = _osds(tag, optims)
     paddings = osds[0].get("param_alignment_paddings") or [None] * len(states["param_shapes"])
     written = set()
-    for g, shapes in enumerate(states["param_shapes"]):
-        shapes = OrderedDict((k, tuple(v)) for k, v in shapes.items())
-        layout = _Zero12Layout(shapes, paddings[g], dp)
-        base = [_moments(o["base_optimizer_state"]["state"][g], f"{optims[r]} group {g}") for r, o in enumerate(osds)]
-        parts = {"fp32": [o[FP32_PARTITIONS][g] for o in osds], "exp_avg": [b["exp_avg"] for b in base],
-                 "exp_avg_sq": [b["exp_avg_sq"] for b in base]}
-        step = base[0].get("step")
-        for name, (off, n) in layout.offsets.items():
-            for key in STATES:
-                t = _cat(layout.gather(parts[key], off, off + n, layout.partition), shapes[name])
-                _save({"cat_dim": 0, "param": t}, zero / name / f"{key}.pt")  # torch.cat made it: a fresh tensor
-            if step is not None:
-                _save(step.clone() if torch.is_tensor(step) else step, zero / name / "step.pt")
-            written.add(name)
-    for name, t in (states.get("module") or {}).items():  # no optimizer state: the model-states value, as fp32
-        if name not in written:
-            _save({"param": t.float()}, zero / name / "fp32.pt")
+    with SavePool() as pool:
+        for g, shapes in enumerate(states["param_shapes"]):
+            shapes = OrderedDict((k, tuple(v)) for k, v in shapes.items())
+            layout = _Zero12Layout(shapes, paddings[g], dp)
+            base = [_moments(o["base_optimizer_state"]["state"][g], f"{optims[r]} group {g}")
+                    for r, o in enumerate(osds)]
+            parts = {"fp32": [o[FP32_PARTITIONS][g] for o in osds], "exp_avg": [b["exp_avg"] for b in base],
+                     "exp_avg_sq": [b["exp_avg_sq"] for b in base]}
+            step = base[0].get("step")
+            for name, (off, n) in layout.offsets.items():
+                (zero / name).mkdir(parents=True, exist_ok=True)
+                for key in STATES:
+                    pieces = layout.gather(parts[key], off, off + n, layout.partition)
+                    pool.submit(zero / name / f"{key}.pt", lambda p=pieces, s=shapes[name]: {"cat_dim": 0,
+                                "param": _cat(p, s)}, n * parts[key][0].element_size())  # torch.cat: a fresh tensor
+                if step is not None:
+                    pool.submit(zero / name / "step.pt", lambda st=step: st.clone() if torch.is_tensor(st) else st, 0)
+                written.add(name)
+        for name, t in (states.get("module") or {}).items():  # no optimizer state: the model-states value, as fp32
+            if name not in written:
+                (zero / name).mkdir(parents=True, exist_ok=True)
+                pool.submit(zero / name / "fp32.pt", lambda t=t: {"param": t.float()}, 4 * t.numel())
     opt = {k: v for k, v in osds[0].items() if k not in _SHARDED_ZERO12}
     opt["param_groups"] = osds[0]["base_optimizer_state"]["param_groups"]
     _save(opt, zero / OPTIMIZER_STATE)
@@ -280,22 +288,26 @@ def _zero3(tag: Path, zero: Path, models: list[str], optims: list[str], dp: int)
     states = load_rank_file(tag / models[0])
     osds = _osds(tag, optims)
     count = 0
-    for idx, shapes in enumerate(states["param_shapes"]):
-        flats = {"fp32": [o["fp32_flat_groups"][idx] for o in osds]}
-        inner = [_moments(o[OSD]["state"][idx], f"{optims[r]} sub-group {idx}") for r, o in enumerate(osds)]
-        flats.update(exp_avg=[s["exp_avg"] for s in inner], exp_avg_sq=[s["exp_avg_sq"] for s in inner])
-        off = 0
-        for name, shape in shapes.items():
-            n = _numel(shape)
-            chunk = -(-n // dp)
-            for key in STATES:
-                pieces = []
-                for r in range(dp):
-                    take = max(0, min(chunk, n - r * chunk))
-                    pieces += _concat_slice([flats[key][r]], off, off + take) if take else []
-                _save(torch.cat(pieces), zero / name / f"{key}.pt")  # a fresh tensor, not a view of the file
-            off += chunk
-            count += 1
+    with SavePool() as pool:
+        for idx, shapes in enumerate(states["param_shapes"]):
+            flats = {"fp32": [o["fp32_flat_groups"][idx] for o in osds]}
+            inner = [_moments(o[OSD]["state"][idx], f"{optims[r]} sub-group {idx}") for r, o in enumerate(osds)]
+            flats.update(exp_avg=[s["exp_avg"] for s in inner], exp_avg_sq=[s["exp_avg_sq"] for s in inner])
+            off = 0
+            for name, shape in shapes.items():
+                n = _numel(shape)
+                chunk = -(-n // dp)
+                (zero / name).mkdir(parents=True, exist_ok=True)
+                for key in STATES:
+                    pieces = []
+                    for r in range(dp):
+                        take = max(0, min(chunk, n - r * chunk))
+                        pieces += _concat_slice([flats[key][r]], off, off + take) if take else []
+                    # torch.cat makes a fresh tensor (not a view of the file), in the worker thread
+                    pool.submit(zero / name / f"{key}.pt", lambda p=pieces: torch.cat(p),
+                                n * flats[key][0].element_size())
+                off += chunk
+                count += 1
     opt = {k: v for k, v in osds[0].items() if k != "fp32_flat_groups"}
     inner = opt[OSD]
     opt[OSD] = {**inner, "state": {k: {s: v for s, v in st.items() if s == "step"} for k, st in inner["state"].items()}}

@@ -139,6 +139,17 @@ def load(path: Path, mmap: bool = False, deepspeed: bool | None = None, map_loca
         raise refusal(path, e) from None
 
 
+def load_tensors(path: Path):
+    """torch.load(path) as weights only, memory-mapped, with nothing added to torch's own allow-list (tensors and
+    plain containers only): safe to call from several threads at once, as load() is not (torch's safe_globals
+    context is process-wide)."""
+    path = Path(path)
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ... here
+        raise refusal(path, e) from None
+
+
 def check_file(path: Path) -> str | None:
     """None when `path` unpickles as weights only, else why not. Memory-mapped: only the pickle is read."""
     try:

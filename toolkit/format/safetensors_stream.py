@@ -204,6 +204,24 @@ class Writer:
         self._pending.discard(name)
         return data.size
 
+    def write_pieces(self, name: str, pieces: list[torch.Tensor]) -> int:
+        """Write one declared tensor as the concatenation of flat `pieces` (e.g. views of memory-mapped files), each
+        handed to the kernel as it is: no concatenated copy is made. Returns the byte count."""
+        info = self._take(name)
+        begin, stop = info["data_offsets"]
+        if any(dtype_name(p.dtype) != info["dtype"] for p in pieces) or \
+                sum(p.numel() * p.element_size() for p in pieces) != stop - begin:
+            raise ToolkitError(f"{self.path}: {name} takes {stop - begin} bytes of {info['dtype']}, the pieces to "
+                               f"write hold {sum(p.numel() * p.element_size() for p in pieces)} of "
+                               f"{sorted({str(p.dtype) for p in pieces})}")
+        at = self._base + begin
+        for p in pieces:
+            data = p.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            _pwrite_all(self._f.fileno(), memoryview(data), at)
+            at += data.size
+        self._pending.discard(name)
+        return stop - begin
+
     def write_ranges(self, name: str, ranges: list[tuple[int | None, int, int]]) -> int:
         """Write one declared tensor as byte ranges of other files, in order: (file descriptor, offset, count), or
         (None, 0, count) for zeros. The bytes go file to file in the kernel (os.copy_file_range), never through
