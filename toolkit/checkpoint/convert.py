@@ -79,12 +79,14 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None, field: str) -> torch.Tenso
 class _WriteBehind:
     """Writes run on one background thread (pwrite releases the GIL)
     while the next parameter is read and split. At most `depth` parameters wait to be written, so memory stays a few
-    parameters' worth. `seconds` adds up the thread's time in writes."""
+    parameters' worth. `seconds` adds up the thread's time in writes. Files that hash themselves as they are written
+    (Writer.track_hash) are caught up on a second thread after each write, overlapped with the next ones."""
 
     def __init__(self, bar: Progress, depth: int = 2):
 
         self.pool, self.pending, self.bar, self.depth = ThreadPoolExecutor(1), [], bar, depth
-        self.seconds = 0.0
+        self.hasher, self.hashing = ThreadPoolExecutor(1), []
+        self.seconds = self.hash_seconds = 0.0
 
     def submit(self, writes: list) -> None:
         while len(self.pending) >= self.depth:
@@ -95,7 +97,17 @@ class _WriteBehind:
         t0 = time.monotonic()
         n = sum(w.write_ranges(k, t) if isinstance(t, list) else w.write(k, t) for w, k, t in writes)
         self.seconds += time.monotonic() - t0
+        touched = list({id(w): w for w, _, _ in writes if getattr(w, "_hash", None) is not None}.values())
+        if touched:
+            self.hashing = [f for f in self.hashing if not f.done() or f.result()]  # result() raises its error
+            self.hashing.append(self.hasher.submit(self._catch_up, touched))
         return n
+
+    def _catch_up(self, writers: list) -> None:
+        t0 = time.monotonic()
+        for w in writers:
+            w.catch_up()
+        self.hash_seconds += time.monotonic() - t0
 
     def __enter__(self) -> _WriteBehind:
         return self
@@ -106,6 +118,10 @@ class _WriteBehind:
                 self.bar.add(self.pending.pop(0).result())
         finally:
             self.pool.shutdown(wait=True, cancel_futures=True)
+            self.hasher.shutdown(wait=True, cancel_futures=exc_type is not None)
+        if exc_type is None:
+            for f in self.hashing:
+                f.result()
 
 
 class HFTarget:
@@ -184,6 +200,8 @@ class MegatronTarget:
                 spec = {f"{k}:{f}": (shape, torch.float32) for k, shape in shapes.items() for f in extra}
                 self.writers[(*rank, "optim")] = st.Writer(optim_file(self.tag_dir, t, p, e), spec, optim_meta)
                 self.total += sum(st.nbytes(s, d) for s, d in spec.values())
+        for w in self.writers.values():  # the manifest's digests are taken as the files are written
+            w.track_hash(manifest.DIGEST)
 
     def writes(self, entry, field: str, hf_tensors: list[torch.Tensor]) -> list[tuple[st.Writer, str, torch.Tensor]]:
         """(file, key, shard) for each TP rank's shard of this parameter."""
@@ -195,11 +213,12 @@ class MegatronTarget:
                 for t, piece in enumerate(pieces) for e in holders(entry, self.ep)]
 
     def close(self) -> None:
-        for w in self.writers.values():
-            w.close()
-        self._finish()
+        writers = list(self.writers.values())
+        with ThreadPoolExecutor(max(1, min(len(writers), 4))) as pool:  # fsync the files in parallel
+            list(pool.map(lambda w: w.close(), writers))
+        self._finish({w.path.name: w.manifest_entry() for w in writers})
 
-    def _finish(self) -> None:
+    def _finish(self, known: dict[str, dict]) -> None:
         """Per-rank toolkit state (when the source has it), then the meta with its manifest, then the pointer."""
 
         tp, pp, vpp = self.layout
@@ -227,7 +246,7 @@ class MegatronTarget:
                 # The data position is per data-parallel rank and dp is unchanged; RNG streams cannot map onto a
                 # new set of ranks, so every rank starts from rank 0's (the families have no dropout; sampling is seeded).
                 torch.save(state, self.tag_dir / f"toolkit_rank{rank:05d}.pt")
-        meta["files"] = manifest.complete(self.tag_dir, {})
+        meta["files"] = manifest.complete(self.tag_dir, known)
         (self.tag_dir / META).write_text(json.dumps(meta, indent=2, default=str))
         (self.root / POINTER).write_text(self.tag_dir.name)
 
@@ -262,9 +281,9 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     if ep > 1 and to != "megatron":
         raise ToolkitError(f"--ep {ep}: expert-parallel files are written in the toolkit's Megatron layout only; "
                            "use --to megatron (torch_dist and megatron_lm targets take --ep 1)")
-    source = open_source(src, vocab_size, fp32, weights_only)
+    source, check = _open_checking(src, vocab_size, fp32, weights_only)
     try:
-        with output.scratch_folder(dst, "partial") as tmp:
+        with output.scratch_folder(dst, "partial") as tmp, check:
             cast = DTYPES[dtype] if dtype else None
             target = (HFTarget(tmp, source, cast) if to == "hf"
                       else TorchDistTarget(tmp, source, tp, pp, vpp, cast) if to == "torch_dist"
@@ -280,7 +299,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
             digests = Digests() if verify else None
             if verify:
                 import_early(family_of_config(source.config).hf_architecture)
-            _write(source, target, cast, pp, vpp, progress, log, verbose, digests)
+            _write(source, target, cast, pp, vpp, progress, log, verbose, digests, check)
             if verify:
                 t0 = time.monotonic()
                 _verify(source, tmp if to == "hf" else target.tag_dir, target.fields, cast, log, digests,
@@ -293,8 +312,44 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     return dst
 
 
+class _SourceCheck:
+    """A toolkit checkpoint source's checksums, checked on a background thread while the conversion reads it
+    (open_source checked its manifest's sizes). wait() raises what the manifest check found; so does leaving the
+    block on any error: a damaged source is reported as damaged, whatever failed first, and nothing is written."""
+
+    def __init__(self, folder: Path | None):
+        self.folder, self.pool = folder, ThreadPoolExecutor(1) if folder is not None else None
+        self.future = self.pool.submit(manifest.verify, folder) if self.pool else None
+
+    def wait(self) -> None:
+        problems = self.future.result() if self.future else []
+        if problems:
+            raise ToolkitError(f"{self.folder} is not a complete checkpoint: {'; '.join(problems)}")
+
+    def __enter__(self) -> _SourceCheck:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        try:
+            if exc_type is not None and issubclass(exc_type, Exception):
+                self.wait()
+        finally:
+            if self.pool:
+                self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _open_checking(src: Path, vocab_size, fp32: bool, weights_only: bool) -> tuple[Source, _SourceCheck]:
+    """The source, its checksums hashed in the background (_SourceCheck); a source that does not open is opened
+    again with its checksums checked first, so a damaged file is reported as that."""
+    try:
+        source = open_source(src, vocab_size, fp32, weights_only, checksums=False)
+    except ToolkitError:
+        source = open_source(src, vocab_size, fp32, weights_only)
+    return source, _SourceCheck(source.unchecked)
+
+
 def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log, verbose: bool = False,
-           digests: Digests | None = None) -> None:
+           digests: Digests | None = None, check: _SourceCheck | None = None) -> None:
     t0 = time.monotonic()
     bar = Progress(target.total, progress)
     read_s = split_s = 0.0
@@ -322,6 +377,8 @@ def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log,
                 behind.submit(writes)
                 del hf, writes
             release()  # what glibc kept of the tensors freed so far goes back: memory does not creep with layers
+        if check is not None:  # before the last writes are counted: a damaged source prints no "done" progress line
+            check.wait()
     t3 = time.monotonic()
     writers = getattr(target, "writers", [])
     writers = list(writers.values() if isinstance(writers, dict) else writers)
@@ -331,7 +388,8 @@ def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log,
     if verbose:
         log(f"phases: read {read_s - (digests.seconds if digests else 0):.1f} s, hash "
             f"{digests.seconds if digests else 0:.1f} s, split {split_s:.1f} s (main thread); write {behind.seconds:.1f} "
-            f"s (writer thread, overlapped); close/fsync/manifest "
+            f"s (writer thread, overlapped); manifest-hash {behind.hash_seconds:.1f} s (hash thread, overlapped); "
+            f"close/fsync/manifest "
             f"{time.monotonic() - t3:.1f} s")
         log(f"copied file to file: {kernel / 2**20:.1f} MiB by copy_file_range, {user / 2**20:.1f} MiB through a "
             f"buffer where the kernel would not copy (of {target.total / 2**30:.2f} GiB)")

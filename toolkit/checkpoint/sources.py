@@ -60,6 +60,7 @@ class Source:
     divisible_by: int = 128
     layout: tuple[int, int, int] | None = None  # (tp, pp, vpp) of sharded sources
     ep: int = 1  # expert-parallel size of a sharded source (mixture-of-experts families)
+    unchecked: Path | None = None  # a toolkit checkpoint folder whose checksums are still to check (open_source)
 
     def dims(self, tp: int = 1) -> Dims:
         return dims_from_hf(self.config, tp, self.divisible_by)
@@ -428,8 +429,11 @@ def refusal(src: Path, vocab_size: int | None = None) -> str | None:
     return None
 
 
-def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, weights_only: bool = False) -> Source:
-    """The right source for a path, from its own files."""
+def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, weights_only: bool = False,
+                checksums: bool = True) -> Source:
+    """The right source for a path, from its own files. checksums=False checks a toolkit checkpoint's manifest by
+    sizes only and leaves its folder in `source.unchecked`: the caller must hash it (manifest.verify) before it
+    trusts what it read (toolkit convert does it while it converts)."""
 
     paths.resolve(src)  # a link that loops: one line, not a traceback
     if not src.exists():
@@ -438,7 +442,7 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
         return HFSource(src)
     src = follow_pointer(src)
     if (src / META).is_file() or src.name.startswith("step_"):
-        problems = manifest.verify(src)
+        problems = manifest.verify(src, checksums)
         if problems:
             raise ToolkitError(f"{src} is not a complete checkpoint: {'; '.join(problems)}")
         meta = manifest.read_meta(src)
@@ -446,12 +450,14 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
         if backend == "megatron" and meta.get("checkpoint_format") == "torch_dist":  # checkpoint.format: torch_dist
             source = TorchDistSource(src, vocab_size or meta["recipe"]["model"]["vocab_size"], weights_only)
             source.meta, source.tag_dir = meta, src  # the run's recipe and per-rank state travel, as from a toolkit one
-            return source
-        if backend == "megatron":
-            return ToolkitMegatronSource(src, meta, weights_only)
-        if backend == "deepspeed":
-            return DeepSpeedHFSource(src, meta, fp32)
-        raise ToolkitError(f"{src / META} names backend {backend!r}; expected megatron or deepspeed")
+        elif backend == "megatron":
+            source = ToolkitMegatronSource(src, meta, weights_only)
+        elif backend == "deepspeed":
+            source = DeepSpeedHFSource(src, meta, fp32)
+        else:
+            raise ToolkitError(f"{src / META} names backend {backend!r}; expected megatron or deepspeed")
+        source.unchecked = None if checksums else src
+        return source
     if (src / "latest_checkpointed_iteration.txt").is_file() or src.name.startswith("iter_"):
         it_dir = megatron_lm.iteration_dir(src)
         if torch_dist.is_torch_dist(it_dir):

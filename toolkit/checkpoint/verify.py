@@ -1,7 +1,7 @@
 """Verification of `toolkit convert`'s output, in memory bounded by one decoder layer plus the embeddings, at any
 model size. Two checks, both on by default; any difference fails the conversion before anything reaches DST.
 
-Bit-exact read-back: every Hugging Face tensor the source hands out is hashed (SHA-256, after the requested cast)
+Bit-exact read-back: every Hugging Face tensor the source hands out is hashed (xxh3-128, after the requested cast)
 as it is read for writing (`Digests`); afterwards the output is read back through its own reader,
 tensor by tensor, and each must hash the same. The source is read once, not twice.
 
@@ -78,13 +78,24 @@ def cast(t: torch.Tensor, dtype: torch.dtype | None, field: str = WEIGHT) -> tor
     return t.to(dtype) if dtype is not None and field == WEIGHT else t
 
 
+try:  # xxh3-128 (xxhash, a dependency of `datasets`): about 7x SHA-256's speed here; else SHA-256
+    from xxhash import xxh3_128 as _hash
+
+    HASH_NAME = "xxh3-128"
+except ImportError:
+    _hash, HASH_NAME = hashlib.sha256, "SHA-256"
+"""These digests never leave the process (a source tensor against its read-back, within one conversion), so a
+fast non-cryptographic hash is enough: what they catch is a conversion or reader error, not an adversary."""
+
+
 def digest(t: torch.Tensor) -> str:
     data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return hashlib.sha256(memoryview(data)).hexdigest()  # hashlib releases the GIL on large buffers
+    return _hash(memoryview(data)).hexdigest()  # both release the GIL on large buffers
 
 
 class Digests:
-    """SHA-256 of each (HF name, field) the conversion wrote, taken from the source's tensors as they are written."""
+    """The digest (HASH_NAME) of each (HF name, field) the conversion wrote, taken from the source's tensors as they
+    are written."""
 
     def __init__(self):
         self.of: dict[tuple[str, str], str] = {}
@@ -119,7 +130,7 @@ def read_back(source: Source, written: Path, fields: tuple[str, ...], digests: D
         count = sum(map(check, jobs))  # one at a time: two threads were no faster here and held two parameters
     finally:
         again.close()
-    log(f"verified: {count} tensors read back bit-exactly (SHA-256 against the source's, "
+    log(f"verified: {count} tensors read back bit-exactly ({HASH_NAME} against the source's, "
         f"{time.monotonic() - t0:.1f} s)")
 
 

@@ -10,6 +10,7 @@ standard: `safetensors.safe_open` and `transformers` read them.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import struct
@@ -174,7 +175,9 @@ class Writer:
         raw += b" " * (-(8 + len(raw)) % _ALIGN)
         self._base, self._header, self._pending, self._size = 8 + len(raw), header, set(specs), 8 + len(raw) + offset
         self.kernel_bytes = self.user_bytes = 0  # what write_ranges copied in the kernel, and through user space
-        self._f = self.path.open("wb")
+        self._order, self._next, self._frontier = list(specs), 0, self._base  # bytes [0, _frontier) are all written
+        self._hash, self._hashed = None, 0
+        self._f = self.path.open("w+b")  # read too: track_hash reads the written bytes back
         self._f.write(struct.pack("<Q", len(raw)) + raw)
         self._f.flush()
 
@@ -183,6 +186,38 @@ class Writer:
         info = self._header[name]
         begin, stop = info["data_offsets"]
         return tuple(info["shape"]), _DTYPES[info["dtype"]], stop - begin
+
+    def track_hash(self, algorithm: str) -> None:
+        """Hash the file as it is written: catch_up() (on any one thread) hashes the bytes written so far in file
+        order, read back while they are still in the page cache, so the digest is ready when the last write lands."""
+        self._hash = hashlib.new(algorithm)
+
+    def catch_up(self) -> None:
+        """Hash what was written since the last call, up to the first tensor not yet written (one caller at a time)."""
+        if self._hash is None or self._f.closed:
+            return
+        frontier, buf = self._frontier, None
+        while self._hashed < frontier:
+            buf = buf or bytearray(min(_CHUNK // 4, frontier - self._hashed))
+            view = memoryview(buf)[:min(len(buf), frontier - self._hashed)]
+            got = os.preadv(self._f.fileno(), [view], self._hashed)
+            if got <= 0:
+                raise ToolkitError(f"{self.path} ended at {self._hashed} bytes while being hashed; expected "
+                                   f"{frontier}: it was truncated while converting")
+            self._hash.update(view[:got])  # hashlib releases the GIL on large buffers
+            self._hashed += got
+
+    def manifest_entry(self) -> dict:
+        """{"bytes", algorithm: hex digest} of the finished file, as manifest.file_entry would give it (after close)."""
+        if self._hash is None or self._pending or self._hashed != self._size:
+            raise ToolkitError(f"{self.path}: not hashed to its end ({self._hashed} of {self._size} bytes)")
+        return {"bytes": self._size, self._hash.name: self._hash.hexdigest()}
+
+    def _advance(self, name: str) -> None:
+        self._pending.discard(name)
+        while self._next < len(self._order) and self._order[self._next] not in self._pending:
+            self._frontier = self._base + self._header[self._order[self._next]]["data_offsets"][1]
+            self._next += 1
 
     def _take(self, name: str) -> dict:
         info = self._header.get(name)
@@ -201,7 +236,7 @@ class Writer:
         view, done = memoryview(data), 0
         while done < data.size:
             done += os.pwrite(self._f.fileno(), view[done:], self._base + begin + done)
-        self._pending.discard(name)
+        self._advance(name)
         return data.size
 
     def write_pieces(self, name: str, pieces: list[torch.Tensor]) -> int:
@@ -242,7 +277,7 @@ class Writer:
                 self.kernel_bytes += kernel
                 self.user_bytes += n - kernel
             at += n
-        self._pending.discard(name)
+        self._advance(name)
         return stop - begin
 
     def close(self) -> None:
@@ -256,6 +291,7 @@ class Writer:
         if size != self._size:
             self._f.close()
             raise ToolkitError(f"{self.path}: wrote {size} bytes, expected {self._size}")
+        self.catch_up()
         os.fsync(self._f.fileno())
         self._f.close()
 
