@@ -20,12 +20,12 @@ swapped) does not cancel out on the way back: the two sides then disagree.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import threading
 import time
 from pathlib import Path
 
 import torch
+from xxhash import xxh3_128 as _hash
 
 from toolkit.checkpoint.sources import WEIGHT, Source, open_source
 from toolkit.errors import ToolkitError
@@ -78,12 +78,7 @@ def cast(t: torch.Tensor, dtype: torch.dtype | None, field: str = WEIGHT) -> tor
     return t.to(dtype) if dtype is not None and field == WEIGHT else t
 
 
-try:  # xxh3-128 (xxhash, a dependency of `datasets`): about 7x SHA-256's speed here; else SHA-256
-    from xxhash import xxh3_128 as _hash
-
-    HASH_NAME = "xxh3-128"
-except ImportError:
-    _hash, HASH_NAME = hashlib.sha256, "SHA-256"
+HASH_NAME = "xxh3-128"  # about 7x SHA-256's speed here
 """These digests never leave the process (a source tensor against its read-back, within one conversion), so a
 fast non-cryptographic hash is enough: what they catch is a conversion or reader error, not an adversary."""
 
