@@ -194,7 +194,7 @@ def test_what_megatron_cannot_honour_is_refused(family, change, needle, tmp_path
 # Mistral is left out for the test-time budget (one 4-rank launch, ~90 s on 2 loaded cores): its Megatron layers are
 # Llama's (the same modules and map), whose TP2 x PP2 training parity is test_megatron_parity's, and its logits are
 # checked at TP2 and PP2 above. Add "mistral" here to run it (it passes: 4 steps, rel 5e-6, 2026-12-02).
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
 def test_tp2_pp2_training_reproduces_single_process_losses(family, tmp_path):
     """Each family's tiny recipe trained at TP2 x PP2 on 4 ranks from the same initial weights gives the plain
     single-process loop's losses. Qwen2: biases, tied embeddings (the output layer is a stored copy on the last
