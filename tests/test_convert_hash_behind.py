@@ -4,16 +4,14 @@ tensors were written in; and a Megatron source whose checksums are checked in th
 reads it (convert._SourceCheck) must still be refused in its one line, with nothing written."""
 from __future__ import annotations
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
+from test_convert_copy_range import _write_hf
 
 from toolkit.checkpoint.convert import convert
 from toolkit.errors import ToolkitError
-from toolkit.families import dims_from_hf, iter_entries
 from toolkit.format import manifest
 from toolkit.format import safetensors_stream as st
 
@@ -35,21 +33,8 @@ def test_digest_taken_while_writing_equals_the_finished_files(tmp_path):
     assert w.manifest_entry() == manifest.file_entry(tmp_path / "x.safetensors")
 
 
-def _hf(folder: Path) -> None:
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 500, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-              "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16"}
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    gen = torch.Generator().manual_seed(0)
-    st.save({n: torch.randn(s, generator=gen).to(torch.bfloat16)
-             for e in iter_entries(dims_from_hf(config), 1, 1) for n, s in zip(e.hf_names, e.hf_shapes)},
-            folder / "model.safetensors", {"format": "pt"})
-
-
 def test_megatron_output_manifest_and_a_damaged_source_checked_in_the_background(tmp_path):
-    _hf(tmp_path / "hf")
+    _write_hf(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "mg", "megatron", tp=2, pp=2, verify=False, progress=False, log=lambda *_: 0)
     tag = tmp_path / "mg" / "step_00000000"
     assert manifest.verify(tag) == []  # the digests taken while writing match the files

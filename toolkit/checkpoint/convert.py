@@ -97,7 +97,7 @@ class _WriteBehind:
         t0 = time.monotonic()
         n = sum(w.write_ranges(k, t) if isinstance(t, list) else w.write(k, t) for w, k, t in writes)
         self.seconds += time.monotonic() - t0
-        touched = list({id(w): w for w, _, _ in writes if getattr(w, "_hash", None) is not None}.values())
+        touched = list({id(w): w for w, _, _ in writes if getattr(w, "tracks_hash", False)}.values())
         if touched:
             self.hashing = [f for f in self.hashing if not f.done() or f.result()]  # result() raises its error
             self.hashing.append(self.hasher.submit(self._catch_up, touched))

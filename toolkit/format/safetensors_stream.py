@@ -192,6 +192,10 @@ class Writer:
         order, read back while they are still in the page cache, so the digest is ready when the last write lands."""
         self._hash = hashlib.new(algorithm)
 
+    @property
+    def tracks_hash(self) -> bool:
+        return self._hash is not None
+
     def catch_up(self) -> None:
         """Hash what was written since the last call, up to the first tensor not yet written (one caller at a time)."""
         if self._hash is None or self._f.closed:
@@ -232,10 +236,7 @@ class Writer:
             raise ToolkitError(f"{self.path}: {name} is {tuple(tensor.shape)} {tensor.dtype}, declared "
                                f"{tuple(info['shape'])} {info['dtype']}")
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        begin = info["data_offsets"][0]
-        view, done = memoryview(data), 0
-        while done < data.size:
-            done += os.pwrite(self._f.fileno(), view[done:], self._base + begin + done)
+        _pwrite_all(self._f.fileno(), memoryview(data), self._base + info["data_offsets"][0])
         self._advance(name)
         return data.size
 
@@ -254,7 +255,7 @@ class Writer:
             data = p.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
             _pwrite_all(self._f.fileno(), memoryview(data), at)
             at += data.size
-        self._pending.discard(name)
+        self._advance(name)
         return stop - begin
 
     def write_ranges(self, name: str, ranges: list[tuple[int | None, int, int]]) -> int:
