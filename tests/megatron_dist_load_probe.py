@@ -3,9 +3,10 @@ into real GPTModels at each layout given, and every rank's weights must equal th
 `check_legacy` does the same for a Megatron-LM legacy checkpoint: each rank's model_optim_rng.pt must hold exactly
 the keys of its GPTModel chunks' state_dict_for_save_checkpoint() and load into them with strict=True.
 
-    torchrun --nproc_per_node 2 tests/megatron_dist_load_probe.py HF_DIR CKPT_ITER_DIR TPxPPxVPP [TPxPPxVPP ...]
+    torchrun --nproc_per_node 2 tests/megatron_dist_load_probe.py HF_DIR CKPT_ITER_DIR TPxPPxVPP[xEP] [...]
 
-Prints "loaded TPxPPxVPP" per layout that matched on every rank; exits non-zero otherwise.
+Prints "loaded TPxPPxVPP" (a mixture of experts at EP > 1: "loaded TPxPPxVPPxEP") per layout that matched on every
+rank; exits non-zero otherwise.
 """
 import sys
 from pathlib import Path
@@ -19,13 +20,14 @@ from toolkit.recipe import load_recipe, resolve  # noqa: E402
 from toolkit.train.dist import init_distributed  # noqa: E402
 
 
-def _build(hf: str, tp: int, pp: int, vpp: int):
+def _build(hf: str, tp: int, pp: int, vpp: int, ep: int = 1):
     """Chunks at the layout, zeroed, and the weights the HF mapping gives each chunk."""
     from toolkit.megatron import runtime
 
     r = load_recipe("tiny_zero0", ["model.preset=null", f"model.hf_path={hf}", "model.pretrained=true",
                                    "parallel.backend=megatron", f"parallel.tp={tp}", f"parallel.pp={pp}",
-                                   f"parallel.vpp={vpp}", "training.global_batch_size=2", "training.micro_batch_size=1"])
+                                   f"parallel.vpp={vpp}", f"parallel.ep={ep}", f"parallel.sp={tp > 1 and ep > 1}",
+                                   "training.global_batch_size=2", "training.micro_batch_size=1"])
     layout = resolve(r, dist.get_world_size()).layout
     runtime.init_parallel(r, layout, on_gpu=False)
     chunks = runtime.build_chunks(r, layout, on_gpu=False)
@@ -53,16 +55,16 @@ def _compare(chunks, want, what: str) -> None:
     ps.destroy_model_parallel()
 
 
-def check(hf: str, ckpt: str, tp: int, pp: int, vpp: int) -> None:
+def check(hf: str, ckpt: str, tp: int, pp: int, vpp: int, ep: int = 1) -> None:
     from megatron.core import dist_checkpointing
 
-    chunks, want = _build(hf, tp, pp, vpp)
+    chunks, want = _build(hf, tp, pp, vpp, ep)
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     sharded = {k: c.sharded_state_dict() for k, c in zip(keys, chunks)}
     state = dist_checkpointing.load(sharded, ckpt)
     for k, c in zip(keys, chunks):
         c.load_state_dict(state[k], strict=False)  # the comparison below checks every weight arrived
-    _compare(chunks, want, f"{tp}x{pp}x{vpp}")
+    _compare(chunks, want, f"{tp}x{pp}x{vpp}" + (f"x{ep}" if ep > 1 else ""))
 
 
 def check_legacy(hf: str, root: str, tp: int, pp: int, vpp: int) -> None:

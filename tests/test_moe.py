@@ -1,25 +1,32 @@
 """The qwen3_moe family and expert parallelism against the real libraries (tiny random models from transformers'
 own Qwen3MoeConfig; nothing downloaded). Logits at TP1 (fast), TP2, PP2 and EP2 (slow) are checked with the other
 families in tests/test_families.py's shared launches; here: the map by name (a gate/up swap fails fast), layout
-rules, HF <-> Megatron EP2 conversion bit-exact, and EP2 training against the single-process loop."""
+rules, HF <-> Megatron EP2 conversion bit-exact, and EP2 training against the single-process loop; Megatron-Core's
+torch_dist format with experts (read, written, loaded by Megatron-Core at EP2 and EP1; an EP2 run with the distributed
+optimizer saved in it resumes at TP2 x EP2); Megatron-LM's MoE arguments."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
-from conftest import launch, read_metrics
+from conftest import launch, read_metrics, run_ranks
 from reference import reference_losses
 from safetensors.torch import load_file
 from test_families import tiny_model
 from test_megatron_parity import LOSS_RTOL, SCHEDULE, STEPS
 
+from toolkit.checkpoint import megatron_lm
 from toolkit.checkpoint.convert import convert
+from toolkit.checkpoint.torch_dist import Reader
 from toolkit.errors import RecipeError, ToolkitError
 from toolkit.families import dims_from_hf, hf_to_megatron, megatron_to_hf, qwen3_moe
 from toolkit.model import to_hf_config
 from toolkit.recipe import load_recipe, resolve
+from toolkit.train.checkpoint import _check_reshard
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +220,109 @@ def test_deepspeed_zero3_trains_the_hf_moe_model_and_converts_back(start, tmp_pa
     hf = convert(tmp_path / "run" / "checkpoints", tmp_path / "trained_hf", "hf", progress=False, log=lambda *_: None)
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in load_file(str(hf / "model.safetensors"))
     assert transformers.Qwen3MoeForCausalLM.from_pretrained(hf).config.num_experts == 4
+
+
+def test_torch_dist_stacks_experts_by_global_index_and_round_trips_bit_exactly(moe, tmp_path):
+    """`toolkit convert --to torch_dist` of a Qwen3-MoE: each expert linear is one tensor [layers, experts, ...] as
+    Megatron-Core's SequentialMLP saves it (expert e of layer i at offsets (i, e)), the args name the experts as
+    Megatron-LM's --num-experts/--moe-* do, and reading it back gives the on-disk tensors bit for bit."""
+    folder, model, disk = moe
+    root = convert(folder, tmp_path / "td", "torch_dist", progress=False, log=lambda *_: None)
+    it = root / "iter_0000000"
+    reader = Reader(it)
+    fc1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    assert reader.shape(fc1) == (2, 4, 96, 64) and reader.shape("decoder.layers.mlp.router.weight") == (2, 4, 64)
+    up = disk["model.layers.1.mlp.experts.2.up_proj.weight"]
+    assert torch.equal(reader.get(fc1, (1, 2))[48:], up)  # [gate; up] of expert 2 in layer 1
+    args = reader.common["args"]
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size, args.qk_layernorm) == (4, 2, 48, True)
+    assert megatron_lm.family_of_args(args) == "qwen3_moe"
+    back = convert(root, tmp_path / "back", "hf", vocab_size=model.config.vocab_size, progress=False,
+                   log=lambda *_: None)
+    got = load_file(str(back / "model.safetensors"))
+    assert set(got) == set(disk) and all(torch.equal(got[k], disk[k]) for k in disk)
+
+
+def _moe_args(**change) -> argparse.Namespace:
+    base = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, num_layers=2, hidden_size=64,
+                ffn_hidden_size=176, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
+                kv_channels=32, max_position_embeddings=256, padded_vocab_size=512, qk_layernorm=True, num_experts=8,
+                moe_router_topk=2, moe_ffn_hidden_size=48, moe_router_pre_softmax=False, moe_aux_loss_coeff=0.001,
+                moe_router_score_function="softmax", moe_shared_expert_intermediate_size=None, moe_layer_freq=1,
+                normalization="RMSNorm", swiglu=True, add_bias_linear=False)
+    return argparse.Namespace(**{**base, **change})
+
+
+def test_megatron_lm_moe_args_give_qwen3_moe_and_others_are_refused_in_one_line():
+    """Megatron-LM's own MoE arguments (as pretrain_gpt.py's --num-experts, --moe-router-topk, --moe-ffn-hidden-size,
+    --moe-router-pre-softmax, --moe-layer-freq give them) name Qwen3-MoE; a shared expert, a sigmoid router, dense
+    layers among the experts or experts without q/k norms (Mixtral-like) are another model: one line each."""
+    args = _moe_args(moe_layer_freq=[1, 1])
+    assert megatron_lm.family_of_args(args) == "qwen3_moe"
+    config = megatron_lm.hf_config(args, 500)
+    assert (config["model_type"], config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"],
+            config["norm_topk_prob"], config["head_dim"]) == ("qwen3_moe", 8, 2, 48, True, 32)
+    for change, needle in (({"moe_shared_expert_intermediate_size": 64}, "moe_shared_expert_intermediate_size=64"),
+                           ({"moe_router_score_function": "sigmoid"}, "moe_router_score_function='sigmoid'"),
+                           ({"moe_layer_freq": [1, 0]}, "moe_layer_freq=[1, 0]"),
+                           ({"qk_layernorm": False}, "num_experts=8 without qk_layernorm")):
+        with pytest.raises(ToolkitError, match="none of the families") as e:
+            megatron_lm.family_of_args(_moe_args(**change))
+        assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_resharding_load_refuses_to_cross_ep_1_and_ep_above_1_in_one_line(tmp_path):
+    """Megatron-Core builds a separate optimizer for the experts only at ep > 1, so a torch_dist checkpoint's optimizer
+    state does not load across that boundary (its own load fails with a KeyError deep in Megatron): refused before
+    Megatron reads it, naming the conversion that moves it. ep 2 -> 4 or another TP/DP is allowed."""
+    saved = {"zero_stage": 1, "tp": 1, "pp": 1, "vpp": 1, "dp": 2, "ep": 2}
+    _check_reshard(tmp_path, saved, {**saved, "ep": 4, "tp": 2})
+    with pytest.raises(ToolkitError, match=r"saved at parallel.ep 2, this run has ep 1") as e:
+        _check_reshard(tmp_path, saved, {**saved, "ep": 1})
+    assert "--to megatron --ep 1 --tp 1 --pp 1 --vpp 1" in str(e.value)
+    with pytest.raises(ToolkitError, match=r"saved at parallel.ep 1, this run has ep 2"):
+        _check_reshard(tmp_path, {**saved, "ep": 1}, saved)
+
+
+@pytest.mark.slow
+def test_megatron_core_loads_a_converted_moe_torch_dist_at_ep2_and_ep1(moe, tmp_path):
+    """What `toolkit convert --to torch_dist` writes for a Qwen3-MoE loads with Megatron-Core's own
+    dist_checkpointing.load into real GPTModels on 2 ranks, at EP2 (each rank its 2 experts) and at EP1 x DP2, every
+    weight equal to what the HF mapping gives (tests/megatron_dist_load_probe.py)."""
+    folder, _, _ = moe
+    root = convert(folder, tmp_path / "td", "torch_dist", progress=False, log=lambda *_: None)
+    proc = run_ranks(["tests/megatron_dist_load_probe.py", str(folder), str(root / "iter_0000000"), "1x1x1x2",
+                      "1x1x1"], 2, dict(os.environ))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "loaded 1x1x1x2" in proc.stdout and "loaded 1x1x1" in proc.stdout
+
+
+@pytest.mark.slow
+def test_ep2_torch_dist_distributed_optimizer_run_resumes_at_tp2_ep2_and_converts(start, tmp_path):
+    """EP2 with the distributed optimizer, saved at step 2 in torch_dist by Megatron-Core's own dist_checkpointing
+    (experts stacked by global index, fully_reshardable optimizer state, one optimizer per expert group), resumes
+    through Megatron-Core's resharding load at TP2 x EP2 + SP on 4 ranks: steps 3-4 continue the single-process
+    transformers losses. The last checkpoint converts to Hugging Face (transformers loads it) and, with its optimizer
+    state, to the toolkit layout at EP1."""
+    import transformers
+
+    hf_in, want = start
+    sets = ["model.preset=null", f"model.hf_path={hf_in}", "model.pretrained=true", f"training.steps={STEPS}",
+            *SCHEDULE, "logging.interval=1", "checkpoint.interval=1000", "checkpoint.format=torch_dist",
+            "parallel.zero_stage=1"]
+    launch("tiny_qwen3_moe", [*sets, "training.stop_at_step=2"], nproc=2, out_dir=tmp_path / "run")
+    tag = tmp_path / "run" / "checkpoints" / "step_00000002"
+    assert Reader(tag).shape("decoder.layers.mlp.experts.experts.linear_fc2.weight") == (2, 4, 64, 48)
+    proc = launch("tiny_qwen3_moe", [*sets, "parallel.tp=2", "parallel.sp=true", "parallel.world_size=4"], nproc=4,
+                  out_dir=tmp_path / "run")
+    assert "resumed from" in proc.stdout
+    got = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    print("qwen3_moe EP2 distopt torch_dist, resumed at TP2 x EP2:", got, "single process:", want)
+    assert got == pytest.approx(want, rel=LOSS_RTOL)
+    last = tmp_path / "run" / "checkpoints" / "step_00000004"
+    assert json.loads((last / "toolkit_meta.json").read_text())["layout"]["tp"] == 2
+    hf = convert(last, tmp_path / "hf", "hf", progress=False, log=lambda *_: None)
+    assert transformers.Qwen3MoeForCausalLM.from_pretrained(hf).config.num_experts == 4
+    mega = convert(last, tmp_path / "mg", "megatron", ep=1, progress=False, log=lambda *_: None)
+    optim = load_file(str(next(mega.glob("step_*")) / "optim_tp00_pp000.safetensors"))
+    assert "chunk0.decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight:exp_avg" in optim

@@ -70,30 +70,48 @@ def read(path: Path, mmap: bool = False) -> tuple[argparse.Namespace, dict, int]
 
 
 LLAMA_ARGS = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "add_bias_linear": False,
-              "rotary_percent": 1.0, "num_experts": None, "multi_latent_attention": False, "window_size": None}
-"""Megatron-LM arguments (when present) that every dense family the converters know has (Llama, Mistral, Qwen2, Qwen3:
-RMSNorm, SwiGLU, RoPE over the whole head, no linear biases, no sliding window); anything else is another architecture.
-Two arguments tell the families apart: `--add-qkv-bias` (Qwen2) and `--qk-layernorm` (Qwen3)."""
+              "rotary_percent": 1.0, "multi_latent_attention": False, "window_size": None}
+"""Megatron-LM arguments (when present) that every family the converters know has (Llama, Mistral, Qwen2, Qwen3,
+Qwen3-MoE: RMSNorm, SwiGLU, RoPE over the whole head, no linear biases, no sliding window); anything else is another
+architecture. Three arguments tell the families apart: `--add-qkv-bias` (Qwen2), `--qk-layernorm` (Qwen3) and, with
+it, `--num-experts` (Qwen3-MoE)."""
+
+MOE_ARGS = {"moe_router_score_function": "softmax", "moe_shared_expert_intermediate_size": None, "moe_layer_freq": 1,
+            "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
+            "moe_router_enable_expert_bias": False}
+"""Megatron-LM's mixture-of-experts arguments (when present) of Qwen3-MoE: a softmax router without groups, expert
+bias or scaling, no shared expert, experts in every layer. Qwen3-MoE's norm_topk_prob is `--moe-router-pre-softmax`
+off (top-k of the logits, then a softmax over those k)."""
 
 
 def family_of_args(args: argparse.Namespace, where: Path | str = "the checkpoint's args") -> str:
-    """The family Megatron-LM's args describe: qwen2 with add_qkv_bias, qwen3 with qk_layernorm, else mistral when
-    the tokenizer (--tokenizer-model) is Mistral's, else llama. Mistral 7B v0.2/v0.3 has exactly Llama's arguments and
-    weights, so only its tokenizer names it. One line when the args describe a model no family converts exactly."""
+    """The family Megatron-LM's args describe: qwen2 with add_qkv_bias, qwen3 with qk_layernorm, qwen3_moe with
+    qk_layernorm and num_experts, else mistral when the tokenizer (--tokenizer-model) is Mistral's, else llama.
+    Mistral 7B v0.2/v0.3 has exactly Llama's arguments and weights, so only its tokenizer names it. One line when the
+    args describe a model no family converts exactly."""
     wrong = [f"{k}={getattr(args, k)!r}" for k, v in LLAMA_ARGS.items() if hasattr(args, k) and getattr(args, k) != v]
     bias, qk_norm = bool(getattr(args, "add_qkv_bias", False)), bool(getattr(args, "qk_layernorm", False))
+    experts = getattr(args, "num_experts", None)
     if bias and qk_norm:
         wrong.append("add_qkv_bias=True with qk_layernorm=True")
+    if experts:
+        every_layer = [1] * int(getattr(args, "num_layers", 0) or 0)  # moe_layer_freq may be a per-layer list
+        wrong += [f"{k}={getattr(args, k)!r}" for k, v in MOE_ARGS.items()
+                  if getattr(args, k, v) != v and not (k == "moe_layer_freq" and getattr(args, k) == every_layer)]
+        if not qk_norm or bias:
+            wrong.append(f"num_experts={experts} without qk_layernorm (a mixture of experts other than Qwen3-MoE's)")
     tokenizer = str(getattr(args, "tokenizer_model", None) or "")
-    family = "qwen2" if bias else "qwen3" if qk_norm else "mistral" if "mistral" in tokenizer.lower() else "llama"
+    family = ("qwen3_moe" if experts else "qwen2" if bias else "qwen3" if qk_norm else
+              "mistral" if "mistral" in tokenizer.lower() else "llama")
     heads = getattr(args, "num_attention_heads", None)
     kv = getattr(args, "kv_channels", None)
-    if family != "qwen3" and heads and kv and kv * heads != args.hidden_size:  # Qwen3 sets head_dim on its own
+    if family not in ("qwen3", "qwen3_moe") and heads and kv and kv * heads != args.hidden_size:  # Qwen3: own head_dim
         wrong.append(f"kv_channels={kv} (not hidden_size / num_attention_heads)")
     if wrong:
-        raise ToolkitError(f"{where}: the model is none of the dense families ({', '.join(wrong)}); only GPT models "
+        raise ToolkitError(f"{where}: the model is none of the families ({', '.join(wrong)}); only GPT models "
                            "with RMSNorm, SwiGLU, RoPE and no linear biases (Llama, Mistral; Qwen2 with "
-                           "--add-qkv-bias; Qwen3 with --qk-layernorm) convert")
+                           "--add-qkv-bias; Qwen3 with --qk-layernorm; Qwen3-MoE with --qk-layernorm and "
+                           "--num-experts, a softmax router and no shared expert) convert")
     return family
 
 
@@ -113,4 +131,13 @@ def hf_config(args: argparse.Namespace, vocab_size: int, where: Path | str = "th
     head_dim = getattr(args, "kv_channels", None)
     if head_dim and head_dim * args.num_attention_heads != args.hidden_size:  # Qwen3's own head size
         config["head_dim"] = head_dim
+    if getattr(args, "num_experts", None):
+        config.update(num_experts=args.num_experts, num_experts_per_tok=args.moe_router_topk,
+                      moe_intermediate_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size,
+                      norm_topk_prob=not getattr(args, "moe_router_pre_softmax", False),
+                      router_aux_loss_coef=float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0))
     return config
+
+
+def expert_parallel_size(args: argparse.Namespace) -> int:
+    return int(getattr(args, "expert_model_parallel_size", None) or 1)

@@ -27,10 +27,23 @@ _EXTRA = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
+def moe_args(dims, config: dict, ep: int) -> dict:
+    """Megatron-LM's mixture-of-experts arguments of a Qwen3-MoE (none for a dense model): what `--num-experts`,
+    `--moe-router-topk`, `--moe-ffn-hidden-size`, ... set, routing as the family's Megatron config does."""
+    if not dims.experts:
+        return {}
+    return {"num_experts": dims.experts, "moe_router_topk": dims.topk, "moe_ffn_hidden_size": dims.moe_ffn,
+            "moe_router_score_function": "softmax", "moe_router_pre_softmax": not config.get("norm_topk_prob", False),
+            "moe_router_load_balancing_type": "aux_loss",
+            "moe_aux_loss_coeff": float(config.get("router_aux_loss_coef", 0.0) or 0.0), "moe_layer_freq": 1,
+            "moe_shared_expert_intermediate_size": None, "moe_grouped_gemm": False,
+            "moe_token_dispatcher_type": "alltoall", "expert_model_parallel_size": ep}
+
+
 def model_args(dims, config: dict, tp: int, pp: int, vpp: int, divisible_by: int, dtype: torch.dtype,
-               ckpt_format: str) -> argparse.Namespace:
-    """Megatron-LM's model arguments for a model of dims.family at tp x pp x vpp (the family's own Megatron fields,
-    add_qkv_bias or qk_layernorm, included: the readers take the family from them)."""
+               ckpt_format: str, ep: int = 1) -> argparse.Namespace:
+    """Megatron-LM's model arguments for a model of dims.family at tp x pp x vpp (x ep) (the family's own Megatron
+    fields, add_qkv_bias or qk_layernorm, and the experts included: the readers take the family from them)."""
     rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000)
     return argparse.Namespace(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -42,7 +55,7 @@ def model_args(dims, config: dict, tp: int, pp: int, vpp: int, divisible_by: int
         make_vocab_size_divisible_by=divisible_by, normalization="RMSNorm", swiglu=True,
         position_embedding_type="rope", add_position_embedding=False, add_bias_linear=False, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, ckpt_format=ckpt_format,
-        **family_named(dims.family).megatron_fields)
+        **family_named(dims.family).megatron_fields, **moe_args(dims, config, ep))
 
 
 class MegatronLMTarget:

@@ -323,10 +323,9 @@ class TorchDistSource(Source):
         self._entries = {e.hf_names: e for e in iter_entries(dims, 1, 1) if e.reads_back}
         problems, wanted = [], set()
         for e in iter_entries(dims, 1, 1):
-            name, layer = torch_dist.sharded_name(e.megatron_name)
+            name, index = torch_dist.sharded_name(e.megatron_name)
             wanted.add(name)
-            want = e.rule.shard_shape(e.hf_shapes, 1)
-            want = (dims.layers, *want) if layer is not None else want
+            want = (dims.layers, dims.experts)[:len(index)] + tuple(e.rule.shard_shape(e.hf_shapes, 1))
             fqn = self._r.names.get(name)
             if fqn is None:
                 problems.append(Problem(name, "is missing", "convert a complete checkpoint of the model its args "
@@ -352,9 +351,9 @@ class TorchDistSource(Source):
 
     def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
         entry = self._entries[tuple(hf_names)]
-        name, layer = torch_dist.sharded_name(entry.megatron_name)
+        name, index = torch_dist.sharded_name(entry.megatron_name)
         fqn = self._r.names[name] if field == WEIGHT else self._optim.key(field, self._r.names[name])
-        tensor = self._r.get(fqn, layer)
+        tensor = self._r.get(fqn, index)
         return list(entry.to_hf([tensor if field == WEIGHT else tensor.float()]).values())
 
     def dtype(self) -> torch.dtype:

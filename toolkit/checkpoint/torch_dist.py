@@ -10,7 +10,11 @@ that chunk, which is itself a small torch.save file (read weights-only).
 Tensor names are Megatron-Core's sharded keys: layers are stacked on a leading axis (`decoder.layers.X` has shape
 [num_layers, ...], global over pipeline stages and virtual chunks), TP shards are assembled into the full tensor, and
 the two per-layer norms carry Transformer Engine names (`linear_qkv.layer_norm_weight`). The full tensor of each
-parameter is Megatron's TP = 1 layout of it (TP splits whole query groups; fc1 is saved as cat(gate, up)).
+parameter is Megatron's TP = 1 layout of it (TP splits whole query groups; fc1 is saved as cat(gate, up)). A mixture
+of experts' routed experts (SequentialMLP's `local_experts.{x}`, and Transformer Engine's grouped GEMM, whose weights
+Megatron-Core saves under the same keys) are stacked on a second axis by global expert index:
+`decoder.layers.mlp.experts.experts.linear_fc1.weight` has shape [num_layers, num_experts, ...], whatever the
+expert-parallel size.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from toolkit.format import paths, safe_load
 
 LAYERS = "decoder.layers."
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 _SKIP = ("_extra_state",)  # Transformer Engine / Megatron module metadata (bytes), not weights
 
 
@@ -92,34 +97,30 @@ class Reader:
     def dtype(self, fqn: str) -> torch.dtype:
         return self._tensors[fqn].properties.dtype
 
-    def get(self, fqn: str, layer: int | None = None) -> torch.Tensor:
-        """The full tensor `fqn`, or only its slice `layer` on the leading (layer) axis, read chunk by chunk."""
+    def get(self, fqn: str, index: tuple[int, ...] = ()) -> torch.Tensor:
+        """The full tensor `fqn`, or only its slice at `index` on the leading axes (a layer; a layer and an expert),
+        read chunk by chunk: only the chunks that overlap it."""
         meta = self._tensors[fqn]
-        shape = tuple(meta.size)
-        lo, hi = (0, shape[0]) if layer is None else (layer, layer + 1)
-        out = torch.empty((hi - lo, *shape[1:]) if shape else (), dtype=meta.properties.dtype)
+        shape, n = tuple(meta.size), len(index)
+        out = torch.empty(shape[n:], dtype=meta.properties.dtype)
         covered = 0
         for chunk in meta.chunks:
             off, size = tuple(chunk.offsets), tuple(chunk.sizes)
-            if shape and (off[0] >= hi or off[0] + size[0] <= lo):
+            if any(not off[d] <= index[d] < off[d] + size[d] for d in range(n)):
                 continue
             piece = self._chunk(fqn, off, size, meta.properties.dtype)
-            if shape:
-                a, b = max(lo, off[0]), min(hi, off[0] + size[0])
-                piece = piece[a - off[0]: b - off[0]]
-                region = out[a - lo: b - lo]
-                for d in range(1, len(shape)):
-                    region = region.narrow(d, off[d], size[d])
-                region.copy_(piece)
-                covered += piece.numel()
-            else:
-                out.copy_(piece)
-                covered += 1
+            for d in range(n):
+                piece = piece[index[d] - off[d]]
+            region = out
+            for d in range(n, len(shape)):
+                region = region.narrow(d - n, off[d], size[d])
+            region.copy_(piece)
+            covered += piece.numel()
         if covered != out.numel():
             raise ToolkitError(f"{self.dir / '.metadata'} disagrees with itself: the chunks of {fqn} cover {covered} of "
-                               f"its {out.numel()} values{'' if layer is None else f' in layer {layer}'}; re-copy "
-                               "the checkpoint")
-        return out if layer is None else out[0]
+                               f"its {out.numel()} values{f' at {list(index)}' if index else ''}; re-copy the "
+                               "checkpoint")
+        return out
 
     def _chunk(self, fqn: str, offsets: tuple, sizes: tuple, dtype: torch.dtype) -> torch.Tensor:
         info = self._where.get((fqn, offsets))
@@ -138,7 +139,13 @@ class Reader:
         return tensor
 
 
-def sharded_name(local_name: str) -> tuple[str, int | None]:
-    """(local-spec name without its layer index, layer) of a toolkit name at pp = vpp = 1."""
+def sharded_name(local_name: str) -> tuple[str, tuple[int, ...]]:
+    """(local-spec name without its layer and expert indices, those indices) of a toolkit name at pp = vpp = ep = 1:
+    a layer's parameter sits at (layer,) of its stacked tensor, a routed expert's at (layer, expert), the rest at ()."""
     m = _LAYER.match(local_name)
-    return (LAYERS + m.group(2), int(m.group(1))) if m else (local_name, None)
+    if m is None:
+        return local_name, ()
+    x = _EXPERT.match(m.group(2))
+    if x is None:
+        return LAYERS + m.group(2), (int(m.group(1)),)
+    return f"{LAYERS}mlp.experts.experts.{x.group(2)}", (int(m.group(1)), int(x.group(1)))

@@ -75,16 +75,17 @@ class TorchDistTarget:
         self._items = _ItemFile(self.tag_dir / "__0_0.distcp")
         self._md = md
         self._meta: dict = {}
-        self._global: dict[tuple, tuple[str, int | None]] = {}  # hf_names -> (sharded key, layer)
+        self._global: dict[tuple, tuple[str, tuple]] = {}  # hf_names -> (sharded key, index on its leading axes)
         self.total = 0
         for e in iter_entries(self.dims, 1, 1):
-            name, layer = torch_dist.sharded_name(e.megatron_name)
-            self._global[e.hf_names] = (sharded_key(name), layer)
+            name, index = torch_dist.sharded_name(e.megatron_name)
+            self._global[e.hf_names] = (sharded_key(name), index)
             shape = e.rule.shard_shape(e.hf_shapes, 1)
-            full = (self.dims.layers, *shape) if layer is not None else shape
-            self._meta[sharded_key(name)] = md.TensorStorageMetadata(md.TensorProperties(dtype=self.out_dtype),
-                                                                     torch.Size(full), [])
-            self.total += torch.Size(full).numel() * self.out_dtype.itemsize
+            full = torch.Size((self.dims.layers, self.dims.experts)[:len(index)] + tuple(shape))
+            if sharded_key(name) not in self._meta:  # a stacked tensor: once, for its first layer (and expert)
+                self._meta[sharded_key(name)] = md.TensorStorageMetadata(md.TensorProperties(dtype=self.out_dtype),
+                                                                         full, [])
+                self.total += full.numel() * self.out_dtype.itemsize
         if self.dims.tied:  # Megatron keeps the output layer's copy at pp > 1; written so every layout loads
             emb = self._meta["embedding.word_embeddings.weight"]
             self._meta["output_layer.weight"] = md.TensorStorageMetadata(emb.properties, emb.size, [])
@@ -94,15 +95,12 @@ class TorchDistTarget:
         """(file, chunk index, tensor) for this parameter, once (the tied output layer: with the embeddings)."""
         if not entry.reads_back:
             return []
-        key, layer = self._global[tuple(entry.hf_names)]
+        key, index = self._global[tuple(entry.hf_names)]
         full = entry.to_megatron(hf_tensors, 1)[0].to(self.out_dtype)
         keys = [key, "output_layer.weight"] if self.dims.tied and key == "embedding.word_embeddings.weight" else [key]
         out = []
         for k in keys:
-            if layer is None:
-                offsets, piece = (0,) * full.dim(), full
-            else:
-                offsets, piece = (layer, *(0,) * full.dim()), full.unsqueeze(0)
+            offsets, piece = (*index, *(0,) * full.dim()), full.reshape((1,) * len(index) + tuple(full.shape))
             self._meta[k].chunks.append(self._md.ChunkStorageMetadata(torch.Size(offsets), piece.shape))
             # a compact copy: torch.save of a view would write its whole storage
             out.append((self._items, self._md.MetadataIndex(k, torch.Size(offsets)), piece.clone()))
@@ -110,11 +108,9 @@ class TorchDistTarget:
 
     def close(self) -> None:
         md = self._md
-        for i in range(self.dims.layers):
-            for module in EXTRA_STATE_MODULES:
-                fqn = f"decoder.layers.{module}._extra_state/shard_{i}_{self.dims.layers}"
-                self._meta[fqn] = md.BytesStorageMetadata()
-                self._items.write(md.MetadataIndex(fqn), None)
+        for fqn in self._extra_state_keys():
+            self._meta[fqn] = md.BytesStorageMetadata()
+            self._items.write(md.MetadataIndex(fqn), None)
         self._items.close()
         missing = [k for k, m in self._meta.items() if hasattr(m, "chunks") and
                    sum(c.sizes.numel() for c in m.chunks) != m.size.numel()]
@@ -128,6 +124,16 @@ class TorchDistTarget:
             {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
              "common_backend_version": 1}))
         (self.root / "latest_checkpointed_iteration.txt").write_text(str(self.step))
+
+    def _extra_state_keys(self) -> list[str]:
+        """The `_extra_state` objects Megatron-Core's sharded_state_dict lists: one per layer and module, and for a
+        mixture of experts one per layer, routed expert and expert linear (`shard_{layer}.{expert}_{layers}.{experts}`)
+        instead of the dense MLP's."""
+        layers, experts = self.dims.layers, self.dims.experts
+        modules = EXTRA_STATE_MODULES if not experts else [m for m in EXTRA_STATE_MODULES if not m.startswith("mlp.")]
+        keys = [f"decoder.layers.{m}._extra_state/shard_{i}_{layers}" for i in range(layers) for m in modules]
+        return keys + [f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{e}_{layers}.{experts}"
+                       for i in range(layers) for e in range(experts) for fc in ("linear_fc1", "linear_fc2")]
 
     def _args(self) -> argparse.Namespace:
         """Megatron-LM's model arguments for this model at the target layout (what --use-checkpoint-args reads)."""

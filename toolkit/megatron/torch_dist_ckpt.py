@@ -55,7 +55,7 @@ def _args(backend):
     config = to_hf_config(r.model).to_dict()
     dims = dims_from_hf(to_hf_config(r.model), lm["tp"], divisible_by)
     dtype = next(backend.chunks[0].module.parameters()).dtype
-    args = model_args(dims, config, lm["tp"], lm["pp"], lm["vpp"], divisible_by, dtype, FORMAT)
+    args = model_args(dims, config, lm["tp"], lm["pp"], lm["vpp"], divisible_by, dtype, FORMAT, lm.get("ep", 1))
     args.use_distributed_optimizer = lm["zero_stage"] == 1
     args.data_parallel_size = lm["dp"]
     return args

@@ -87,11 +87,6 @@ def check_experts(r: Recipe) -> list[Problem]:
     elif p.ep > 1 and m.num_experts and m.num_experts % p.ep:
         out.append(Problem("parallel.ep", f"{m.num_experts} experts are not divisible by ep = {p.ep}",
                            "choose an ep that divides model.num_experts"))
-    if p.ep > 1 and (p.zero_stage == 1 or r.checkpoint.format == "torch_dist"):
-        out.append(Problem("parallel.ep", f"{p.ep} with " + ("the distributed optimizer (zero_stage 1)" if
-                           p.zero_stage == 1 else "checkpoint.format torch_dist") + ": the toolkit saves expert-"
-                           "parallel runs in its own per-rank files with the plain optimizer only (not done yet)",
-                           "set parallel.zero_stage: 0 and checkpoint.format: toolkit"))
     if moe and p.backend == "megatron" and p.tp > 1 and not p.sp:
         out.append(Problem("parallel.sp", f"false, but Megatron-Core trains a mixture of experts at tp = {p.tp} only "
                            "with sequence parallelism", "set parallel.sp: true"))

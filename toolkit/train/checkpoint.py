@@ -329,6 +329,14 @@ def _check_reshard(tag_dir: Path, saved: dict, layout_meta: dict) -> None:
         raise ToolkitError(f"checkpoint {tag_dir} was saved with {kind.get(saved.get('zero_stage'), saved)}, this run "
                            f"uses {kind[layout_meta['zero_stage']]}; set parallel.zero_stage: {saved.get('zero_stage')} "
                            "to resume it (TP, PP and DP may differ), or checkpoint.resume: never to start fresh")
+    was, now = int(saved.get("ep", 1)), int(layout_meta.get("ep", 1))
+    if (was > 1) != (now > 1):  # Megatron-Core gives the experts an optimizer of their own only at ep > 1
+        raise ToolkitError(f"checkpoint {tag_dir} was saved at parallel.ep {was}, this run has ep {now}: Megatron-Core "
+                           "keeps the experts' optimizer state apart from the rest only when ep > 1, so its resharding "
+                           f"load cannot cross ep 1 <-> ep > 1; resume with ep {'> 1' if was > 1 else '1'} (ep, TP, PP "
+                           f"and DP may otherwise change), or `toolkit convert {tag_dir} NEW_DIR --to megatron --ep "
+                           f"{now} --tp {layout_meta['tp']} --pp {layout_meta['pp']} --vpp {layout_meta['vpp']}` and "
+                           "resume from NEW_DIR (checkpoint.resume) with checkpoint.format: toolkit")
 
 
 def moved_data_position(data: dict, old_micro, old_dp, new_micro, new_dp: int, where: Path) -> dict:
