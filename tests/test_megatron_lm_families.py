@@ -48,7 +48,7 @@ def test_args_name_the_family(change, family):
     ({"num_experts": 8}, "num_experts=8"),
 ])
 def test_args_no_family_converts_are_refused_in_one_line(change, needle):
-    with pytest.raises(ToolkitError, match=r"none of the dense families \(.*" + re.escape(needle)) as e:
+    with pytest.raises(ToolkitError, match=r"none of the families \(.*" + re.escape(needle)) as e:
         family_of_args(argparse.Namespace(**{**LLAMA, **change}), "ckpt/common.pt")
     assert "\n" not in str(e.value) and str(e.value).startswith("ckpt/common.pt: ")
 

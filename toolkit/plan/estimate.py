@@ -232,12 +232,26 @@ def comms(r: Recipe, c: Choice, cluster: Cluster, compute_s: float, params: int)
         nbytes = 3 * (c.cp - 1) * kv * layers_here * c.accum  # K,V around the ring forward; K,V + dK,dV backward
         attn_s = micro_s * c.accum * 0.15  # the attention compute the ring exchange overlaps (TE)
         add("CP ring exchange of K/V", "cp", c.cp, nbytes, c.tp * c.cp, attn_s)
+    if c.ep > 1 and m.num_experts:
+        add("EP all-to-all token dispatch and combine", "ep", c.ep, _alltoall_bytes(r, c, act_bytes) * layers_here,
+            c.tp * c.cp * c.ep, 0.0)
     if c.pp > 1:
         boundary = act_bytes // (c.tp if c.sp else 1)
         nbytes = 2 * boundary * c.accum * c.vpp
         add("PP send/recv of activations and their gradients", "pp", c.pp, nbytes, c.world, 0.0)
     out += _dp_comms(r, c, cluster, micro_s, params)
     return out
+
+
+def _alltoall_bytes(r: Recipe, c: Choice, act_bytes: int) -> float:
+    """Bytes one GPU sends through Megatron's alltoall dispatcher per MoE layer and step: each of its tokens goes to
+    top-k experts, and with uniform routing (ep - 1) / ep of those copies leave the rank; a dispatch and a combine in
+    the forward, both again in the backward (and in the recomputed forward). Megatron runs them on the critical
+    path (no overlap). Its EP group is ep consecutive blocks of tp x cp ranks (rank order tp-cp-ep-dp-pp), hence
+    the span the caller gives."""
+    tokens_share = act_bytes / (c.tp if c.sp else 1)  # the rank's [s/cp(/tp), b, h] slice of the activations
+    per_pass = 2 * (r.model.num_experts_per_tok or 1) * tokens_share * (c.ep - 1) / c.ep
+    return per_pass * (2 + (c.recompute == "full")) * c.accum
 
 
 def _rank_params(r: Recipe, c: Choice, cache: dict) -> int:
@@ -316,7 +330,7 @@ def estimate(r: Recipe, c: Choice, cluster: Cluster, cache: dict | None = None) 
     params = _rank_params(rc, c, cache)
     cs = comms(rc, c, cluster, compute, params)
     times = {"compute": compute, "bubble": compute * bub / (1 - bub)}
-    for dim in ("tp", "cp", "pp", "dp"):
+    for dim in ("tp", "cp", "ep", "pp", "dp"):
         times[dim] = sum(x.exposed for x in cs if x.dim == dim)
     times["optimizer"] = optimizer_seconds(mem.states, c, cluster)
     if c.offload_params != "none":  # ZeRO-3 fetches every parameter from the host for each forward and backward

@@ -62,12 +62,11 @@ def _megatron(r: Recipe, cluster: Cluster, global_batch: int) -> Iterator[Choice
                         continue
                     accum = global_batch // (micro * dp)
                     vpps = [1] + [v for v in _divisors(layers // pp) if v > 1 and pp > 1]
-                    # mixture of experts: every ep dividing the experts and dp x cp (the toolkit saves an ep > 1 run
-                    # with the plain optimizer only)
+                    # mixture of experts: every ep dividing the experts and dp x cp
                     eps = [e for e in _divisors(dp * cp) if (r.model.num_experts or 1) % e == 0]
                     for vpp in vpps:
                         for ep in eps:
-                            for zero in (0, 1) if ep == 1 else (0,):
+                            for zero in (0, 1):
                                 for rec in ("none", "selective", "full"):
                                     yield Choice("megatron", dp, tp, pp, vpp, cp, tp > 1, zero, recompute=rec,
                                                  micro=micro, accum=accum, ep=ep)
@@ -99,11 +98,11 @@ def long_context(r: Recipe) -> tuple[bool, int, int]:
 def _decision_order(c: Choice, backend: str, long: bool) -> tuple:
     """Fewer moving parts first: no offload, the recipe's backend, then the parallel dimensions in the order the
     binding constraint asks for (long sequences: context parallel before tensor parallel; big models: tensor
-    parallel inside a node before pipeline, pipeline before context), the lowest ZeRO stage (ZeRO-2 with CPU
-    offload, the combination ZeRO-Offload is built on), the least recomputation."""
+    parallel inside a node before pipeline, pipeline before context; then expert parallel), the lowest ZeRO stage
+    (ZeRO-2 with CPU offload, the combination ZeRO-Offload is built on), the least recomputation."""
     dims = (c.pp, c.tp, c.cp) if long else (c.cp, c.pp, c.tp)
     zero = abs(c.zero - 2) if c.offload_optimizer != "none" else c.zero
-    return (c.offload_params != "none", c.offload_optimizer != "none", c.backend != backend, *dims, zero,
+    return (c.offload_params != "none", c.offload_optimizer != "none", c.backend != backend, *dims, c.ep, zero,
             ("none", "selective", "full").index(c.recompute), c.vpp, -c.micro)
 
 
@@ -147,6 +146,8 @@ ORDER = [("backend", "backend"),
          ("pp", "4. pipeline parallel, for many layers (across nodes)"),
          ("vpp", "4b. interleaved pipeline chunks, to shrink the bubble"),
          ("cp", "5. context parallel, for long sequences"),
+         ("ep", "5b. expert parallel (mixture of experts), when the experts do not fit or their gradients' reduction "
+                "costs more than an all-to-all per MoE layer"),
          ("recompute", "6. recompute activations only as much as memory needs"),
          ("micro", "micro-batch size")]
 
