@@ -4,6 +4,7 @@ into real GPTModels at each layout given, and every rank's weights must equal th
 the keys of its GPTModel chunks' state_dict_for_save_checkpoint() and load into them with strict=True.
 
     torchrun --nproc_per_node 2 tests/megatron_dist_load_probe.py HF_DIR CKPT_ITER_DIR TPxPPxVPP[xEP] [...]
+    torchrun --nproc_per_node 2 tests/megatron_dist_load_probe.py HF_DIR LEGACY_ROOT legacy:TPxPPxVPP[xEP] [...]
 
 Prints "loaded TPxPPxVPP" (a mixture of experts at EP > 1: "loaded TPxPPxVPPxEP") per layout that matched on every
 rank; exits non-zero otherwise.
@@ -67,27 +68,31 @@ def check(hf: str, ckpt: str, tp: int, pp: int, vpp: int, ep: int = 1) -> None:
     _compare(chunks, want, f"{tp}x{pp}x{vpp}" + (f"x{ep}" if ep > 1 else ""))
 
 
-def check_legacy(hf: str, root: str, tp: int, pp: int, vpp: int) -> None:
+def check_legacy(hf: str, root: str, tp: int, pp: int, vpp: int, ep: int = 1) -> None:
     from megatron.core import parallel_state as ps
 
     from toolkit.format.safe_load import load
 
-    chunks, want = _build(hf, tp, pp, vpp)
-    t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    files = list(Path(root).glob(f"iter_*/mp_rank_{t:02d}{'' if pp == 1 else f'_{p:03d}'}/model_optim_rng.pt"))
+    chunks, want = _build(hf, tp, pp, vpp, ep)
+    t, p, e = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+               ps.get_expert_model_parallel_rank())
+    folder = f"mp_rank_{t:02d}{'' if pp == 1 else f'_{p:03d}'}{'' if ep == 1 else f'_{e:03d}'}"
+    files = list(Path(root).glob(f"iter_*/{folder}/model_optim_rng.pt"))
     assert len(files) == 1, files
     state = load(files[0])
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for k, c in zip(keys, chunks):
         assert set(state[k]) == set(c.state_dict_for_save_checkpoint()), (k, sorted(set(state[k]) ^ set(c.state_dict())))
         c.load_state_dict(state[k], strict=True)
-    _compare(chunks, want, f"legacy {tp}x{pp}x{vpp}")
+    _compare(chunks, want, f"legacy {tp}x{pp}x{vpp}" + (f"x{ep}" if ep > 1 else ""))
 
 
 def main(hf: str, ckpt: str, *layouts: str) -> None:
+    """A layout written "legacy:TPxPPxVPP[xEP]" checks CKPT as a Megatron-LM legacy root instead."""
     init_distributed(with_deepspeed=False)
     for lay in layouts:
-        check(hf, ckpt, *(int(x) for x in lay.split("x")))
+        legacy = lay.startswith("legacy:")
+        (check_legacy if legacy else check)(hf, ckpt, *(int(x) for x in lay.removeprefix("legacy:").split("x")))
     dist.barrier()
 
 

@@ -285,16 +285,32 @@ def test_resharding_load_refuses_to_cross_ep_1_and_ep_above_1_in_one_line(tmp_pa
 
 
 @pytest.mark.slow
-def test_megatron_core_loads_a_converted_moe_torch_dist_at_ep2_and_ep1(moe, tmp_path):
-    """What `toolkit convert --to torch_dist` writes for a Qwen3-MoE loads with Megatron-Core's own
-    dist_checkpointing.load into real GPTModels on 2 ranks, at EP2 (each rank its 2 experts) and at EP1 x DP2, every
-    weight equal to what the HF mapping gives (tests/megatron_dist_load_probe.py)."""
-    folder, _, _ = moe
-    root = convert(folder, tmp_path / "td", "torch_dist", progress=False, log=lambda *_: None)
-    proc = run_ranks(["tests/megatron_dist_load_probe.py", str(folder), str(root / "iter_0000000"), "1x1x1x2",
-                      "1x1x1"], 2, dict(os.environ))
+def test_megatron_lm_moe_checkpoints_both_ways_against_megatron_core(moe, tmp_path):
+    """One 2-rank launch (tests/megatron_moe_writer.py) with real GPTModels at EP2:
+    - a Megatron-LM legacy checkpoint written from Megatron-Core's own state dicts at EP2 (mp_rank_00_000 and
+      mp_rank_00_001, each its own 2 experts, args with Megatron-LM's MoE arguments) converts to Hugging Face bit for
+      bit, and to the legacy layout at TP2 x EP2 and back;
+    - what `toolkit convert --to torch_dist` writes loads with Megatron-Core's dist_checkpointing.load at EP2 and at
+      EP1 x DP2, and what `--to megatron_lm --ep 2` writes loads into EP2 GPTModels with strict=True, every weight
+      equal to what the HF mapping gives."""
+    folder, model, disk = moe
+    quiet = {"progress": False, "log": lambda *_: None}
+    td = convert(folder, tmp_path / "td", "torch_dist", **quiet)
+    lm = convert(folder, tmp_path / "lm", "megatron_lm", ep=2, **quiet)
+    assert sorted(p.name for p in (lm / "iter_0000000").iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    proc = run_ranks(["tests/megatron_moe_writer.py", str(folder), str(tmp_path / "native"),
+                      str(td / "iter_0000000"), str(lm)], 2, dict(os.environ))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "loaded 1x1x1x2" in proc.stdout and "loaded 1x1x1" in proc.stdout
+    for line in ("loaded 1x1x1x2", "loaded 1x1x1", "loaded legacy 1x1x1x2"):
+        assert line in proc.stdout.splitlines(), (line, proc.stdout[-2000:])
+    vocab = model.config.vocab_size
+    back = convert(tmp_path / "native" / "legacy", tmp_path / "back", "hf", vocab_size=vocab, **quiet)
+    got = load_file(str(back / "model.safetensors"))
+    assert set(got) == set(disk) and all(torch.equal(got[k], disk[k]) for k in disk)
+    wide = convert(tmp_path / "native" / "legacy", tmp_path / "wide", "megatron_lm", tp=2, ep=2, vocab_size=vocab,
+                   **quiet)
+    again = load_file(str(convert(wide, tmp_path / "again", "hf", vocab_size=vocab, **quiet) / "model.safetensors"))
+    assert all(torch.equal(again[k], disk[k]) for k in disk)
 
 
 @pytest.mark.slow
@@ -326,3 +342,17 @@ def test_ep2_torch_dist_distributed_optimizer_run_resumes_at_tp2_ep2_and_convert
     mega = convert(last, tmp_path / "mg", "megatron", ep=1, progress=False, log=lambda *_: None)
     optim = load_file(str(next(mega.glob("step_*")) / "optim_tp00_pp000.safetensors"))
     assert "chunk0.decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight:exp_avg" in optim
+
+
+def test_a_missing_expert_parallel_rank_file_and_ep_for_torch_dist_are_refused_in_one_line(moe, tmp_path):
+    """A Megatron-LM legacy MoE checkpoint missing one expert-parallel rank's file names it, and `--to torch_dist
+    --ep 2` says torch_dist has no expert-parallel files; neither writes anything."""
+    folder, model, _ = moe
+    lm = convert(folder, tmp_path / "lm", "megatron_lm", ep=2, progress=False, log=lambda *_: None)
+    (lm / "iter_0000000" / "mp_rank_00_001" / "model_optim_rng.pt").unlink()
+    with pytest.raises(ToolkitError, match=r"is incomplete for tp=1 pp=1 ep=2: missing .*mp_rank_00_001") as e:
+        convert(lm, tmp_path / "out", "hf", vocab_size=model.config.vocab_size, progress=False, log=lambda *_: None)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ToolkitError, match=r"--ep 2: .*a torch_dist checkpoint has none"):
+        convert(folder, tmp_path / "td", "torch_dist", ep=2, progress=False, log=lambda *_: None)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "td").exists()

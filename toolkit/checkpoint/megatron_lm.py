@@ -1,8 +1,11 @@
 """Reading Megatron-LM's legacy checkpoints (`--ckpt-format torch`) without running code hidden in them.
 
-Layout: <root>/latest_checkpointed_iteration.txt and <root>/iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt,
-each holding `args` (an argparse.Namespace), `iteration`, `model` (or model0, model1, ... per virtual chunk),
-and optimizer and RNG state. Files are read with torch.load(weights_only=True) and an explicit allow-list.
+Layout: <root>/latest_checkpointed_iteration.txt and <root>/iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt
+(`_PPP` with pipeline parallelism, `_EEE` the expert-parallel rank of a mixture of experts at
+--expert-model-parallel-size > 1, as Megatron-LM's get_checkpoint_name names them), each holding `args` (an
+argparse.Namespace), `iteration`, `model` (or model0, model1, ... per virtual chunk), and optimizer and RNG state. An
+expert-parallel rank's file holds its own routed experts (`mlp.experts.local_experts.{x}`, x its local index) and
+a copy of everything else. Files are read with torch.load(weights_only=True) and an explicit allow-list.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from pathlib import Path
 
 from toolkit.errors import ToolkitError
 from toolkit.families import family_named
+from toolkit.families.entries import rank_key
 from toolkit.families.mapping import local_spec_name
 from toolkit.format import paths
 from toolkit.format.safe_load import load as load_weights_only
@@ -39,13 +43,17 @@ def iteration_dir(path: Path) -> Path:
     return folder
 
 
-def rank_file(it_dir: Path, tp: int, pp: int, pp_size: int) -> Path:
+def rank_dir(tp: int, pp: int, pp_size: int, ep: int = 0, ep_size: int = 1) -> str:
     name = f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
-    return it_dir / name / "model_optim_rng.pt"
+    return name + (f"_{ep:03d}" if ep_size > 1 else "")
+
+
+def rank_file(it_dir: Path, tp: int, pp: int, pp_size: int, ep: int = 0, ep_size: int = 1) -> Path:
+    return it_dir / rank_dir(tp, pp, pp_size, ep, ep_size) / "model_optim_rng.pt"
 
 
 def read(path: Path, mmap: bool = False) -> tuple[argparse.Namespace, dict, int]:
-    """(args, {(pp_rank, tp_rank): [chunk state dicts with local-spec names]}, iteration)."""
+    """(args, {rank_key(pp_rank, tp_rank, ep_rank, ep): [chunk state dicts with local-spec names]}, iteration)."""
     it_dir = iteration_dir(path)
     paths.check_tree(path, it_dir.glob("mp_rank_*/model_optim_rng.pt"), f"Megatron-LM checkpoint {path}")
     first = min(it_dir.glob("mp_rank_*/model_optim_rng.pt"), default=None)
@@ -54,18 +62,20 @@ def read(path: Path, mmap: bool = False) -> tuple[argparse.Namespace, dict, int]
     args = safe_load(first, mmap)["args"]
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    missing = [str(rank_file(it_dir, t, p, pp)) for p in range(pp) for t in range(tp)
-               if not rank_file(it_dir, t, p, pp).is_file()]
+    ep = expert_parallel_size(args)
+    ranks = [(p, t, e) for p in range(pp) for t in range(tp) for e in range(ep)]
+    missing = [str(rank_file(it_dir, t, p, pp, e, ep)) for p, t, e in ranks
+               if not rank_file(it_dir, t, p, pp, e, ep).is_file()]
     if missing:
-        raise ToolkitError(f"{it_dir} is incomplete for tp={tp} pp={pp}: missing {', '.join(missing[:4])}")
+        raise ToolkitError(f"{it_dir} is incomplete for tp={tp} pp={pp}{f' ep={ep}' if ep > 1 else ''}: missing "
+                           f"{', '.join(missing[:4])}")
     shards, iteration = {}, None
-    for p in range(pp):
-        for t in range(tp):
-            state = safe_load(rank_file(it_dir, t, p, pp), mmap)
-            iteration = state.get("iteration", iteration)
-            keys = ["model"] if vpp == 1 else [f"model{c}" for c in range(vpp)]
-            shards[(p, t)] = [{local_spec_name(k): v for k, v in state[key].items()
-                               if not k.endswith("_extra_state") and v is not None} for key in keys]
+    for p, t, e in ranks:
+        state = safe_load(rank_file(it_dir, t, p, pp, e, ep), mmap)
+        iteration = state.get("iteration", iteration)
+        keys = ["model"] if vpp == 1 else [f"model{c}" for c in range(vpp)]
+        shards[rank_key(p, t, e, ep)] = [{local_spec_name(k): v for k, v in state[key].items()
+                                          if not k.endswith("_extra_state") and v is not None} for key in keys]
     return args, shards, iteration
 
 

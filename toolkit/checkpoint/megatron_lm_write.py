@@ -1,6 +1,7 @@
 """Writing Megatron-LM's legacy layout (`toolkit convert --to megatron_lm`) at any TP x PP x VPP.
 
-Output: <dst>/latest_checkpointed_iteration.txt and <dst>/iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt, each a
+Output: <dst>/latest_checkpointed_iteration.txt and <dst>/iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt
+(`_EEE`: the expert-parallel rank of a mixture of experts written at --ep > 1), each a
 torch.save of what Megatron-LM's save_checkpoint writes with `--no-save-optim --no-save-rng`: `args` (an
 argparse.Namespace with the model arguments for the new layout, the ones Megatron-LM's check_checkpoint_args
 compares), `checkpoint_version` 3.0, `iteration`, `num_floating_point_operations_so_far`, and `model` (or `model0`..
@@ -18,13 +19,14 @@ from pathlib import Path
 
 import torch
 
+from toolkit.checkpoint.megatron_lm import rank_dir
 from toolkit.families import family_named
-from toolkit.families.entries import iter_entries, raise_problems
+from toolkit.families.entries import holders, iter_entries, raise_problems, rank_key
 from toolkit.families.mapping import check_dims
 
 WEIGHT = "weight"
-_EXTRA = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LINEAR = re.compile(r"^(decoder\.layers\.\d+\..*linear_(?:proj|qkv|fc1|fc2))\.weight$")
+"""A Megatron linear's weight: its module has an `_extra_state` entry in a local-spec GPTModel's state_dict."""
 
 
 def moe_args(dims, config: dict, ep: int) -> dict:
@@ -61,33 +63,38 @@ def model_args(dims, config: dict, tp: int, pp: int, vpp: int, divisible_by: int
 class MegatronLMTarget:
     """A Megatron-LM legacy checkpoint root; see the module docstring. Weights only."""
 
-    def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None):
-        self.root, self.source, self.layout = root, source, (tp, pp, vpp)
+    def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None, ep: int = 1):
+        self.root, self.source, self.layout, self.ep = root, source, (tp, pp, vpp), ep
         self.dims = source.dims(tp)
-        raise_problems(f"the model cannot be laid out at tp={tp} pp={pp} vpp={vpp}", check_dims(self.dims, tp, pp, vpp))
+        raise_problems(f"the model cannot be laid out at tp={tp} pp={pp} vpp={vpp} ep={ep}",
+                       check_dims(self.dims, tp, pp, vpp, ep))
         self.fields = (WEIGHT,)
         self.step = int(source.step or 0)
         self.tag_dir = root / f"iter_{self.step:07d}"
         self.out_dtype = dtype or source.dtype()
-        entries = list(iter_entries(self.dims, pp, vpp))
+        entries = list(iter_entries(self.dims, pp, vpp, ep))
         self._left = {p: sum(1 for e in entries if e.pp_rank == p) for p in range(pp)}
-        self._states = {(p, t): [{} for _ in range(vpp)] for p in range(pp) for t in range(tp)}
-        self.total = sum(torch.Size(e.rule.shard_shape(e.hf_shapes, tp)).numel() for e in entries) * tp \
-            * self.out_dtype.itemsize
-        self._args = model_args(self.dims, source.config, tp, pp, vpp, source.divisible_by, self.out_dtype, "torch")
+        self._states = {rank_key(p, t, e, ep): [{} for _ in range(vpp)]
+                        for p in range(pp) for t in range(tp) for e in range(ep)}
+        self.total = sum(torch.Size(e.rule.shard_shape(e.hf_shapes, tp)).numel() * len(holders(e, ep))
+                         for e in entries) * tp * self.out_dtype.itemsize
+        self._args = model_args(self.dims, source.config, tp, pp, vpp, source.divisible_by, self.out_dtype, "torch",
+                                ep)
 
     def writes(self, entry, field: str, hf_tensors: list[torch.Tensor]) -> list:
-        """Keeps this parameter's TP shards (compact copies) for their rank files; writes a stage once complete."""
+        """Keeps this parameter's TP shards (compact copies) for their rank files (every expert-parallel rank holding
+        it); writes a stage once complete."""
         tp = self.layout[0]
         for t, piece in enumerate(entry.to_megatron(hf_tensors, tp)):
-            chunk = self._states[(entry.pp_rank, t)][entry.chunk]
-            chunk[entry.megatron_name] = piece.to(self.out_dtype).clone()
-            m = _LAYER.match(entry.megatron_name)
-            if m and entry.megatron_name.endswith(_EXTRA[0] + ".weight"):  # once per layer: its modules' extra state
-                for module in _EXTRA:
-                    chunk[f"decoder.layers.{m.group(1)}.{module}._extra_state"] = None
-            if entry.megatron_name == "output_layer.weight":
-                chunk["output_layer._extra_state"] = None
+            piece = piece.to(self.out_dtype).clone()
+            for e in holders(entry, self.ep):
+                chunk = self._states[rank_key(entry.pp_rank, t, e, self.ep)][entry.chunk]
+                chunk[entry.megatron_name] = piece
+                linear = _LINEAR.match(entry.megatron_name)
+                if linear:
+                    chunk[f"{linear.group(1)}._extra_state"] = None
+                if entry.megatron_name == "output_layer.weight":
+                    chunk["output_layer._extra_state"] = None
         self._left[entry.pp_rank] -= 1
         if self._left[entry.pp_rank] == 0:
             self._save_stage(entry.pp_rank)
@@ -95,15 +102,15 @@ class MegatronLMTarget:
 
     def _save_stage(self, p: int) -> None:
         tp, pp, vpp = self.layout
-        for t in range(tp):
-            folder = self.tag_dir / (f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}")
+        for t, e in ((t, e) for t in range(tp) for e in range(self.ep)):
+            folder = self.tag_dir / rank_dir(t, p, pp, e, self.ep)
             folder.mkdir(parents=True, exist_ok=True)
-            chunks = self._states.pop((p, t))
+            chunks = self._states.pop(rank_key(p, t, e, self.ep))
             models = {"model": chunks[0]} if vpp == 1 else {f"model{c}": s for c, s in enumerate(chunks)}
             torch.save({"args": self._args, "checkpoint_version": 3.0, "iteration": self.step,
                         "num_floating_point_operations_so_far": 0, **models}, folder / "model_optim_rng.pt")
 
     def close(self) -> None:
         if self._states:
-            raise RuntimeError(f"internal: stages {sorted({p for p, _ in self._states})} were never completed")
+            raise RuntimeError(f"internal: stages {sorted({k[0] for k in self._states})} were never completed")
         (self.root / "latest_checkpointed_iteration.txt").write_text(str(self.step))

@@ -275,6 +275,7 @@ class MegatronLMSource(_ShardedSource):
         self.divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
         self.layout = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                        getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+        self.ep = megatron_lm.expert_parallel_size(args)
         self._index()
         if self._dims.padded_vocab != args.padded_vocab_size:
             raise ToolkitError(f"--vocab-size {vocab_size} pads to {self._dims.padded_vocab} rows at tp="
@@ -282,15 +283,16 @@ class MegatronLMSource(_ShardedSource):
                                "vocabulary size")
 
         raise_problems(f"{path} does not match its own arguments",
-                       check_megatron_shards(self._shards, iter_entries(self._dims, *self.layout[1:]), *self.layout))
+                       check_megatron_shards(self._shards, iter_entries(self._dims, *self.layout[1:], self.ep),
+                                             *self.layout, self.ep))
 
     def _get(self, p: int, t: int, key: str, e: int = 0) -> torch.Tensor:
 
         chunk, name, _ = split_key(key)
-        return self._shards[(p, t)][chunk][name]
+        return self._shards[rank_key(p, t, e, self.ep)][chunk][name]
 
     def dtype(self) -> torch.dtype:
-        return self._shards[(0, 0)][0]["embedding.word_embeddings.weight"].dtype
+        return self._get(0, 0, chunk_key(0, "embedding.word_embeddings.weight")).dtype
 
 
 class TorchDistSource(Source):
