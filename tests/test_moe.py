@@ -21,6 +21,7 @@ from test_megatron_parity import LOSS_RTOL, SCHEDULE, STEPS
 
 from toolkit.checkpoint import megatron_lm
 from toolkit.checkpoint.convert import convert
+from toolkit.checkpoint.inspect import inspect
 from toolkit.checkpoint.torch_dist import Reader
 from toolkit.errors import RecipeError, ToolkitError
 from toolkit.families import dims_from_hf, hf_to_megatron, megatron_to_hf, qwen3_moe
@@ -303,6 +304,9 @@ def test_megatron_lm_moe_checkpoints_both_ways_against_megatron_core(moe, tmp_pa
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     for line in ("loaded 1x1x1x2", "loaded 1x1x1", "loaded legacy 1x1x1x2"):
         assert line in proc.stdout.splitlines(), (line, proc.stdout[-2000:])
+    report = inspect(tmp_path / "native" / "legacy")
+    assert report["complete"] and report["layout"] == {"tp": 1, "pp": 1, "vpp": 1, "ep": 2}, report
+    assert report["architecture"]["num_experts"] == 4
     vocab = model.config.vocab_size
     back = convert(tmp_path / "native" / "legacy", tmp_path / "back", "hf", vocab_size=vocab, **quiet)
     got = load_file(str(back / "model.safetensors"))

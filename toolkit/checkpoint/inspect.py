@@ -85,7 +85,8 @@ def inspect_hf(folder: Path) -> dict:
 
 def _hf_architecture(config: dict) -> dict:
     keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
+            "num_key_value_heads", "vocab_size", "max_position_embeddings", "tie_word_embeddings", "num_experts",
+            "num_experts_per_tok", "moe_intermediate_size")
     return {k: config[k] for k in keys if k in config}
 
 
@@ -146,14 +147,15 @@ def inspect_megatron_lm(path: Path) -> dict:
     args = state["args"]
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    problems = [f"{megatron_lm.rank_file(it_dir, t, p, pp).relative_to(it_dir)} is missing"
-                for p in range(pp) for t in range(tp) if not megatron_lm.rank_file(it_dir, t, p, pp).is_file()]
+    ep = megatron_lm.expert_parallel_size(args)
+    ranks = [megatron_lm.rank_file(it_dir, t, p, pp, e, ep) for p in range(pp) for t in range(tp) for e in range(ep)]
+    problems = [f"{f.relative_to(it_dir)} is missing" for f in ranks if not f.is_file()]
     problems += [why for f in files[1:] if (why := check_file(f))]  # unreadable or unsafe (pickles only, mmapped)
     config = megatron_lm.hf_config(args, args.padded_vocab_size)
 
     dims = dims_from_hf(config)
     return {"path": str(path), "format": "megatron-lm", "complete": not problems, "problems": problems,
-            "step": state.get("iteration"), "layout": {"tp": tp, "pp": pp, "vpp": vpp},
+            "step": state.get("iteration"), "layout": {"tp": tp, "pp": pp, "vpp": vpp, **({"ep": ep} if ep > 1 else {})},
             "architecture": {**_hf_architecture(config), "vocab_size": f"{args.padded_vocab_size} (padded)"},
             "parameters": sum(_numel(s) for e in iter_entries(dims, 1, 1) if e.reads_back for s in e.hf_shapes),
             "dtypes": None, "bytes": _bytes(it_dir), "padded_vocab": args.padded_vocab_size}
@@ -173,7 +175,9 @@ def _inspect_torch_dist(path: Path, it_dir: Path) -> dict:
     return {"path": str(path), "format": "megatron torch_dist", "complete": True, "problems": [],
             "step": reader.common.get("iteration"),
             "layout": {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
-                       "vpp": getattr(args, "virtual_pipeline_model_parallel_size", None) or 1},
+                       "vpp": getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,
+                       **({"ep": megatron_lm.expert_parallel_size(args)} if megatron_lm.expert_parallel_size(args) > 1
+                          else {})},
             "architecture": {**_hf_architecture(config), "vocab_size": f"{args.padded_vocab_size} (padded)"},
             "parameters": sum(_numel(s) for e in iter_entries(dims_from_hf(config), 1, 1) if e.reads_back
                               for s in e.hf_shapes),
