@@ -12,8 +12,10 @@ import torch
 
 
 def reference_losses(hf_path, steps: int, schedule: list[str], model_out: dict | None = None,
-                     evals: dict | None = None) -> list[float]:
+                     evals: dict | None = None, router_logits: bool = False) -> list[float]:
     """Losses of `steps` optimizer steps; with `model_out`, the trained weights are put in model_out["state"].
+    With `router_logits` a mixture of experts trains with transformers' load-balancing loss (its
+    output_router_logits, router_aux_loss_coef from config.json) and the LM loss without it is returned.
     With eval.* overrides in `schedule` and an `evals` dict, evals[step] is the validation loss after that step,
     computed here directly: the token-weighted mean cross-entropy over the first eval.batches global batches of
     the held-out sequences, in one process, with no toolkit backend."""
@@ -42,9 +44,11 @@ def reference_losses(hf_path, steps: int, schedule: list[str], model_out: dict |
     for _ in range(steps):
         micro_losses = []
         for micro in stream.next_step():
-            loss = model(input_ids=micro["input_ids"], labels=micro["labels"]).loss
-            (loss / plan.batch.grad_accum).backward()
-            micro_losses.append(loss.item())
+            out = model(input_ids=micro["input_ids"], labels=micro["labels"],
+                        **({"output_router_logits": True} if router_logits else {}))
+            (out.loss / plan.batch.grad_accum).backward()
+            aux = model.config.router_aux_loss_coef * out.aux_loss.item() if router_logits else 0.0
+            micro_losses.append(out.loss.item() - aux)
         torch.nn.utils.clip_grad_norm_(model.parameters(), r.training.grad_clip)
         opt.step()
         sched.step()

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -360,3 +361,55 @@ def test_a_missing_expert_parallel_rank_file_and_ep_for_torch_dist_are_refused_i
     with pytest.raises(ToolkitError, match=r"--ep 2: .*a torch_dist checkpoint has none"):
         convert(folder, tmp_path / "td", "torch_dist", ep=2, progress=False, log=lambda *_: None)
     assert not (tmp_path / "out").exists() and not (tmp_path / "td").exists()
+
+
+AUX = 0.05  # a load-balancing loss strong enough to move 4 steps' losses by far more than the tolerance
+ONE = "training.micro_batch_size=1"  # one sequence per micro-batch: every rank's micro-batches are the reference's
+
+
+@pytest.fixture(scope="module")
+def aux_start(start, tmp_path_factory):
+    """start's weights with router_aux_loss_coef 0.05 in config.json, and transformers' own single-process losses from
+    them with its load-balancing loss on (output_router_logits) and off."""
+    hf_in, _ = start
+    folder = tmp_path_factory.mktemp("moe_aux") / "hf"
+    shutil.copytree(hf_in, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "router_aux_loss_coef": AUX}))
+    return (folder, reference_losses(folder, STEPS, [*SCHEDULE, ONE], router_logits=True),
+            reference_losses(folder, STEPS, [*SCHEDULE, ONE]))
+
+
+def _aux_sets(folder) -> list[str]:
+    return ["model.preset=null", f"model.hf_path={folder}", "model.pretrained=true", f"training.steps={STEPS}",
+            *SCHEDULE, ONE, "logging.interval=1", "checkpoint.interval=1000"]
+
+
+@pytest.mark.slow
+def test_deepspeed_trains_the_moe_with_transformers_load_balancing_loss(aux_start, tmp_path):
+    """transformers adds Qwen3-MoE's load-balancing loss only with output_router_logits, which its config leaves off:
+    the DeepSpeed backend turns it on when router_aux_loss_coef > 0 (it used to be silently ignored) and logs the LM
+    loss. ZeRO-2 on 2 ranks gives the single-process transformers loop's losses with the aux loss, not those without."""
+    folder, want, without = aux_start
+    launch("tiny_qwen3_moe", [*_aux_sets(folder), "parallel.backend=deepspeed", "parallel.ep=1",
+                              "parallel.zero_stage=2"], nproc=2, out_dir=tmp_path / "run")
+    got = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    print("qwen3_moe DeepSpeed with aux loss:", got, "transformers with:", want, "without:", without)
+    assert got == pytest.approx(want, rel=LOSS_RTOL)
+    assert abs(want[-1] - without[-1]) > 100 * LOSS_RTOL * abs(want[-1])  # the aux loss changes the run
+
+
+@pytest.mark.slow
+def test_megatron_aux_loss_is_the_same_under_expert_parallelism(aux_start, tmp_path):
+    """Megatron-Core's own load-balancing loss (per layer, switch-style: not transformers' function, which pools the
+    layers, so the Megatron losses here are not the transformers ones) at router_aux_loss_coef: EP2 gives the EP1 x DP2
+    losses, and the loss changes the run against transformers' losses without it."""
+    folder, _, without = aux_start
+    runs = {}
+    for ep in (1, 2):
+        launch("tiny_qwen3_moe", [*_aux_sets(folder), f"parallel.ep={ep}"], nproc=2, out_dir=tmp_path / f"ep{ep}")
+        runs[ep] = [m["loss"] for m in read_metrics(tmp_path / f"ep{ep}")]
+    print("qwen3_moe Megatron with aux loss, EP1 x DP2:", runs[1], "EP2:", runs[2], "transformers without:", without)
+    assert runs[2] == pytest.approx(runs[1], rel=LOSS_RTOL)
+    assert runs[1][0] == pytest.approx(without[0], rel=LOSS_RTOL)  # step 1: the same weights, the aux loss not in it
+    assert abs(runs[1][-1] - without[-1]) > 100 * LOSS_RTOL * abs(without[-1])

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from toolkit.adapters.deepspeed import build_ds_config
 from toolkit.errors import ToolkitError
+from toolkit.families import family_named
 from toolkit.model import build_model, param_groups, token_loss_sum
 from toolkit.recipe import Plan
 from toolkit.train import faults
@@ -34,6 +35,9 @@ class DeepSpeedBackend:
             lr_scheduler=lambda opt: build_scheduler(opt, r.training))
         self.dp_rank, self.dp = info.rank, layout.dp
         self.per_token = r.data.kind == "chat"
+        # transformers adds a MoE model's load-balancing loss only when asked for its router logits (its configs
+        # default to not), so router_aux_loss_coef would silently do nothing; the logged loss stays the LM loss
+        self.aux_coef = (r.model.router_aux_loss_coef or 0.0) if family_named(r.model.family).moe else 0.0
         self.layout_meta = {"world_size": layout.world_size, "zero_stage": layout.zero_stage, "dp": layout.dp}
 
     def current_lr(self, step: int) -> float:
@@ -44,7 +48,7 @@ class DeepSpeedBackend:
         already holds). Returns (mean loss tensor of this rank, grad norm or None); no host sync unless the grad
         norm is asked for."""
         engine, device, losses, grad_norm = self.engine, self.engine.device, [], None
-        extra = {}
+        extra = {"output_router_logits": True} if self.aux_coef else {}
         if self.per_token:
             # chat data: the mean over all loss tokens of the step. transformers divides each micro-batch's sum by
             # num_items_in_batch; DeepSpeed then divides by the accumulation steps and averages over dp ranks.
@@ -66,7 +70,7 @@ class DeepSpeedBackend:
             if want_grad_norm and boundary and engine.zero_optimization_stage() == 0:
                 grad_norm = _grad_norm(engine.module)  # ZeRO-0 keeps none; the gradients are all-reduced by now
             engine.step()
-            losses.append(out.loss.detach())
+            losses.append(out.loss.detach() - (self.aux_coef * out.aux_loss.detach() if self.aux_coef else 0.0))
         faults.point("optimizer")
         if want_grad_norm and grad_norm is None:
             grad_norm = engine.get_global_grad_norm()
