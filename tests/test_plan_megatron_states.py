@@ -44,12 +44,16 @@ CASES_2 = {
     "dp2_distopt_bf16": ("tiny_dp2_distopt", [*BF16, *SMALL_BUCKETS]),
     "dp2_distopt_fp32": ("tiny_dp2_distopt", []),
     "dp2_distopt_tied_fp16": ("tiny_dp2_distopt", ["training.precision=fp16", "model.tie_word_embeddings=true"]),
+    # a mixture of experts at ep2: its experts in buffers of their own over the expert-data-parallel ranks
+    "ep2_bf16": ("tiny_qwen3_moe", BF16),
+    "ep2_distopt_bf16": ("tiny_qwen3_moe", [*BF16, "parallel.zero_stage=1", *SMALL_BUCKETS]),
 }
 DP2_PP2 = ["parallel.world_size=4", "parallel.zero_stage=1"]
 CASES_4 = {
     "tp2_pp2_bf16": ("tiny_tp2_pp2", BF16),
     "pp2_dp2_distopt_tied_bf16": ("tiny_pp2", [*BF16, *DP2_PP2, *SMALL_BUCKETS, "model.tie_word_embeddings=true"]),
     "pp2_vpp2_dp2_distopt_bf16": ("tiny_pp2_vpp2", [*BF16, *DP2_PP2]),
+    "ep2_dp4_distopt_bf16": ("tiny_qwen3_moe", [*BF16, "parallel.world_size=4", "parallel.zero_stage=1"]),
 }
 KINDS = ("weights", "grads", "master", "moments")
 TORCH_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
@@ -94,7 +98,8 @@ def test_planner_matches_what_megatron_allocates(case, measured):
                                     tp_rank=got["tp_rank"])
         where = f"{case} rank tp{got['tp_rank']} pp{got['pp_rank']} dp{got['dp_rank']}"
         print(f"{where}: params {got['params']}, " + ", ".join(f"{k} {got[k]}" for k in KINDS))
-        assert got["params"] == megatron_params(r, layout.tp, layout.pp, layout.vpp, got["tp_rank"], got["pp_rank"])
+        assert got["params"] == megatron_params(r, layout.tp, layout.pp, layout.vpp, got["tp_rank"], got["pp_rank"],
+                                                layout.ep)
         assert {k: got[k] for k in KINDS} == {k: getattr(want, k) for k in KINDS}, where
         # nothing the planner leaves out: no gradient outside the DDP buffers, no Adam state but the moments and
         # torch's 4-byte `step` per parameter (noted, not counted)

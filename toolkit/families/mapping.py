@@ -199,9 +199,21 @@ def recipe_dims(m: Any, tp: int = 1, divisible_by: int = 128) -> Dims:
                 topk=m.num_experts_per_tok or 0)
 
 
+_COUNTS: dict[tuple[str, Dims], dict[str, int]] = {}
+
+
 def param_count(family: Family, d: Dims) -> dict[str, int]:
     """Parameters of the Hugging Face model, summed over the family's own map (so a family's count is its map):
-    total, embedding (the input embeddings) and non_embedding (everything else, an untied output layer included)."""
+    total, embedding (the input embeddings) and non_embedding (everything else, an untied output layer included).
+    Remembered per family and dims: the planner asks for thousands of layouts, and a mixture of experts' map has
+    thousands of entries."""
+    key = (family.name, d)
+    if key not in _COUNTS:
+        _COUNTS[key] = _param_count(family, d)
+    return dict(_COUNTS[key])
+
+
+def _param_count(family: Family, d: Dims) -> dict[str, int]:
     def numel(pm: ParamMap) -> int:
         return sum(math.prod(shape) for shape in pm.hf_shapes)
 

@@ -17,7 +17,7 @@ from toolkit.plan import activations as act
 from toolkit.plan.choice import Choice, apply
 from toolkit.plan.deepspeed_states import deepspeed_buffer_bytes, deepspeed_state_bytes
 from toolkit.plan.hardware import Cluster
-from toolkit.plan.megatron_states import megatron_params, megatron_state_bytes
+from toolkit.plan.megatron_states import chunk_params, megatron_params, megatron_state_bytes
 from toolkit.plan.types import CPU, GPU, NVME, StateBytes
 from toolkit.recipe.schema import Recipe
 
@@ -208,7 +208,8 @@ def _ring(n: int, kind: str) -> float:
     return 0.0 if n == 1 else (2 if kind == "all-reduce" else 1) * (n - 1) / n
 
 
-def comms(r: Recipe, c: Choice, cluster: Cluster, compute_s: float, params: int) -> list[Comm]:
+def comms(r: Recipe, c: Choice, cluster: Cluster, compute_s: float, params: int,
+          cache: dict | None = None) -> list[Comm]:
     """Each collective of a step, with the compute it can hide behind (overlap as the frameworks configure it)."""
     m, seq, b = r.model, r.data.seq_len, DTYPE_BYTES[r.training.precision]
     out: list[Comm] = []
@@ -239,7 +240,7 @@ def comms(r: Recipe, c: Choice, cluster: Cluster, compute_s: float, params: int)
         boundary = act_bytes // (c.tp if c.sp else 1)
         nbytes = 2 * boundary * c.accum * c.vpp
         add("PP send/recv of activations and their gradients", "pp", c.pp, nbytes, c.world, 0.0)
-    out += _dp_comms(r, c, cluster, micro_s, params)
+    out += _dp_comms(r, c, cluster, micro_s, params, _rank_expert_params(r, c, {} if cache is None else cache))
     return out
 
 
@@ -267,9 +268,22 @@ def _rank_params(r: Recipe, c: Choice, cache: dict) -> int:
     return cache[key]
 
 
-def _dp_comms(r: Recipe, c: Choice, cluster: Cluster, micro_s: float, params: int) -> list[Comm]:
+def _rank_expert_params(r: Recipe, c: Choice, cache: dict) -> int:
+    """Expert weights on one Megatron rank under expert parallelism (0 at ep = 1, where Megatron-Core reduces them
+    with the rest), on the larger of the first and last stage."""
+    if c.backend != "megatron" or c.ep == 1:
+        return 0
+    key = ("experts", c.tp, c.pp, c.vpp, c.ep)
+    if key not in cache:
+        cache[key] = max(sum(n for vp in range(c.vpp) for name, n, _ in chunk_params(r, c.tp, c.pp, c.vpp, p, vp, c.ep)
+                             if ".local_experts." in name) for p in {0, c.pp - 1})
+    return cache[key]
+
+
+def _dp_comms(r: Recipe, c: Choice, cluster: Cluster, micro_s: float, params: int, experts: int = 0) -> list[Comm]:
     """Gradient reduction and parameter gathers over the data-parallel group; Megatron reduces gradients over
-    dp x cp (context-parallel ranks hold the same weights)."""
+    dp x cp (context-parallel ranks hold the same weights), and under expert parallelism the `experts` of them over
+    the expert-data-parallel ranks, dp x cp / ep."""
     group = c.dp * c.cp
     if group == 1:
         return []
@@ -286,7 +300,9 @@ def _dp_comms(r: Recipe, c: Choice, cluster: Cluster, micro_s: float, params: in
 
     backward = micro_s * 2 / 3
     if c.backend == "megatron":
-        grad = _ring(group, "all-gather") * params * 4  # grad_reduce_in_fp32
+        edp = group // c.ep
+        ring = _ring(group, "all-gather") * (params - experts) + _ring(edp, "all-gather") * experts
+        gather, grad = ring * b, ring * 4  # grad_reduce_in_fp32
         if c.zero == 1:
             add("DP gradient reduce-scatter (fp32)", grad, backward)
             add("DP parameter all-gather", gather, micro_s / 3)
@@ -328,7 +344,7 @@ def estimate(r: Recipe, c: Choice, cluster: Cluster, cache: dict | None = None) 
     cache = {} if cache is None else cache
     mem = memory(rc, c, cluster, cache)
     params = _rank_params(rc, c, cache)
-    cs = comms(rc, c, cluster, compute, params)
+    cs = comms(rc, c, cluster, compute, params, cache)
     times = {"compute": compute, "bubble": compute * bub / (1 - bub)}
     for dim in ("tp", "cp", "ep", "pp", "dp"):
         times[dim] = sum(x.exposed for x in cs if x.dim == dim)

@@ -8,6 +8,7 @@ llama70b_tp8_pp4.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ class Buffer:
     numel: int
     params: tuple[tuple[int, int], ...]
     buckets: tuple[tuple[int, int], ...]
+    shard_world: int = 1  # the data-parallel ranks it is reduced (and, distributed, sharded) over
 
 
 def _dims(r: Recipe, tp: int) -> dict:
@@ -65,11 +67,22 @@ def chunk_params(r: Recipe, tp: int, pp: int, vpp: int, pp_rank: int, vp: int,
     m = _dims(r, tp)
     if r.model.num_layers % (pp * vpp):
         raise ToolkitError(f"model.num_layers {r.model.num_layers} is not divisible by pp x vpp = {pp} x {vpp}")
+    key = (tuple(sorted(m.items())), r.model.num_layers, tp, pp, vpp, pp_rank, vp, ep)
+    if key not in _CHUNKS:  # the planner asks again for every layout; a mixture of experts has thousands of entries
+        _CHUNKS[key] = tuple(_chunk_params(m, r.model.num_layers, tp, pp, vpp, pp_rank, vp, ep))
+    return list(_CHUNKS[key])
+
+
+_CHUNKS: dict[tuple, tuple[tuple[str, int, bool], ...]] = {}
+
+
+def _chunk_params(m: dict, num_layers: int, tp: int, pp: int, vpp: int, pp_rank: int, vp: int,
+                  ep: int) -> list[tuple[str, int, bool]]:
     h, d = m["h"], m["d"]
     first, last = pp_rank == 0 and vp == 0, pp_rank == pp - 1 and vp == vpp - 1
     shared = m["tied"] and pp > 1  # the tied copy on the last stage and its source each get their own bucket
     out = [("embedding.word_embeddings.weight", m["vocab"] // tp * h, shared)] if first else []
-    for i in layers_of_chunk(r.model.num_layers, pp, vpp, pp_rank, vp):
+    for i in layers_of_chunk(num_layers, pp, vpp, pp_rank, vp):
         qkv_rows = (m["heads"] + 2 * m["groups"]) * d // tp
         # registration order: SelfAttention makes linear_proj, then linear_qkv (weight, bias), then the q/k norms
         out += [(f"decoder.layers.{i}.input_layernorm.weight", h, False),
@@ -98,7 +111,13 @@ def megatron_params(r: Recipe, tp: int, pp: int, vpp: int, tp_rank: int, pp_rank
     """Parameters held by rank (tp_rank, pp_rank), over all its virtual chunks."""
     if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
         raise ToolkitError(f"rank (tp_rank {tp_rank}, pp_rank {pp_rank}) is outside tp {tp} x pp {pp}")
-    return sum(n for vp in range(vpp) for _, n, _ in chunk_params(r, tp, pp, vpp, pp_rank, vp, ep))
+    key = (tuple(sorted(_dims(r, tp).items())), r.model.num_layers, tp, pp, vpp, pp_rank, ep)
+    if key not in _TOTALS:
+        _TOTALS[key] = sum(n for vp in range(vpp) for _, n, _ in chunk_params(r, tp, pp, vpp, pp_rank, vp, ep))
+    return _TOTALS[key]
+
+
+_TOTALS: dict[tuple, int] = {}
 
 
 def _pad(n: int, multiple: int) -> int:
@@ -134,7 +153,7 @@ def build_buffer(params: list[tuple[str, int, bool]], shard_world: int, distribu
             start += numel
     if open_bucket:
         close(start)
-    return Buffer(buckets[-1][1] if buckets else 0, tuple(placed), tuple(buckets))
+    return Buffer(buckets[-1][1] if buckets else 0, tuple(placed), tuple(buckets), shard_world)
 
 
 def shard_elements(buf: Buffer, shard_world: int) -> list[int]:
@@ -151,12 +170,13 @@ def shard_elements(buf: Buffer, shard_world: int) -> list[int]:
 
 
 def owned_by(buf: Buffer, shard_world: int, rank: int) -> int:
-    """shard_elements(buf, shard_world)[rank] for one rank, in one pass over the (start-ordered) parameters."""
+    """shard_elements(buf, shard_world)[rank] for one rank: per bucket, only the (start-ordered, disjoint)
+    parameters that reach into the rank's slice, found by bisection."""
     total = 0
     for b0, b1 in buf.buckets:
         size = (b1 - b0) // shard_world
         lo_s, hi_s = b0 + rank * size, b0 + (rank + 1) * size
-        for p0, p1 in buf.params:
+        for p0, p1 in buf.params[max(0, bisect.bisect_right(buf.params, (lo_s, lo_s)) - 1):]:
             if p0 >= hi_s:
                 break
             total += max(0, min(p1, hi_s) - max(p0, lo_s))
@@ -171,25 +191,53 @@ def _bucket_size(r: Recipe, layout: Layout) -> int | None:
 
 
 def rank_buffers(r: Recipe, layout: Layout, pp_rank: int) -> list[Buffer]:
-    """The DDP buffers of one rank, one per virtual chunk. Only the first chunk of the first stage is bucketed:
-    Megatron's DDP turns bucketing off for pp_rank > 0, and the toolkit (like Megatron-LM) for chunks after the
-    first."""
-    distributed = layout.zero_stage == 1
+    """The DDP buffers of one rank, one per virtual chunk, and at ep > 1 a second one per chunk for the experts:
+    Megatron-Core marks expert weights `allreduce=False` only under expert parallelism and gives them their own
+    buffer over the expert-data-parallel ranks (dp x cp / ep of them; the expert tensor-parallel size is tp).
+    Only the first chunk of the first stage is bucketed: Megatron's DDP turns bucketing off for pp_rank > 0, and
+    the toolkit (like Megatron-LM) for chunks after the first."""
+    distributed, world = layout.zero_stage == 1, layout.dp * layout.cp
     size = _bucket_size(r, layout)
-    return [build_buffer(chunk_params(r, layout.tp, layout.pp, layout.vpp, pp_rank, vp, layout.ep),
-                         layout.dp * layout.cp, distributed, size if pp_rank == 0 and vp == 0 else None)
-            for vp in range(layout.vpp)]
+    key = (tuple(sorted(_dims(r, layout.tp).items())), r.model.num_layers, layout.tp, layout.pp, layout.vpp, pp_rank,
+           layout.ep, world, distributed, size)
+    if key not in _BUFFERS:
+        _BUFFERS[key] = tuple(_rank_buffers(r, layout, pp_rank, distributed, world, size))
+    return list(_BUFFERS[key])
 
 
-def _owned(bufs: list[Buffer], shard_world: int) -> list[int]:
-    per_chunk = [shard_elements(b, shard_world) for b in bufs]
-    return [sum(c[i] for c in per_chunk) for i in range(shard_world)]
+_BUFFERS: dict[tuple, tuple[Buffer, ...]] = {}
+
+
+def _rank_buffers(r: Recipe, layout: Layout, pp_rank: int, distributed: bool, world: int,
+                  size: int | None) -> list[Buffer]:
+    out = []
+    for vp in range(layout.vpp):
+        params = chunk_params(r, layout.tp, layout.pp, layout.vpp, pp_rank, vp, layout.ep)
+        experts = [q for q in params if ".local_experts." in q[0]] if layout.ep > 1 else []
+        bucket = size if pp_rank == 0 and vp == 0 else None
+        out.append(build_buffer([q for q in params if q not in experts], world, distributed, bucket))
+        if experts:
+            out.append(build_buffer(experts, world // layout.ep, distributed, bucket))
+    return out
+
+
+def _shard_rank(buf: Buffer, layout: Layout, dp_rank: int) -> int:
+    """The rank in buf's shard group of the rank dp_rank of dp x cp: the expert-data-parallel rank is dp_rank // ep
+    (Megatron orders a stage's ranks tp-cp-dp for dense weights and tp-ep-dp for experts)."""
+    return dp_rank // (layout.dp * layout.cp // buf.shard_world)
+
+
+def _owned(bufs: list[Buffer], layout: Layout) -> list[int]:
+    world = layout.dp * layout.cp
+    per_buffer = [(b, shard_elements(b, b.shard_world)) for b in bufs]
+    return [sum(c[_shard_rank(b, layout, i)] for b, c in per_buffer) for i in range(world)]
 
 
 def _notes(r: Recipe, layout: Layout, distributed: bool, sizes: list[int]) -> tuple[str, ...]:
     p = r.training.precision
     shared = r.model.tie_word_embeddings and layout.pp > 1
-    aligned = all(n % math.lcm(layout.dp * layout.cp, ALIGN_BUCKET) == 0 for n in sizes)
+    multiple = math.lcm(layout.dp * layout.cp, ALIGN_BUCKET)
+    aligned = all(n % multiple == 0 for n in sizes)
     notes = [
         (f"params: layers {r.model.num_layers} / (pp {layout.pp} x vpp {layout.vpp}) per chunk, chunk v of stage s "
          "holds layers (v x pp + s) x that onwards; column-parallel qkv/fc1 and row-parallel proj/fc2 split by tp, "
@@ -213,6 +261,11 @@ def _notes(r: Recipe, layout: Layout, distributed: bool, sizes: list[int]) -> tu
                    "linear_qkv/linear_fc1 (same counts, other order), which changes nothing when every parameter "
                    f"size is a multiple of {lcm}" + (" (true here)" if aligned else
                                                     f" (not here: bucket padding may differ by < {lcm} per bucket)"))]
+    if layout.ep > 1:
+        notes.append(f"experts: {r.model.num_experts // layout.ep} local experts per layer ({r.model.num_experts} / ep "
+                     f"{layout.ep}), in a buffer of their "
+                     f"own reduced{' and sharded' if distributed else ''} over the dp x cp / ep = "
+                     f"{layout.dp * layout.cp // layout.ep} expert-data-parallel rank(s)")
     if p == "fp32":
         notes.append("master: none (fp32 params are the optimizer's params; distributed shards are views)")
     else:
@@ -235,7 +288,8 @@ def megatron_state_bytes(r: Recipe, layout: Layout, pp_rank: int = 0, dp_rank: i
     sizes = [n for vp in range(layout.vpp)
              for _, n, _ in chunk_params(r, layout.tp, layout.pp, layout.vpp, pp_rank, vp, layout.ep)]
     buffered = sum(b.numel for b in bufs)
-    owned = sum(owned_by(b, shard_world, dp_rank) for b in bufs) if distributed else params
+    owned = (sum(owned_by(b, b.shard_world, _shard_rank(b, layout, dp_rank)) for b in bufs) if distributed
+             else params)
     grad_bytes = 4 if mcfg.to_ddp_config_kwargs(r, layout)["grad_reduce_in_fp32"] else PARAM_BYTES[p]
     return StateBytes(weights=PARAM_BYTES[p] * (buffered if distributed else params), grads=grad_bytes * buffered,
                       master=0 if p == "fp32" else 4 * owned, moments=8 * owned,
@@ -249,7 +303,7 @@ def largest_megatron_state_bytes(r: Recipe, layout: Layout) -> tuple[dict, State
     for pp_rank in range(layout.pp):
         dp_rank = 0
         if layout.zero_stage == 1:
-            owned = _owned(rank_buffers(r, layout, pp_rank), layout.dp * layout.cp)
+            owned = _owned(rank_buffers(r, layout, pp_rank), layout)
             dp_rank = max(range(len(owned)), key=owned.__getitem__)
         ranks.append(({"tp_rank": 0, "pp_rank": pp_rank, "dp_rank": dp_rank},
                       megatron_state_bytes(r, layout, pp_rank, dp_rank)))

@@ -83,7 +83,8 @@ def check_experts(r: Recipe) -> list[Problem]:
                            "set parallel.ep: 1, or use a mixture-of-experts family (qwen3_moe)"))
     elif p.ep > 1 and p.backend != "megatron":
         out.append(Problem("parallel.ep", f"{p.ep}: expert parallelism is Megatron-Core's; the deepspeed backend "
-                           "trains the Hugging Face MoE model with ZeRO", "set parallel.backend: megatron, or ep: 1"))
+                           "trains the Hugging Face MoE model with ZeRO (DeepSpeed 0.19.8's AutoEP fails with "
+                           "transformers 5.24: docs/megatron.md)", "set parallel.backend: megatron, or ep: 1"))
     elif p.ep > 1 and m.num_experts and m.num_experts % p.ep:
         out.append(Problem("parallel.ep", f"{m.num_experts} experts are not divisible by ep = {p.ep}",
                            "choose an ep that divides model.num_experts"))
