@@ -191,9 +191,6 @@ def test_what_megatron_cannot_honour_is_refused(family, change, needle, tmp_path
 
 
 @pytest.mark.slow
-# Mistral is left out for the test-time budget (one 4-rank launch, ~90 s on 2 loaded cores): its Megatron layers are
-# Llama's (the same modules and map), whose TP2 x PP2 training parity is test_megatron_parity's, and its logits are
-# checked at TP2 and PP2 above. Add "mistral" here to run it (it passes: 4 steps, rel 5e-6, 2026-12-02).
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
 def test_tp2_pp2_training_reproduces_single_process_losses(family, tmp_path):
     """Each family's tiny recipe trained at TP2 x PP2 on 4 ranks from the same initial weights gives the plain
@@ -219,3 +216,26 @@ def test_tp2_pp2_training_reproduces_single_process_losses(family, tmp_path):
     print(f"{family} TP2xPP2:", got, "single process:", want)
     assert len(got) == STEPS and want[-1] < want[0] - 0.05
     assert got == pytest.approx(want, rel=LOSS_RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_deepspeed_zero3_run_of_the_family_trains_and_converts_back_to_hf(family, tmp_path):
+    """Each dense family's tiny recipe trains with DeepSpeed ZeRO-3 on 2 ranks (transformers' own model class of the
+    family) and its checkpoint directory converts with --fp32 to a Hugging Face folder of that class, whose weights
+    equal DeepSpeed's own zero_to_fp32 bit for bit. Qwen2 is tests/test_deepspeed_convert.py's ZeRO-3 run,
+    Qwen3-MoE tests/test_moe.py's."""
+    import transformers
+    from test_deepspeed_convert import _zero_to_fp32
+
+    launch(f"tiny_{family}", ["parallel.zero_stage=3", "training.steps=4", "checkpoint.interval=4",
+                              "training.schedule.warmup_steps=2", "logging.interval=1", "logging.sample_prompt="],
+           nproc=2, out_dir=tmp_path / "run")
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    tag = tmp_path / "run" / "checkpoints" / "step_00000004"
+    hf = convert(tag.parent, tmp_path / "hf", "hf", fp32=True, progress=False, log=lambda *_: None)
+    assert json.loads((hf / "config.json").read_text())["architectures"] == [CONFIGS[family][1]]
+    got, want = load_file(str(hf / "model.safetensors")), _zero_to_fp32(tag)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(hf)).__name__ == CONFIGS[family][1]

@@ -142,7 +142,8 @@ class HFTarget:
         config = dict(source.config)
         config["torch_dtype"] = str(out_dtype).replace("torch.", "")
         family = family_of_config(config)
-        config.setdefault("architectures", [family.hf_architecture])
+        if not config.get("architectures"):  # absent, or None in a config made from a config class (no model saved it)
+            config["architectures"] = [family.hf_architecture]  # vLLM and others pick the model class from it
         (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
         _copy_tokenizer(source, folder)
 
