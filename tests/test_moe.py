@@ -178,27 +178,31 @@ def test_real_size_recipe_is_qwen3_30b_a3b_and_ep_divides_its_experts_per_rank()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2], ids=["ep2", "ep2_tp2"])
-def test_ep2_training_reproduces_single_process_losses(start, tmp_path, tp):
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 2), (2, 1, 2), (2, 2, 1)], ids=["ep2", "ep2_tp2", "tp2_pp2"])
+def test_ep2_training_reproduces_single_process_losses(start, tmp_path, tp, pp, ep):
     """From the same Hugging Face weights, Megatron-Core at EP2 (each expert-parallel rank holds 2 of the 4 experts,
     tokens exchanged by the alltoall dispatcher over gloo), alone on 2 ranks and with TP2 + sequence parallelism
-    (Megatron-Core's requirement for MoE under TP) on 4, gives the single-process transformers loop's losses."""
+    (Megatron-Core's requirement for MoE under TP) on 4, and at TP2 (+SP) x PP2 like every family, gives the
+    single-process transformers loop's losses."""
     import transformers
 
     hf_in, want = start
+    world = tp * pp * ep
     launch("tiny_qwen3_moe", ["model.preset=null", f"model.hf_path={hf_in}", "model.pretrained=true",
                               f"training.steps={STEPS}", *SCHEDULE, "logging.interval=1", "checkpoint.interval=1000",
-                              f"parallel.tp={tp}", f"parallel.sp={tp > 1}", f"parallel.world_size={2 * tp}"],
-           nproc=2 * tp, out_dir=tmp_path / "run")
+                              f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.sp={tp > 1}",
+                              f"parallel.world_size={world}"],
+           nproc=world, out_dir=tmp_path / "run")
     got = [m["loss"] for m in read_metrics(tmp_path / "run")]
-    print(f"qwen3_moe EP2 x TP{tp}:", got, "single process:", want)
+    print(f"qwen3_moe TP{tp} x PP{pp} x EP{ep}:", got, "single process:", want)
     assert len(got) == STEPS and want[-1] < want[0] - 0.05
     assert got == pytest.approx(want, rel=LOSS_RTOL)
     tag = tmp_path / "run" / "checkpoints" / "step_00000004"
-    assert json.loads((tag / "toolkit_meta.json").read_text())["layout"]["ep"] == 2
-    assert {p.name for p in tag.glob("model_*")} == {f"model_tp{t:02d}_pp000_ep{e:03d}.safetensors"
-                                                      for t in range(tp) for e in range(2)}
-    # what EP2 training wrote converts to Hugging Face (read back and logit-checked), and transformers loads it
+    assert json.loads((tag / "toolkit_meta.json").read_text())["layout"].get("ep", 1) == ep
+    assert {p.name for p in tag.glob("model_*")} == {
+        f"model_tp{t:02d}_pp{s:03d}" + (f"_ep{e:03d}" if ep > 1 else "") + ".safetensors"
+        for t in range(tp) for s in range(pp) for e in range(ep)}
+    # what the run wrote converts to Hugging Face (read back and logit-checked), and transformers loads it
     hf = convert(tmp_path / "run" / "checkpoints", tmp_path / "trained_hf", "hf", progress=False, log=lambda *_: None)
     assert transformers.Qwen3MoeForCausalLM.from_pretrained(hf).config.num_experts == 4
 
