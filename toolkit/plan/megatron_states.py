@@ -67,13 +67,19 @@ def chunk_params(r: Recipe, tp: int, pp: int, vpp: int, pp_rank: int, vp: int,
     m = _dims(r, tp)
     if r.model.num_layers % (pp * vpp):
         raise ToolkitError(f"model.num_layers {r.model.num_layers} is not divisible by pp x vpp = {pp} x {vpp}")
-    key = (tuple(sorted(m.items())), r.model.num_layers, tp, pp, vpp, pp_rank, vp, ep)
-    if key not in _CHUNKS:  # the planner asks again for every layout; a mixture of experts has thousands of entries
+    key = (*_shape_key(r, tp, m), pp, vpp, pp_rank, vp, ep)
+    if key not in _CHUNKS:
         _CHUNKS[key] = tuple(_chunk_params(m, r.model.num_layers, tp, pp, vpp, pp_rank, vp, ep))
     return list(_CHUNKS[key])
 
 
 _CHUNKS: dict[tuple, tuple[tuple[str, int, bool], ...]] = {}
+
+
+def _shape_key(r: Recipe, tp: int, dims: dict | None = None) -> tuple:
+    """What the per-rank arithmetic depends on in the recipe, at tp: the memo key of the planner's caches (it asks
+    again for every layout, and a mixture of experts' chunk has thousands of entries)."""
+    return tuple(sorted((dims or _dims(r, tp)).items())), r.model.num_layers, tp
 
 
 def _chunk_params(m: dict, num_layers: int, tp: int, pp: int, vpp: int, pp_rank: int, vp: int,
@@ -111,7 +117,7 @@ def megatron_params(r: Recipe, tp: int, pp: int, vpp: int, tp_rank: int, pp_rank
     """Parameters held by rank (tp_rank, pp_rank), over all its virtual chunks."""
     if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
         raise ToolkitError(f"rank (tp_rank {tp_rank}, pp_rank {pp_rank}) is outside tp {tp} x pp {pp}")
-    key = (tuple(sorted(_dims(r, tp).items())), r.model.num_layers, tp, pp, vpp, pp_rank, ep)
+    key = (*_shape_key(r, tp), pp, vpp, pp_rank, ep)
     if key not in _TOTALS:
         _TOTALS[key] = sum(n for vp in range(vpp) for _, n, _ in chunk_params(r, tp, pp, vpp, pp_rank, vp, ep))
     return _TOTALS[key]
@@ -198,8 +204,7 @@ def rank_buffers(r: Recipe, layout: Layout, pp_rank: int) -> list[Buffer]:
     the toolkit (like Megatron-LM) for chunks after the first."""
     distributed, world = layout.zero_stage == 1, layout.dp * layout.cp
     size = _bucket_size(r, layout)
-    key = (tuple(sorted(_dims(r, layout.tp).items())), r.model.num_layers, layout.tp, layout.pp, layout.vpp, pp_rank,
-           layout.ep, world, distributed, size)
+    key = (*_shape_key(r, layout.tp), layout.pp, layout.vpp, pp_rank, layout.ep, world, distributed, size)
     if key not in _BUFFERS:
         _BUFFERS[key] = tuple(_rank_buffers(r, layout, pp_rank, distributed, world, size))
     return list(_BUFFERS[key])
@@ -213,9 +218,11 @@ def _rank_buffers(r: Recipe, layout: Layout, pp_rank: int, distributed: bool, wo
     out = []
     for vp in range(layout.vpp):
         params = chunk_params(r, layout.tp, layout.pp, layout.vpp, pp_rank, vp, layout.ep)
-        experts = [q for q in params if ".local_experts." in q[0]] if layout.ep > 1 else []
+        split = layout.ep > 1
+        experts = [q for q in params if split and ".local_experts." in q[0]]
         bucket = size if pp_rank == 0 and vp == 0 else None
-        out.append(build_buffer([q for q in params if q not in experts], world, distributed, bucket))
+        out.append(build_buffer([q for q in params if not (split and ".local_experts." in q[0])], world, distributed,
+                                bucket))
         if experts:
             out.append(build_buffer(experts, world // layout.ep, distributed, bucket))
     return out
