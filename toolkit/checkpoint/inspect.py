@@ -86,7 +86,7 @@ def inspect_hf(folder: Path) -> dict:
 def _hf_architecture(config: dict) -> dict:
     keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "vocab_size", "max_position_embeddings", "tie_word_embeddings", "num_experts",
-            "num_experts_per_tok", "moe_intermediate_size")
+            "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")  # transformers 5: num_local_experts
     return {k: config[k] for k in keys if k in config}
 
 
