@@ -138,6 +138,7 @@ def test_a_gate_up_swap_in_the_expert_map_is_caught_by_verification(moe, tmp_pat
     (["parallel.world_size=4", "parallel.tp=2"], "parallel.sp: false, but Megatron-Core trains a mixture of experts"),
     (["model.family=qwen3"], "model.family qwen3 has no experts"),
     (["parallel.backend=deepspeed"], "expert parallelism is Megatron-Core's"),
+    (["model.family=llama", "parallel.ep=1"], "model.family llama has no experts, so it would be ignored"),
 ])
 def test_layout_rules_for_ep_are_one_line_each(sets, needle):
     with pytest.raises(RecipeError) as e:
@@ -157,6 +158,11 @@ def test_planner_counts_total_and_active_parameters_of_qwen3_30b_a3b():
     assert tiny["total"] == sum(p.numel() for p in model.parameters())
     per_expert = 3 * 48 * 64
     assert tiny["total"] - tiny["active"] == 2 * (4 - 2) * per_expert  # 2 layers, 2 of 4 experts skipped per token
+    # and the plan says both in its first line (its --json has the counts under "parameters")
+    from toolkit.plan.hardware import Cluster
+    from toolkit.plan.report import header
+    r = load_recipe("qwen3_30b_a3b_ep8_pp2")
+    assert "30.53B parameters (3.35B active per token)" in header(r, Cluster(gpus=16, gpus_per_node=8), 256)
 
 
 def test_real_size_recipe_is_qwen3_30b_a3b_and_ep_divides_its_experts_per_rank():
@@ -364,7 +370,9 @@ def test_a_missing_expert_parallel_rank_file_and_ep_for_torch_dist_are_refused_i
     assert "\n" not in str(e.value)
     with pytest.raises(ToolkitError, match=r"--ep 2: .*a torch_dist checkpoint has none"):
         convert(folder, tmp_path / "td", "torch_dist", ep=2, progress=False, log=lambda *_: None)
-    assert not (tmp_path / "out").exists() and not (tmp_path / "td").exists()
+    with pytest.raises(ToolkitError, match=r"--ep 2: .*a Hugging Face folder holds every expert"):
+        convert(folder, tmp_path / "hf", "hf", ep=2, progress=False, log=lambda *_: None)
+    assert not any((tmp_path / d).exists() for d in ("out", "td", "hf"))
 
 
 AUX = 0.05  # a load-balancing loss strong enough to move 4 steps' losses by far more than the tolerance

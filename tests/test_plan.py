@@ -181,8 +181,9 @@ def test_local_layer_spec_is_planned_with_its_unfused_attention():
 def test_expert_parallel_all_to_all_is_costed_per_moe_layer_on_the_critical_path():
     """Qwen3-30B-A3B at ep8: each MoE layer of a stage sends, per micro-batch, its tokens' top-8 copies (7/8 of them
     leave the rank) in a dispatch and a combine, forward and backward, with no overlap. Inside a node the EP group
-    (ep consecutive blocks of tp x cp ranks) uses NVLink; spread over two nodes it crosses the network and costs ~9x
-    more. ep1 and a dense model have no all-to-all."""
+    (ep consecutive blocks of tp ranks) uses NVLink; spread over two nodes it crosses the network and costs ~9x
+    more. Megatron-Core's expert groups leave cp out (ep blocks of tp ranks), so context parallelism does not widen
+    them. ep1 and a dense model have no all-to-all."""
     r = load_recipe("qwen3_30b_a3b_ep8_pp2")
     cluster = Cluster(gpus=32, gpus_per_node=8)
     c = Choice("megatron", 16, 1, 2, 1, 1, False, 1, recompute="selective", micro=1, accum=16, ep=8)
@@ -190,7 +191,9 @@ def test_expert_parallel_all_to_all_is_costed_per_moe_layer_on_the_critical_path
     token_bytes = 4096 * 2048 * 2  # one micro-batch of [s, b, h] bf16 activations
     assert len(a2a) == 1 and a2a[0].link == "nvlink" and a2a[0].exposed == a2a[0].seconds
     assert a2a[0].bytes == pytest.approx(4 * 8 * token_bytes * 7 / 8 * 16 * 24)  # 4 passes, 16 micro, 24 layers
-    wide = c.with_(cp=2, dp=8, accum=32)  # tp x cp x ep = 16 > 8 GPUs per node
+    with_cp = next(x for x in estimate(r, c.with_(cp=2, dp=8, accum=32), cluster).comms if x.dim == "ep")
+    assert with_cp.link == "nvlink"  # tp x ep = 8: the EP group is the same 8 GPUs of a node
+    wide = c.with_(tp=2, sp=True, dp=8, accum=32)  # tp x ep = 16 > 8 GPUs per node
     wide_a2a = next(x for x in estimate(r, wide, cluster).comms if x.dim == "ep")
     assert wide_a2a.link == "network" and wide_a2a.seconds > 8 * a2a[0].seconds * wide_a2a.bytes / a2a[0].bytes
     assert not [x for x in estimate(r, c.with_(ep=1), cluster).comms if x.dim == "ep"]

@@ -280,9 +280,10 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     if to == "hf" and (tp, pp, vpp) != (1, 1, 1):
         raise ToolkitError("--tp/--pp/--vpp describe a Megatron target; a Hugging Face folder is not sharded")
     if ep > 1 and to not in ("megatron", "megatron_lm"):
+        why = ("a torch_dist checkpoint has none (Megatron-Core reshards it onto any ep when it loads)"
+               if to == "torch_dist" else "a Hugging Face folder holds every expert in one model")
         raise ToolkitError(f"--ep {ep}: expert-parallel files are written in the toolkit's Megatron layout and "
-                           "Megatron-LM's legacy one; a torch_dist checkpoint has none (Megatron-Core reshards it "
-                           "onto any ep when it loads): drop --ep")
+                           f"Megatron-LM's legacy one; {why}: drop --ep")
     source, check = _open_checking(src, vocab_size, fp32, weights_only)
     try:
         with output.scratch_folder(dst, "partial") as tmp, check:

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from toolkit.errors import Problem, RecipeError, ToolkitError
+from toolkit.metrics import count_params
 from toolkit.plan import report
 from toolkit.plan.choice import from_recipe
 from toolkit.plan.estimate import estimate
@@ -74,7 +75,8 @@ def run(args) -> int:
             raise ToolkitError(f"nothing to write: no layout fits {cluster.gpus} GPUs (see the plan above)")
         _write(Path(args.write), args, best, cluster, why)
     if args.json:
-        print(json.dumps({"recipe": r.name, "global_batch": gb, "cluster": asdict(cluster),
+        print(json.dumps({"recipe": r.name, "family": r.model.family, "parameters": count_params(r.model),
+                          "global_batch": gb, "cluster": asdict(cluster),
                           "recipe_layout": report.estimate_dict(own) if own else None,
                           "recipe_layout_error": own_error,
                           "ranked": [report.estimate_dict(e) for e in found.fitting[:args.top]],

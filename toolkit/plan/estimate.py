@@ -235,7 +235,7 @@ def comms(r: Recipe, c: Choice, cluster: Cluster, compute_s: float, params: int,
         add("CP ring exchange of K/V", "cp", c.cp, nbytes, c.tp * c.cp, attn_s)
     if c.ep > 1 and m.num_experts:
         add("EP all-to-all token dispatch and combine", "ep", c.ep, _alltoall_bytes(r, c, act_bytes) * layers_here,
-            c.tp * c.cp * c.ep, 0.0)
+            c.tp * c.ep, 0.0)
     if c.pp > 1:
         boundary = act_bytes // (c.tp if c.sp else 1)
         nbytes = 2 * boundary * c.accum * c.vpp
@@ -248,8 +248,8 @@ def _alltoall_bytes(r: Recipe, c: Choice, act_bytes: int) -> float:
     """Bytes one GPU sends through Megatron's alltoall dispatcher per MoE layer and step: each of its tokens goes to
     top-k experts, and with uniform routing (ep - 1) / ep of those copies leave the rank; a dispatch and a combine in
     the forward, both again in the backward (and in the recomputed forward). Megatron runs them on the critical
-    path (no overlap). Its EP group is ep consecutive blocks of tp x cp ranks (rank order tp-cp-ep-dp-pp), hence
-    the span the caller gives."""
+    path (no overlap). Megatron-Core 0.16 builds the EP groups from its expert rank generator (order tp-ep-dp-pp,
+    no cp, expert tp = tp), so a group is ep blocks of tp consecutive ranks: the span the caller gives."""
     tokens_share = act_bytes / (c.tp if c.sp else 1)  # the rank's [s/cp(/tp), b, h] slice of the activations
     per_pass = 2 * (r.model.num_experts_per_tok or 1) * tokens_share * (c.ep - 1) / c.ep
     return per_pass * (2 + (c.recompute == "full")) * c.accum

@@ -83,9 +83,14 @@ def ranked_table(ests: list[Estimate], top: int) -> list[str]:
 
 
 def header(r, cluster: Cluster, global_batch: int) -> str:
-    params = count_params(r.model)["total"]
-    size = f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.2f}M"
-    return (f"plan: {r.name}: {r.model.family}, {size} parameters, seq {r.data.seq_len}, global batch {global_batch}"
+    counts = count_params(r.model)
+
+    def size_of(n: int) -> str:
+        return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+    size = size_of(counts["total"]) + " parameters" + (f" ({size_of(counts['active'])} active per token)"
+                                                       if "active" in counts else "")
+    return (f"plan: {r.name}: {r.model.family}, {size}, seq {r.data.seq_len}, global batch {global_batch}"
             f" ({global_batch * r.data.seq_len:,} tokens/step), {r.training.precision}; on {cluster.gpus} GPUs "
             f"({cluster.nodes} node(s) x {cluster.gpus_per_node}, {cluster.gpu_memory_gib:g} GiB each)")
 

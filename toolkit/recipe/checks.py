@@ -75,6 +75,10 @@ def check_experts(r: Recipe) -> list[Problem]:
     if moe and any(getattr(m, k) is None for k in keys):
         out.append(Problem("model.num_experts", f"the {m.family} family needs {', '.join(keys)}",
                            "set them (or use model.hf_path / a preset such as qwen3-30b-a3b)"))
+    if not moe and any(getattr(m, k) is not None for k in keys):
+        out.append(Problem("model.num_experts", f"set, but model.family {m.family} has no experts, so it would be "
+                           "ignored", "remove num_experts / num_experts_per_tok / moe_intermediate_size, or use a "
+                           "mixture-of-experts family (qwen3_moe)"))
     if moe and m.num_experts and m.num_experts_per_tok and m.num_experts_per_tok > m.num_experts:
         out.append(Problem("model.num_experts_per_tok", f"{m.num_experts_per_tok} > num_experts {m.num_experts}",
                            "route each token to at most num_experts experts"))
