@@ -18,7 +18,11 @@ HF_UNTIED at TP2) into GPTModels with strict=True ("loaded legacy 1x2x2", "loade
 OUT/optim_plain, OUT/optim_distopt, OUT/optim_dp_reshardable: torch_dist with the optimizer state after two Adam
 steps of Megatron-Core's own optimizer in bf16 (get_megatron_optimizer): plain at TP2, and distributed at DP2 saved as
 fully_reshardable and as dp_reshardable (Megatron-LM's default), each with live.safetensors beside it (the live
-optimizer's state by name; torch_dist_optim).
+optimizer's state by name; torch_dist_optim). More dp_reshardable ones: OUT/dp_reshardable_buckets (DP2, buckets of
+5000 elements, so several per chunk), OUT/dp_reshardable_tp2 (TP2) and OUT/dp_reshardable_pp2_vpp2 (from HF_TIED at
+PP2 x VPP2 in fp32: the tied embedding's copies in buckets of their own). Before saving, the parameters are gathered
+as Megatron-LM's save_checkpoint gathers them (with the overlapped parameter gather, a rank holds the last step's
+values in the ranges other DP ranks own until the next forward).
 With HF_QWEN2 and HF_QWEN3 (other families), the same launch also writes OUT/legacy_qwen2 (the legacy layout at TP2,
 args with --add-qkv-bias) and OUT/torch_dist_qwen3 (torch_dist at TP1 x PP2, args with --qk-layernorm and kv_channels
 apart from hidden_size / heads), as Megatron-LM writes those families.
@@ -124,7 +128,8 @@ def torch_dist(hf: str, out: Path, tp: int = 2, pp: int = 1) -> None:
     ps.destroy_model_parallel()
 
 
-def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: str) -> None:
+def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: str, pp: int = 1, vpp: int = 1,
+                     extra: tuple = ()) -> None:
     """Two Adam steps of Megatron-Core's optimizer (get_megatron_optimizer: plain, or distributed when zero_stage is
     1) on random tokens, then dist_checkpointing.save of {args, iteration, model, optimizer} as Megatron-LM's
     save_checkpoint builds it, into each folder of `outs` ({folder: metadata["distrib_optim_sharding_type"] or None}).
@@ -135,8 +140,8 @@ def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: s
 
     from toolkit.megatron import runtime
 
-    r, layout, chunks = build(hf, tp, 1, 1, (f"parallel.zero_stage={zero_stage}", f"training.precision={precision}",
-                                             "data.seq_len=16"))
+    r, layout, chunks = build(hf, tp, pp, vpp, (f"parallel.zero_stage={zero_stage}", f"training.precision={precision}",
+                                               "data.seq_len=16", *extra))
     wrapped, optimizer = runtime.wrap_and_optimize(chunks, r, layout)
     g = torch.Generator().manual_seed(7 + ps.get_data_parallel_rank())
     for _ in range(2):
@@ -144,14 +149,18 @@ def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: s
         batches = [{"input_ids": (ids := torch.randint(0, 500, (1, 16), generator=g)), "labels": ids.clone()}
                    for _ in range(n)]
         runtime.train_step(wrapped, optimizer, batches, r, 1e-2, torch.device("cpu"))
+    for w in wrapped:  # as Megatron-LM's save_checkpoint: gather the parameters the other DP ranks updated
+        if w.use_forward_hook:
+            w.disable_forward_pre_hook()
     live = _live_state(wrapped, optimizer, zero_stage == 1)
     for out, sharding in outs.items():
         meta = {"chained_optim_avoid_prefix": True, **({"distrib_optim_sharding_type": sharding} if sharding else {})}
-        model = wrapped[0].module.sharded_state_dict(metadata=meta)
+        model = {f"model{i}" if vpp > 1 else "model": w.module.sharded_state_dict(metadata=meta)
+                 for i, w in enumerate(wrapped)}
         args = megatron_lm_args(r, layout)
         args.ckpt_format, args.use_distributed_optimizer = "torch_dist", zero_stage == 1
         state = {"args": args, "checkpoint_version": 3.0, "iteration": 2, "num_floating_point_operations_so_far": 0,
-                 "model": model, "optimizer": optimizer.sharded_state_dict(model, metadata=meta)}
+                 **model, "optimizer": optimizer.sharded_state_dict(model, metadata=meta)}
         folder = Path(out) / "iter_0000002"
         if dist.get_rank() == 0:
             folder.mkdir(parents=True, exist_ok=True)
@@ -167,40 +176,58 @@ def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: s
 
 
 def _live_state(wrapped: list, optimizer, distributed: bool) -> dict:
-    """{local-spec name:field: full tensor} of the live optimizer's Adam moments and fp32 mains, TP shards gathered
-    along each parameter's partition_dim (which the state shares with the parameter) into Megatron's TP1 layout."""
+    """{local-spec name at TP1 x PP1:field: full tensor} of the live optimizer's Adam moments and fp32 mains: TP shards
+    gathered along each parameter's partition_dim (which the state shares with the parameter) into Megatron's TP1
+    layout, every pipeline stage's chunks under their global layer numbers (the tied output layer's copy of the
+    embeddings left out, as a one-stage model has none)."""
     from megatron.core import parallel_state as ps
 
-    module = wrapped[0].module
-    names = {p: n for n, p in module.named_parameters()}
+    names = {}
+    for w in wrapped:
+        for n, q in w.module.named_parameters():
+            if getattr(q, "shared_embedding", False) and n.startswith("output_layer."):
+                continue
+            parts = n.split(".")
+            if n.startswith("decoder.layers."):  # the chunk's local layer index -> the global one (1-based there)
+                parts[2] = str(w.module.decoder.layers[int(parts[2])].layer_number - 1)
+            names[q] = ".".join(parts)
     out = {}
     for o in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if distributed:
+        if distributed:  # dp_zero: each buffer's buckets without their end padding, one after the other
             world = o.get_parameter_state_dp_zero(return_on_all_ranks=True)
             for gbuf_idx, buffer in enumerate(o.buffers):
                 tensors = next(iter(world[gbuf_idx].values()))
-                for p, (start, end, _) in buffer.param_index_map.items():
+                before = [sum(b.numel_unpadded for b in buffer.buckets[:i]) for i in range(len(buffer.buckets))]
+                for q, (start, end, bucket) in buffer.param_index_map.items():
+                    if q not in names:
+                        continue
+                    at = start - buffer.buckets[bucket].offset + before[bucket]
                     for field, key in (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"), ("master", "param")):
-                        out[f"{names[p]}:{field}"] = tensors[key][start:end].reshape(p.shape).clone()
+                        out[f"{names[q]}:{field}"] = (tensors[key][at:at + end - start].reshape(q.shape).clone(), q)
         else:
-            mains = ([(p, m) for mg, fg in zip(o.float16_groups, o.fp32_from_float16_groups) for p, m in zip(mg, fg)]
-                     if hasattr(o, "float16_groups") else [(p, p) for g in o.optimizer.param_groups for p in g["params"]])
-            for p, m in mains:
-                s = o.optimizer.state[m]
-                out.update({f"{names[p]}:exp_avg": s["exp_avg"], f"{names[p]}:exp_avg_sq": s["exp_avg_sq"]})
-                if m is not p:
-                    out[f"{names[p]}:master"] = m.detach()
+            mains = ([(q, m) for mg, fg in zip(o.float16_groups, o.fp32_from_float16_groups) for q, m in zip(mg, fg)]
+                     if hasattr(o, "float16_groups") else [(q, q) for g in o.optimizer.param_groups for q in g["params"]])
+            for q, m in mains:
+                if q not in names:
+                    continue
+                st = o.optimizer.state[m]
+                out.update({f"{names[q]}:exp_avg": (st["exp_avg"], q), f"{names[q]}:exp_avg_sq": (st["exp_avg_sq"], q)})
+                if m is not q:
+                    out[f"{names[q]}:master"] = (m.detach(), q)
     full = {}
     tp = ps.get_tensor_model_parallel_world_size()
-    for k, v in out.items():
-        p = next(q for q, n in names.items() if n == k.split(":")[0])
-        if tp > 1 and getattr(p, "tensor_model_parallel", False):
+    for k, (v, q) in sorted(out.items()):
+        if tp > 1 and getattr(q, "tensor_model_parallel", False):
             parts = [torch.empty_like(v) for _ in range(tp)]
             dist.all_gather(parts, v.contiguous(), group=ps.get_tensor_model_parallel_group())
             if "linear_fc1." in k:  # each TP rank holds cat(its gate shard, its up shard): TP1's is cat(gate, up)
-                parts = [h for i in (0, 1) for h in (q.chunk(2, dim=0)[i] for q in parts)]
-            v = torch.cat(parts, dim=p.partition_dim)
+                parts = [h for i in (0, 1) for h in (x.chunk(2, dim=0)[i] for x in parts)]
+            v = torch.cat(parts, dim=q.partition_dim)
         full[k] = v.detach().float().contiguous().clone()
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # every stage's tensors, on every rank
+        stages = [None] * ps.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(stages, full, group=ps.get_pipeline_model_parallel_group())
+        full = {k: v for stage in stages for k, v in stage.items()}
     return full
 
 
@@ -213,6 +240,12 @@ def main(hf_tied: str, hf_untied: str, out: str, torch_dist_iter: str | None = N
     torch_dist_optim(hf_untied, {Path(out) / "optim_plain": None}, 2, 0, "bf16")
     torch_dist_optim(hf_untied, {Path(out) / "optim_distopt": "fully_reshardable",
                                  Path(out) / "optim_dp_reshardable": "dp_reshardable"}, 1, 1, "bf16")
+    # Megatron-LM's default flat buffers at other layouts: DP2 cut into several buckets; TP2; PP2 x VPP2 with the
+    # tied embeddings in buckets of their own
+    torch_dist_optim(hf_untied, {Path(out) / "dp_reshardable_buckets": "dp_reshardable"}, 1, 1, "bf16",
+                     extra=("parallel.megatron.bucket_size=5000",))
+    torch_dist_optim(hf_untied, {Path(out) / "dp_reshardable_tp2": "dp_reshardable"}, 2, 1, "bf16")
+    torch_dist_optim(hf_tied, {Path(out) / "dp_reshardable_pp2_vpp2": "dp_reshardable"}, 1, 1, "fp32", pp=2, vpp=2)
     if hf_qwen2:
         legacy(hf_qwen2, Path(out) / "legacy_qwen2", tp=2, pp=1, vpp=1)
         torch_dist(hf_qwen3, Path(out) / "torch_dist_qwen3", tp=1, pp=2)

@@ -67,7 +67,9 @@ def native(tmp_path_factory):
             "torch_dist": root / "out" / "torch_dist", "ours": ours, "lm_tied": lm_tied, "lm_untied": lm_untied, "stdout": proc.stdout,
             "hf_qwen2": root / "hf_qwen2", "hf_qwen3": root / "hf_qwen3",
             "legacy_qwen2": root / "out" / "legacy_qwen2", "torch_dist_qwen3": root / "out" / "torch_dist_qwen3",
-            **{k: root / "out" / k for k in ("optim_plain", "optim_distopt", "optim_dp_reshardable")}}
+            **{k: root / "out" / k for k in ("optim_plain", "optim_distopt", "optim_dp_reshardable",
+                                             "dp_reshardable_buckets", "dp_reshardable_tp2",
+                                             "dp_reshardable_pp2_vpp2")}}
 
 
 @pytest.mark.slow
@@ -318,16 +320,50 @@ def test_torch_dist_optimizer_state_converts_by_name_to_another_layout(kind, tp,
 
 
 @pytest.mark.slow
-def test_dp_reshardable_optimizer_state_is_named_and_weights_convert(native, tmp_path):
-    """Megatron-LM's default distributed-optimizer format (flat buffers, no parameter offsets saved) is not read:
-    the conversion says so in one line, with the Megatron-LM flag that saves a readable one, and writes weights only."""
-    said = []
-    out = convert(native["optim_dp_reshardable"], tmp_path / "m", "megatron", vocab_size=VOCAB, progress=False,
-                  log=said.append)
-    note = [line for line in said if line.startswith("optimizer state:")]
-    assert len(note) == 1 and "dp_reshardable" in note[0] and "--dist-ckpt-optim-fully-reshardable" in note[0]
-    tag = out / "step_00000002"
-    assert not list(tag.glob("optim_*")) and list(tag.glob("model_*"))
-    plain = convert(native["optim_plain"], tmp_path / "w", "megatron", vocab_size=VOCAB, weights_only=True,
-                    progress=False, log=lambda *_: None)
-    assert not list((plain / "step_00000002").glob("optim_*"))
+@pytest.mark.parametrize("kind", ["optim_dp_reshardable", "dp_reshardable_buckets", "dp_reshardable_tp2",
+                                  "dp_reshardable_pp2_vpp2"])
+def test_dp_reshardable_optimizer_state_converts_by_name(kind, native, tmp_path):
+    """Megatron-LM's default distributed-optimizer format (flat per-bucket buffers; where each parameter lies is not
+    saved) converts with the weights: the layout is recomputed from the model and proved (toolkit/checkpoint/
+    megatron_flat.py), and every parameter's exp_avg, exp_avg_sq and fp32 main weights equal the live optimizer's, by
+    name: at DP2 in one bucket and in several, at TP2, and at PP2 x VPP2 with tied embeddings (fp32: no mains)."""
+    quiet = dict(vocab_size=VOCAB, progress=False, log=lambda *_: None)
+    got, meta = _optim_by_name(convert(native[kind], tmp_path / "one", "megatron", **quiet) / "step_00000002")
+    assert meta["step"] == "2"
+    live = load_file(str(native[kind] / "live.safetensors"))
+    if kind.endswith("pp2_vpp2"):  # fp32: the main weights are the weights
+        live = {k: v for k, v in live.items() if not k.endswith(":master")}
+    assert set(got) == set(live) and len(live) >= 2 * 9
+    for k, want in live.items():
+        rows = VOCAB if k.startswith(("embedding.", "output_layer.")) else None  # vocabulary padding is dropped
+        assert torch.equal(got[k][:rows], want[:rows]), k
+
+
+@pytest.mark.slow
+def test_dp_reshardable_buffers_that_do_not_line_up_are_refused(native, tmp_path):
+    """A layout that fits the buckets' lengths and chunks but not their data is caught, and nothing is kept: with one
+    bucket's `param` values changed (every main weight there then differs from its saved weight), the conversion
+    stops with one line naming the parameter and the way out, and leaves no output; --weights-only still converts."""
+    import io
+
+    from toolkit.checkpoint import torch_dist
+
+    src = tmp_path / "src"
+    shutil.copytree(native["optim_dp_reshardable"], src)
+    r = torch_dist.Reader(src / "iter_0000002")
+    fqn = next(n for n in r.tensor_names() if n.endswith("bucket_idx_0.param"))
+    for (name, _), info in r._where.items():  # each saved chunk of that bucket, rewritten in place, same length
+        if name == fqn:
+            f = src / "iter_0000002" / info.relative_path
+            data = f.read_bytes()
+            t = torch.load(io.BytesIO(data[info.offset:info.offset + info.length]), weights_only=True)
+            buf = io.BytesIO()
+            torch.save(t.add_(0.5), buf)
+            assert len(buf.getvalue()) == info.length
+            f.write_bytes(data[:info.offset] + buf.getvalue() + data[info.offset + info.length:])
+    with pytest.raises(ToolkitError, match=r"do not line up with the weights at .*--weights-only"):
+        convert(src, tmp_path / "out", "megatron", vocab_size=VOCAB, progress=False, log=lambda *_: None)
+    assert not (tmp_path / "out").exists()
+    weights = convert(src, tmp_path / "w", "megatron", vocab_size=VOCAB, weights_only=True, progress=False,
+                      log=lambda *_: None)
+    assert not list((weights / "step_00000002").glob("optim_*"))

@@ -60,9 +60,38 @@ def test_missing_or_misshapen_state_is_a_problem_naming_the_parameter():
         "optimizer.state.exp_avg.embedding.word_embeddings.weight"]
 
 
-def test_flat_buffer_formats_and_no_optimizer_are_said_not_guessed():
+def test_flat_and_unknown_formats_and_no_optimizer_are_said_not_guessed():
     dp = _Reader(W, {"optimizer": {"param_state_sharding_type": "dp_reshardable"}})
-    state = OptimizerState(dp, W, True)
-    assert state.fields == () and "dp_reshardable" in state.note and "--dist-ckpt-optim-fully-reshardable" in state.note
+    state = OptimizerState(dp, W, True)  # recognised here, read by toolkit/checkpoint/megatron_flat.py
+    assert state.sharding == {"dp_reshardable"} and state.fields == () and state.note is None
+    other = OptimizerState(_Reader(W, {"optimizer": {"param_state_sharding_type": "fully_sharded_model_space"}}), W, 1)
+    assert other.fields == () and "fully_sharded_model_space" in other.note
+    assert "--dist-ckpt-optim-fully-reshardable" in other.note
     none = OptimizerState(_Reader(W, {"iteration": 1}), W, True)
     assert none.fields == () and "no optimizer state" in none.note
+
+
+def test_flat_layout_aligns_each_parameter_and_fills_each_bucket_exactly():
+    from toolkit.checkpoint.megatron_flat import lay_out
+
+    params = [("emb", 100), ("norm", 10), ("w", 64)]  # registration order: laid out in reverse
+    assert lay_out(params, [64 + 10 + 54 + 100]) == {"w": (0, 0, 64), "norm": (0, 64, 74), "emb": (0, 128, 228)}
+    # a bucket cut after norm (its length counts the 64-alignment padding a shared embedding's cut adds)
+    assert lay_out(params, [74, 100]) == {"w": (0, 0, 64), "norm": (0, 64, 74), "emb": (1, 0, 100)}
+    assert lay_out(params, [128, 100]) == {"w": (0, 0, 64), "norm": (0, 64, 74), "emb": (1, 0, 100)}
+    for wrong in ([228 + 1], [227], [74, 99], [64, 10, 100, 1]):
+        assert lay_out(params, wrong) is None, wrong
+
+
+def test_the_two_layer_specs_register_the_input_norm_in_different_places():
+    from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, TE_ORDER, registration_order
+
+    names = ["output_layer.weight", "decoder.layers.1.mlp.linear_fc2.weight", "decoder.final_layernorm.weight",
+             "decoder.layers.0.self_attention.linear_proj.weight", "decoder.layers.0.input_layernorm.weight",
+             "embedding.word_embeddings.weight", "decoder.layers.0.pre_mlp_layernorm.weight"]
+    assert registration_order(names, LOCAL_ORDER) == [
+        "embedding.word_embeddings.weight", "decoder.layers.0.input_layernorm.weight",
+        "decoder.layers.0.self_attention.linear_proj.weight", "decoder.layers.0.pre_mlp_layernorm.weight",
+        "decoder.layers.1.mlp.linear_fc2.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
+    te = registration_order(names, TE_ORDER)
+    assert te[1:3] == ["decoder.layers.0.self_attention.linear_proj.weight", "decoder.layers.0.input_layernorm.weight"]

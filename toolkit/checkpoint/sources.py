@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint import megatron_lm, torch_dist, torch_dist_optim
+from toolkit.checkpoint import megatron_flat, megatron_lm, torch_dist, torch_dist_optim
 from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
 from toolkit.checkpoint.deepspeed_plain import is_plain
 from toolkit.errors import Problem, ToolkitError
@@ -346,12 +346,17 @@ class TorchDistSource(Source):
             read = {self._r.names[torch_dist.sharded_name(e.megatron_name)[0]] for e in self._entries.values()}
             self._optim = torch_dist_optim.OptimizerState(self._r, {f: self._r.shape(f) for f in read},
                                                           self.dtype() != torch.float32)
+            if self._optim.sharding == {"dp_reshardable"}:  # flat buffers: the layout recomputed, then proved
+                self._optim = megatron_flat.FlatState(self._r, dims, self.layout, self.dtype() != torch.float32,
+                                                      self._optim.scalers)
             problems += self._optim.problems
             self.fields, self.optimizer_meta = (WEIGHT, *self._optim.fields), self._optim.meta
             self.optimizer_note = self._optim.note
         raise_problems(f"{it_dir} does not match its own arguments", problems)
 
     def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
+        if field != WEIGHT and isinstance(self._optim, megatron_flat.FlatState):
+            return self._optim.read(hf_names, field, lambda: self.read(hf_names))
         entry = self._entries[tuple(hf_names)]
         name, index = torch_dist.sharded_name(entry.megatron_name)
         fqn = self._r.names[name] if field == WEIGHT else self._optim.key(field, self._r.names[name])

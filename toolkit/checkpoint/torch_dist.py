@@ -122,6 +122,40 @@ class Reader:
                                "checkpoint")
         return out
 
+    def chunk_bounds(self, fqn: str) -> list[tuple[int, int]]:
+        """(start, end) of every saved chunk of the 1-D tensor `fqn`, by start."""
+        return sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in self._tensors[fqn].chunks)
+
+    def get_range(self, fqn: str, start: int, end: int) -> torch.Tensor:
+        """Elements start..end of the 1-D tensor `fqn`, read from only the chunks that overlap them."""
+        meta = self._tensors[fqn]
+        out, covered = torch.empty(end - start, dtype=meta.properties.dtype), 0
+        for chunk in meta.chunks:
+            lo, hi = chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]
+            if hi <= start or lo >= end:
+                continue
+            piece = self._chunk(fqn, tuple(chunk.offsets), tuple(chunk.sizes), meta.properties.dtype)
+            a, b = max(lo, start), min(hi, end)
+            out[a - start:b - start].copy_(piece[a - lo:b - lo])
+            covered += b - a
+        if covered != end - start:
+            raise ToolkitError(f"{self.dir / '.metadata'} disagrees with itself: the chunks of {fqn} cover {covered} "
+                               f"of its values {start}..{end}; re-copy the checkpoint")
+        return out
+
+    def objects(self) -> list[str]:
+        """The names of the saved objects (Megatron's ShardedObjects: bytes, not tensors)."""
+        return sorted({index.fqn for index in self.metadata.storage_data if index.offset is None})
+
+    def get_object(self, fqn: str):
+        """A saved object (a small torch.save file), read weights-only with the allow-list."""
+        info = self._where[(fqn, None)]
+        with open(self.dir / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        return safe_load.load_buffer(data, f"{self.dir / info.relative_path} (bytes {info.offset}.."
+                                           f"{info.offset + info.length}, {fqn})")
+
     def _chunk(self, fqn: str, offsets: tuple, sizes: tuple, dtype: torch.dtype) -> torch.Tensor:
         info = self._where.get((fqn, offsets))
         if info is None:

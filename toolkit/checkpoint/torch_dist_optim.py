@@ -10,8 +10,8 @@ What Megatron-Core 0.16 saves (`optimizer.sharded_state_dict(model_sharded_state
   tensors, named `optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>` (`param`: the fp32 main weights), with
   the step in common.pt's param groups and `param_state_sharding_type` beside them;
 - the distributed optimizer with `dp_reshardable` (Megatron-LM's default): flat per-bucket buffers
-  (`optimizer.distributed.dp_group_idx_*...bucket_idx_*.exp_avg`) whose parameter offsets are not saved, only
-  recomputable from Megatron's bucketing of the live model: not read (the weights still convert);
+  (`optimizer.distributed.dp_group_idx_*...bucket_idx_*.exp_avg`) whose parameter offsets are not saved: this class
+  only recognises them (`sharding`), toolkit/checkpoint/megatron_flat.py recomputes and proves the layout;
 - Megatron-Core's own default for the distributed optimizer, `fully_sharded_model_space`, cannot be saved by 0.16
   (its ShardedTensors carry a flattened_range, which 0.16 refuses), so no such checkpoint exists.
 With several chained optimizers and `chained_optim_avoid_prefix` off, every key is prefixed `chained_N.`.
@@ -73,17 +73,22 @@ class OptimizerState:
         self.note: str | None = None
         self.meta: dict[str, str] = {}
         self.problems: list[Problem] = []
+        self.sharding: set = set()
+        self.scalers: list[dict] = []
         self._where: dict[tuple[str, str], str] = {}
         parts = _parts(reader.common.get("optimizer"))
         if not parts:
             self.note = "it holds no optimizer state (saved with --no-save-optim?): weights only"
             return
         kinds = {p.get("param_state_sharding_type") for p in parts}
+        self.sharding, self.scalers = kinds, [_scaler(p) for p in parts]
         unread = sorted(str(k) for k in kinds if k not in READ)
+        if kinds == {"dp_reshardable"}:  # flat buffers: toolkit/checkpoint/megatron_flat.py reads them
+            return
         if unread:
-            self.note = (f"its distributed-optimizer state is saved as {', '.join(unread)} (Megatron-LM's default: flat "
-                         "buffers whose parameter offsets are not saved), which is not converted: weights only. Re-save "
-                         "it in Megatron-LM with --dist-ckpt-optim-fully-reshardable to convert the optimizer state too")
+            self.note = (f"its distributed-optimizer state is saved as {', '.join(unread)}, which is not converted: "
+                         "weights only. Re-save it in Megatron-LM with --dist-ckpt-optim-fully-reshardable (or its "
+                         "default, dp_reshardable) to convert the optimizer state too")
             return
         for fqn in reader.tensor_names():
             m = _KEY.match(fqn)
@@ -109,7 +114,7 @@ class OptimizerState:
                                                  "the optimizer state belongs to another model: re-save it"))
         self.fields = tuple(fields)
         self.meta = {"step": str(steps.pop() if len(steps) == 1 else 0),
-                     "grad_scalers": json.dumps([_scaler(p) for p in parts])}
+                     "grad_scalers": json.dumps(self.scalers)}
 
     def key(self, field: str, weight_fqn: str) -> str:
         return self._where[(field, weight_fqn)]

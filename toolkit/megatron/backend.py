@@ -56,10 +56,11 @@ class MegatronBackend:
 
     def save_state(self, root: Path, tag: str) -> None:
 
-        if self.recipe.checkpoint.format == torch_dist_ckpt.FORMAT:  # Megatron-Core's dist_checkpointing (collective)
-            torch_dist_ckpt.save(self, root / tag, int(tag.split("_")[-1]))
-        else:
-            save_rank_state(self, root / tag)
+        with runtime.params_synced(self.chunks):  # the weights of this step on every rank, not half the last one's
+            if self.recipe.checkpoint.format == torch_dist_ckpt.FORMAT:  # Megatron-Core's dist_checkpointing
+                torch_dist_ckpt.save(self, root / tag, int(tag.split("_")[-1]))
+            else:
+                save_rank_state(self, root / tag)
 
     def load_state(self, tag_dir: Path) -> None:
         """By what the checkpoint holds (not by checkpoint.format): a run may resume in the other format."""

@@ -7,6 +7,7 @@ gradient buffers over the final parameters); the optimizer is built last over th
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from functools import partial
 
 import numpy as np
@@ -259,6 +260,22 @@ def eval_forward_step(device, data_iterator, model):
     return out, partial(_eval_loss, b["loss_mask"])
 
 
+@contextmanager
+def params_synced(wrapped: list):
+    """Every rank's model parameters up to date for the duration, as Megatron-LM's evaluate and save_checkpoint do.
+    With the distributed optimizer's overlapped parameter gather, a rank updates only the range it owns after a step
+    and gathers the rest in the next forward's pre-hooks, so until then the other ranges hold the previous step's
+    values: a checkpoint saved then would mix two steps."""
+    hooked = [w for w in wrapped if w.use_forward_hook]
+    for w in hooked:  # gathers the updated parameters now (synchronously), then leaves the hooks off
+        w.disable_forward_pre_hook()
+    try:
+        yield
+    finally:
+        for w in hooked:
+            w.enable_forward_pre_hook()
+
+
 def eval_step(wrapped: list, batches: list[dict], r: Recipe, device) -> torch.Tensor:
     """Forward only (no gradients, eval mode) over this rank's held-out micro-batches through Megatron's schedule.
     Returns (sum of token losses, token count) as float64: non-zero on the last pipeline stage's tensor-parallel
@@ -267,13 +284,10 @@ def eval_step(wrapped: list, batches: list[dict], r: Recipe, device) -> torch.Te
     from megatron.core import parallel_state as ps  # lazy: Megatron runs only
     from megatron.core.pipeline_parallel import get_forward_backward_func  # lazy: Megatron runs only
 
-    hooked = [w for w in wrapped if w.use_forward_hook]
-    for w in hooked:  # as Megatron-LM's evaluate: gather the updated parameters now, not in forward hooks
-        w.disable_forward_pre_hook()
     for w in wrapped:
         w.eval()
     try:
-        with torch.no_grad():
+        with params_synced(wrapped), torch.no_grad():
             out = get_forward_backward_func()(
                 forward_step_func=partial(eval_forward_step, device),
                 data_iterator=_one_or_list([iter(batches) for _ in wrapped]), model=_one_or_list(wrapped),
@@ -282,8 +296,6 @@ def eval_step(wrapped: list, batches: list[dict], r: Recipe, device) -> torch.Te
     finally:
         for w in wrapped:
             w.train()
-        for w in hooked:
-            w.enable_forward_pre_hook()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     if out and ps.get_tensor_model_parallel_rank() == 0:
         total[0] = torch.stack([x["sum"] for x in out]).sum()

@@ -1,0 +1,208 @@
+"""Adam's state in Megatron-Core's flat distributed-optimizer buffers, found by parameter name.
+
+Megatron-Core's distributed optimizer keeps the fp32 main weights and Adam's moments in flat buffers shaped like
+DDP's param-and-grad buffer (`_ParamAndGradBuffer`): one per model chunk; the chunk's parameters in reverse
+registration order, each starting on a multiple of 64 elements; cut into buckets, a new one after a bucket reaches
+`bucket_size` elements and around a tied embedding shared between pipeline stages. Megatron-LM's default torch_dist
+format for it, `dp_reshardable`, saves those buckets as they are, one tensor per bucket and field:
+`optimizer.distributed.dp_group_idx_G.gbuf_idx_C.dtype_(P, G').bucket_idx_K.{param,exp_avg,exp_avg_sq}` (G: the
+rank's index in its model-parallel group, tp_rank + tp x pp_rank; C: the model chunk; each tensor as long as its
+bucket without the end padding), one saved chunk per parameter range and padding gap. Where each parameter lies is not
+saved.
+
+So the layout is recomputed from the model, and accepted only when it is proved:
+- the parameters of each chunk, with their TP-shard sizes, in one of Megatron's two registration orders: the local
+  layer spec's, and Transformer Engine's (the input norm lives inside linear_qkv, after linear_proj; the pre-MLP norm
+  inside linear_fc1, where the local spec's order has it anyway);
+- laid out with the 64-element alignment, they end each bucket exactly at its saved length, and every parameter
+  begins and ends on a boundary of the saved chunks. Exactly one order may fit;
+- then, as each parameter is read, its fp32 main weights rounded to the model's dtype must equal its saved weights
+  (the source checks it: toolkit/checkpoint/sources.py). A wrong layout cannot pass that.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable
+
+import torch
+
+from toolkit.errors import Problem, ToolkitError
+from toolkit.families.entries import Entry, iter_entries
+
+ALIGN = 64
+_BUCKET = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
+                     r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
+FIELDS = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+LOCAL_ORDER = ("input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight",
+               "self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
+               "self_attention.k_layernorm.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight",
+               "mlp.linear_fc2.weight")
+"""A local-spec TransformerLayer's parameters in registration order (SelfAttention builds linear_proj before
+linear_qkv, then the q/k norms)."""
+TE_ORDER = ("self_attention.linear_proj.weight", "input_layernorm.weight", *LOCAL_ORDER[2:])
+"""Transformer Engine's: TELayerNormColumnParallelLinear registers its norm weight before its weight."""
+ORDERS = {"local": LOCAL_ORDER, "transformer_engine": TE_ORDER}
+
+
+def is_flat_key(fqn: str) -> bool:
+    return _BUCKET.match(fqn) is not None
+
+
+def registration_order(names: Iterable[str], order: tuple[str, ...]) -> list[str]:
+    """A chunk's local-spec parameter names in the order its GPTModel registers them."""
+    def key(name: str):
+        if name == "embedding.word_embeddings.weight":
+            return (0,)
+        m = _LAYER.match(name)
+        if m:
+            return (1, int(m.group(1)), order.index(m.group(2)))
+        return (2,) if name == "decoder.final_layernorm.weight" else (3,)  # then output_layer.weight
+    return sorted(names, key=key)
+
+
+def lay_out(params: list[tuple[str, int]], sizes: list[int]) -> dict[str, tuple[int, int, int]] | None:
+    """{name: (bucket, start, end)} of parameters (name, elements), given in registration order, in buckets of the
+    given unpadded lengths; None when they do not fill the buckets exactly. Each parameter starts 64-aligned within
+    its bucket (buckets start on multiples of 128); a bucket is full when the next start reaches its length (the
+    shared-embedding cut closes a bucket at that padded start)."""
+    placed, bucket, start = {}, 0, 0
+    for name, numel in reversed(params):
+        start = -(-start // ALIGN) * ALIGN
+        if bucket < len(sizes) and start >= sizes[bucket] and start > 0:
+            if start != sizes[bucket]:
+                return None
+            bucket, start = bucket + 1, 0
+        if bucket >= len(sizes) or start + numel > sizes[bucket]:
+            return None
+        placed[name] = (bucket, start, start + numel)
+        start += numel
+        if start == sizes[bucket]:
+            bucket, start = bucket + 1, 0
+    return placed if bucket == len(sizes) else None
+
+
+class FlatState:
+    """The dp_reshardable optimizer state of a torch_dist checkpoint, by parameter name: `fields` and `meta` as
+    torch_dist_optim.OptimizerState has them, `note` when it is not read, `problems` when the buffers cannot be this
+    model's."""
+
+    def __init__(self, reader, dims, layout: tuple[int, int, int], sixteen_bit: bool, scalers: list[dict]):
+        self.reader, self.note, self.problems, self.order = reader, None, [], None
+        self.fields: tuple[str, ...] = ()
+        self.meta: dict[str, str] = {}
+        self._where: dict[tuple[str, int], tuple] = {}  # (entry, tp rank) -> (bucket, start, end, {field: fqn})
+        self._checked: set[tuple[str, ...]] = set()
+        self._tp, pp, vpp = layout
+        tp = self._tp
+        self._entries = {e.hf_names: e for e in iter_entries(dims, pp, vpp) if e.reads_back}
+        buckets: dict[tuple[int, int], dict[int, dict[str, str]]] = {}
+        prefixes, dtypes = set(), set()
+        for fqn in reader.tensor_names():
+            m = _BUCKET.match(fqn)
+            if m:
+                prefixes.add(m.group(1))
+                dtypes.add(m.group(4))
+                buckets.setdefault((int(m.group(2)), int(m.group(3))), {}).setdefault(int(m.group(5)), {})[
+                    FIELDS[m.group(6)]] = fqn
+        if dims.experts or len(prefixes) > 1 or len(dtypes) > 1:
+            what = "of a mixture of experts" if dims.experts else "of several optimizers or dtypes"
+            self.note = (f"its distributed-optimizer state is saved as dp_reshardable flat buffers {what}, which is not "
+                         "converted: weights only. Re-save it in Megatron-LM with --dist-ckpt-optim-fully-reshardable "
+                         "to convert the optimizer state too")
+            return
+        want = {(t + tp * p, c) for p in range(pp) for t in range(tp) for c in range(vpp)}
+        if set(buckets) != want:
+            self.problems.append(Problem("optimizer.distributed", f"holds buffers for (model-parallel rank, chunk) "
+                                         f"{sorted(buckets)[:4]}, but tp={tp} pp={pp} vpp={vpp} gives "
+                                         f"{sorted(want)[:4]}", "the optimizer state belongs to another layout: "
+                                         "re-save the checkpoint"))
+            return
+        chunks: dict[tuple[int, int], dict[str, Entry]] = {}
+        for e in iter_entries(dims, pp, vpp):
+            chunks.setdefault((e.pp_rank, e.chunk), {})[e.megatron_name] = e
+        orders = set()
+        for (g, c), found in sorted(buckets.items()):
+            p, t = divmod(g, tp)
+            where = f"optimizer.distributed.dp_group_idx_{g}.gbuf_idx_{c}"
+            ks = sorted(found)
+            if ks != list(range(len(ks))) or any(set(found[k]) != set(FIELDS.values()) for k in ks):
+                self.problems.append(Problem(where, f"has buckets {ks} with fields {[sorted(found[k]) for k in ks][:2]}",
+                                             "the checkpoint is incomplete: re-copy it"))
+                continue
+            sizes = [reader.shape(found[k]["master"])[0] for k in ks]
+            if any(reader.shape(found[k][f]) != (sizes[k],) for k in ks for f in FIELDS.values()):
+                self.problems.append(Problem(where, "has fields of different lengths", "re-copy the checkpoint"))
+                continue
+            named = chunks[(p, c)]
+            edges = [{x for b in reader.chunk_bounds(found[k]["master"]) for x in b} for k in ks]
+            fits = {}
+            for name, order in ORDERS.items():
+                params = [(n, math.prod(named[n].rule.shard_shape(named[n].hf_shapes, tp)))
+                          for n in registration_order(named, order)]
+                placed = lay_out(params, sizes)
+                if placed and all(s in edges[k] and e in edges[k] for k, s, e in placed.values()):
+                    fits[name] = placed
+            if len(fits) != 1:
+                self.problems.append(Problem(
+                    where, f"has buckets of {sizes} elements, which fit {'both' if fits else 'neither'} of Megatron's "
+                    f"parameter orders (local and Transformer Engine layer specs) for pipeline stage {p}, chunk {c} of "
+                    "this model", "convert with --weights-only, or re-save it in Megatron-LM with "
+                    "--dist-ckpt-optim-fully-reshardable"))
+                continue
+            (order, placed), = fits.items()
+            orders.add(order)
+            for n, (k, s, e) in placed.items():
+                self._where[(_at(named[n]), t)] = (k, s, e, found[k])
+        if len(orders) > 1:
+            self.problems.append(Problem("optimizer.distributed", "the ranks' buffers fit different layer specs",
+                                         "re-copy the checkpoint"))
+        self.order = orders.pop() if len(orders) == 1 else None
+        steps = {float(s) for s in self._steps() if s is not None}
+        if len(steps) != 1:
+            self.problems.append(Problem("optimizer.distributed.*.optimizer", f"optimizer steps {sorted(steps)}, not "
+                                         "one shared step", "convert a checkpoint saved by one Megatron optimizer"))
+        self.fields = ("exp_avg", "exp_avg_sq") + (("master",) if sixteen_bit else ())
+        self.meta = {"step": str(int(steps.pop()) if len(steps) == 1 else 0), "grad_scalers": json.dumps(scalers)}
+
+    def _steps(self) -> list:
+        """The Adam steps in the param groups of each model-parallel rank's saved inner optimizer."""
+        steps = []
+        for name in self.reader.objects():
+            if re.match(r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\.optimizer/", name):
+                obj = self.reader.get_object(name)
+                for part in obj if isinstance(obj, list) else [obj]:
+                    groups = part.get("param_groups") if isinstance(part, dict) else None
+                    steps += [g.get("step") for g in groups or [] if isinstance(g, dict)]
+        return steps
+
+    def read(self, hf_names, field: str, weights) -> list[torch.Tensor]:
+        """A parameter's optimizer field as Hugging Face tensors, merged from its TP shards' buffer ranges. The first
+        time a parameter is read, its fp32 main weights, rounded to the weights' dtype, must equal `weights()` (its
+        saved Hugging Face weights): the proof that the recomputed layout is the one Megatron used."""
+        entry = self._entries[tuple(hf_names)]
+        shape = entry.rule.shard_shape(entry.hf_shapes, self._tp)
+
+        def merged(f: str) -> list[torch.Tensor]:
+            shards = []
+            for t in range(self._tp):
+                _, start, end, fqns = self._where[(_at(entry), t)]
+                shards.append(self.reader.get_range(fqns[f], start, end).view(shape))
+            return list(entry.to_hf(shards).values())
+
+        if entry.hf_names not in self._checked:
+            saved = weights()
+            if not all(torch.equal(m.to(w.dtype), w) for m, w in zip(merged("master"), saved)):
+                raise ToolkitError(f"{self.reader.dir}: the dp_reshardable optimizer buffers do not line up with the "
+                                   f"weights at {entry.megatron_name} (its fp32 main weights are not its saved "
+                                   "weights), so where Megatron put each parameter is not what this model gives; "
+                                   "convert with --weights-only, or re-save it in Megatron-LM with "
+                                   "--dist-ckpt-optim-fully-reshardable")
+            self._checked.add(entry.hf_names)
+        return merged(field)
+
+
+def _at(entry: Entry) -> str:
+    return f"{entry.pp_rank}.{entry.chunk}.{entry.megatron_name}"
