@@ -2,7 +2,7 @@
 Megatron-LM 0.16 lays them out, in one launch.
 
     torchrun --nproc_per_node 2 tests/megatron_native_writer.py HF_TIED HF_UNTIED OUT [TORCH_DIST_ITER LEGACY_TIED
-        LEGACY_UNTIED [HF_QWEN2 HF_QWEN3]]
+        LEGACY_UNTIED [HF_QWEN2 HF_QWEN3 [HF_ODD]]]
 
 OUT/legacy: the legacy layout (`--ckpt-format torch`, `--no-save-optim`) at TP1 x PP2 x VPP2 from HF_TIED (4 layers,
 tied embeddings): iter_0000003/mp_rank_00_00{0,1}/model_optim_rng.pt holding args (an argparse.Namespace with the
@@ -23,6 +23,9 @@ optimizer's state by name; torch_dist_optim). More dp_reshardable ones: OUT/dp_r
 PP2 x VPP2 in fp32: the tied embedding's copies in buckets of their own). Before saving, the parameters are gathered
 as Megatron-LM's save_checkpoint gathers them (with the overlapped parameter gather, a rank holds the last step's
 values in the ranges other DP ranks own until the next forward).
+OUT/legacy_distopt, OUT/legacy_distopt_buckets (from HF_ODD, hidden size 48, a bucket per parameter), OUT/legacy_distopt_tp2,
+OUT/legacy_distopt_pp2_vpp2: Megatron-LM's legacy layout with the distributed optimizer's distrib_optim.pt (its own
+save_parameter_state), each with live.safetensors.
 With HF_QWEN2 and HF_QWEN3 (other families), the same launch also writes OUT/legacy_qwen2 (the legacy layout at TP2,
 args with --add-qkv-bias) and OUT/torch_dist_qwen3 (torch_dist at TP1 x PP2, args with --qk-layernorm and kv_channels
 apart from hidden_size / heads), as Megatron-LM writes those families.
@@ -128,14 +131,11 @@ def torch_dist(hf: str, out: Path, tp: int = 2, pp: int = 1) -> None:
     ps.destroy_model_parallel()
 
 
-def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: str, pp: int = 1, vpp: int = 1,
-                     extra: tuple = ()) -> None:
+def _trained(hf: str, tp: int, zero_stage: int, precision: str, pp: int, vpp: int, extra: tuple):
     """Two Adam steps of Megatron-Core's optimizer (get_megatron_optimizer: plain, or distributed when zero_stage is
-    1) on random tokens, then dist_checkpointing.save of {args, iteration, model, optimizer} as Megatron-LM's
-    save_checkpoint builds it, into each folder of `outs` ({folder: metadata["distrib_optim_sharding_type"] or None}).
-    Beside each, live.safetensors: Megatron's own state by name ("<name>:exp_avg", ":exp_avg_sq", ":master"), gathered
-    from the live optimizer (TP shards and, for the distributed optimizer, its data-parallel ranks' buffer ranges)."""
-    from megatron.core import dist_checkpointing
+    1) on random tokens; the parameters then gathered as Megatron-LM's save_checkpoint gathers them (with the
+    overlapped parameter gather, a rank holds the last step's values in the ranges other DP ranks own until the next
+    forward). (recipe, layout, DDP-wrapped chunks, optimizer, the live state by name: _live_state)."""
     from megatron.core import parallel_state as ps
 
     from toolkit.megatron import runtime
@@ -149,10 +149,28 @@ def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: s
         batches = [{"input_ids": (ids := torch.randint(0, 500, (1, 16), generator=g)), "labels": ids.clone()}
                    for _ in range(n)]
         runtime.train_step(wrapped, optimizer, batches, r, 1e-2, torch.device("cpu"))
-    for w in wrapped:  # as Megatron-LM's save_checkpoint: gather the parameters the other DP ranks updated
+    for w in wrapped:
         if w.use_forward_hook:
             w.disable_forward_pre_hook()
-    live = _live_state(wrapped, optimizer, zero_stage == 1)
+    return r, layout, wrapped, optimizer, _live_state(wrapped, optimizer, zero_stage == 1)
+
+
+def _save_live(out: Path, live: dict) -> None:
+    from safetensors.torch import save_file
+
+    save_file(live, str(out / "live.safetensors"))
+
+
+def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: str, pp: int = 1, vpp: int = 1,
+                     extra: tuple = ()) -> None:
+    """_trained, then dist_checkpointing.save of {args, iteration, model, optimizer} as Megatron-LM's
+    save_checkpoint builds it, into each folder of `outs` ({folder: metadata["distrib_optim_sharding_type"] or None}).
+    Beside each, live.safetensors: Megatron's own state by name ("<name>:exp_avg", ":exp_avg_sq", ":master"), gathered
+    from the live optimizer (TP shards and, for the distributed optimizer, its data-parallel ranks' buffer ranges)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    r, layout, wrapped, optimizer, live = _trained(hf, tp, zero_stage, precision, pp, vpp, extra)
     for out, sharding in outs.items():
         meta = {"chained_optim_avoid_prefix": True, **({"distrib_optim_sharding_type": sharding} if sharding else {})}
         model = {f"model{i}" if vpp > 1 else "model": w.module.sharded_state_dict(metadata=meta)
@@ -167,11 +185,44 @@ def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: s
         dist.barrier()
         dist_checkpointing.save(state, str(folder))
         if dist.get_rank() == 0:
-            from safetensors.torch import save_file
-
             (Path(out) / "latest_checkpointed_iteration.txt").write_text("2")
-            save_file(live, str(Path(out) / "live.safetensors"))
+            _save_live(Path(out), live)
         dist.barrier()
+    ps.destroy_model_parallel()
+
+
+def legacy_optim(hf: str, out: Path, tp: int, precision: str, pp: int = 1, vpp: int = 1, extra: tuple = ()) -> None:
+    """_trained with the distributed optimizer, then the legacy layout as Megatron-LM's save_checkpoint writes it
+    (`--ckpt-format torch`): on each model-parallel rank of the first DP rank, model_optim_rng.pt with args (with the
+    arguments that fix the buckets: use_distributed_optimizer, overlap_grad_reduce, ddp_bucket_size,
+    data_parallel_size), iteration, model[0..], and optimizer.state_dict(); beside it distrib_optim.pt, written by the
+    optimizer's own save_parameter_state (gathered over DP). live.safetensors as for torch_dist_optim."""
+    from megatron.core import parallel_state as ps
+
+    from toolkit.adapters import megatron as mcfg
+
+    r, layout, wrapped, optimizer, live = _trained(hf, tp, 1, precision, pp, vpp, extra)
+    args = megatron_lm_args(r, layout)
+    ddp = mcfg.to_ddp_config_kwargs(r, layout)
+    args.use_distributed_optimizer, args.overlap_grad_reduce = True, ddp["overlap_grad_reduce"]
+    args.ddp_bucket_size, args.data_parallel_size = r.parallel.megatron.bucket_size, layout.dp
+    args.overlap_param_gather_with_optimizer_step = False
+    t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    folder = out / "iter_0000002" / (f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}")
+    first = ps.get_data_parallel_rank() == 0
+    if first:
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": 2, "num_floating_point_operations_so_far": 0,
+                 "optimizer": optimizer.state_dict(), "opt_param_scheduler": {"num_steps": 4}}
+        for i, w in enumerate(wrapped):
+            state["model" if vpp == 1 else f"model{i}"] = w.module.state_dict_for_save_checkpoint()
+        torch.save(state, folder / "model_optim_rng.pt")
+    dist.barrier()
+    optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))  # collective; the first DP rank writes
+    if dist.get_rank() == 0:
+        (out / "latest_checkpointed_iteration.txt").write_text("2")
+        _save_live(out, live)
+    dist.barrier()
     ps.destroy_model_parallel()
 
 
@@ -232,7 +283,8 @@ def _live_state(wrapped: list, optimizer, distributed: bool) -> dict:
 
 
 def main(hf_tied: str, hf_untied: str, out: str, torch_dist_iter: str | None = None, legacy_tied: str | None = None,
-         legacy_untied: str | None = None, hf_qwen2: str | None = None, hf_qwen3: str | None = None) -> None:
+         legacy_untied: str | None = None, hf_qwen2: str | None = None, hf_qwen3: str | None = None,
+         hf_odd: str | None = None) -> None:
     init_distributed(with_deepspeed=False)
     legacy(hf_tied, Path(out) / "legacy")
     torch_dist(hf_untied, Path(out) / "torch_dist")
@@ -246,6 +298,13 @@ def main(hf_tied: str, hf_untied: str, out: str, torch_dist_iter: str | None = N
                      extra=("parallel.megatron.bucket_size=5000",))
     torch_dist_optim(hf_untied, {Path(out) / "dp_reshardable_tp2": "dp_reshardable"}, 2, 1, "bf16")
     torch_dist_optim(hf_tied, {Path(out) / "dp_reshardable_pp2_vpp2": "dp_reshardable"}, 1, 1, "fp32", pp=2, vpp=2)
+    # Megatron-LM's legacy files with the distributed optimizer (distrib_optim.pt): DP2 in bf16 in one bucket and in
+    # a bucket per parameter; TP2; PP2 x VPP2 with tied embeddings in fp32
+    legacy_optim(hf_untied, Path(out) / "legacy_distopt", 1, "bf16")
+    if hf_odd:  # hidden size 48: its norms end off the 64-element alignment, so each bucket cut moves what follows
+        legacy_optim(hf_odd, Path(out) / "legacy_distopt_buckets", 1, "bf16", extra=("parallel.megatron.bucket_size=1",))
+    legacy_optim(hf_untied, Path(out) / "legacy_distopt_tp2", 2, "bf16")
+    legacy_optim(hf_tied, Path(out) / "legacy_distopt_pp2_vpp2", 1, "fp32", pp=2, vpp=2)
     if hf_qwen2:
         legacy(hf_qwen2, Path(out) / "legacy_qwen2", tp=2, pp=1, vpp=1)
         torch_dist(hf_qwen3, Path(out) / "torch_dist_qwen3", tp=1, pp=2)
@@ -260,4 +319,4 @@ def main(hf_tied: str, hf_untied: str, out: str, torch_dist_iter: str | None = N
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:9])
+    main(*sys.argv[1:10])

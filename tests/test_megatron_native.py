@@ -39,11 +39,12 @@ REAL_GLOBALS = {"argparse Namespace", "collections OrderedDict", "megatron.core.
                 "_codecs encode", "torch FloatStorage", "torch ByteStorage", "torch._utils _rebuild_tensor_v2"}
 
 
-def _hf(folder, tied: bool, layers: int, seed: int):
+def _hf(folder, tied: bool, layers: int, seed: int, hidden: int = 64, intermediate: int = 96):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
+                                 num_hidden_layers=layers,
                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                  tie_word_embeddings=tied)).save_pretrained(folder)
     return folder
@@ -54,6 +55,7 @@ def native(tmp_path_factory):
     """{"tied", "untied": HF folders, "legacy", "torch_dist": checkpoint roots written by Megatron-Core's code}."""
     root = tmp_path_factory.mktemp("native")
     tied, untied = _hf(root / "hf_tied", True, 4, 11), _hf(root / "hf_untied", False, 2, 12)
+    odd = _hf(root / "hf_odd", False, 2, 13, hidden=48, intermediate=80)
     for family in ("qwen2", "qwen3"):  # random biases and q/k norms, qwen2 tied (test_families.tiny_model)
         tiny_model(family).save_pretrained(root / f"hf_{family}")
     quiet = dict(vocab_size=VOCAB, progress=False, log=lambda *_: None)
@@ -61,7 +63,8 @@ def native(tmp_path_factory):
     lm_tied = convert(tied, root / "lm_tied", "megatron_lm", tp=1, pp=2, vpp=2, **quiet)
     lm_untied = convert(untied, root / "lm_untied", "megatron_lm", tp=2, **quiet)
     proc = run_ranks([str(WRITER), str(tied), str(untied), str(root / "out"), str(ours / "iter_0000000"), str(lm_tied),
-                      str(lm_untied), str(root / "hf_qwen2"), str(root / "hf_qwen3")], 2, dict(os.environ), timeout=300)
+                      str(lm_untied), str(root / "hf_qwen2"), str(root / "hf_qwen3"), str(odd)], 2, dict(os.environ),
+                     timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {"tied": tied, "untied": untied, "legacy": root / "out" / "legacy",
             "torch_dist": root / "out" / "torch_dist", "ours": ours, "lm_tied": lm_tied, "lm_untied": lm_untied, "stdout": proc.stdout,
@@ -69,7 +72,8 @@ def native(tmp_path_factory):
             "legacy_qwen2": root / "out" / "legacy_qwen2", "torch_dist_qwen3": root / "out" / "torch_dist_qwen3",
             **{k: root / "out" / k for k in ("optim_plain", "optim_distopt", "optim_dp_reshardable",
                                              "dp_reshardable_buckets", "dp_reshardable_tp2",
-                                             "dp_reshardable_pp2_vpp2")}}
+                                             "dp_reshardable_pp2_vpp2", "legacy_distopt", "legacy_distopt_buckets",
+                                             "legacy_distopt_tp2", "legacy_distopt_pp2_vpp2")}}
 
 
 @pytest.mark.slow
@@ -152,6 +156,22 @@ def test_planted_pickle_in_a_real_legacy_file_never_runs(native, tmp_path):
     state["args"].evil = _Payload(tmp_path / "pwned")
     torch.save(state, f)
     _refused(src, tmp_path, tmp_path / "pwned")
+
+
+@pytest.mark.slow
+def test_planted_pickle_in_a_real_distrib_optim_file_never_runs(native, tmp_path):
+    """distrib_optim.pt is read through the same allow-list: a payload planted in it is refused before it is called,
+    and nothing is written; a conversion that does not carry optimizer state (--to hf) never opens the file."""
+    src = _copy(native, "legacy_distopt", tmp_path)
+    f = src / "iter_0000002" / "mp_rank_00" / "distrib_optim.pt"
+    state = torch.load(f, weights_only=False)  # written by this test's own writer: trusted
+    state["evil"] = _Payload(tmp_path / "pwned")
+    torch.save(state, f)
+    with pytest.raises(ToolkitError, match="refused rather than unpickled"):
+        convert(src, tmp_path / "m", "megatron", vocab_size=VOCAB, progress=False, log=lambda *_: None)
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "m").exists()
+    convert_to_hf(src, tmp_path / "hf", vocab_size=VOCAB)
+    assert not (tmp_path / "pwned").exists()
 
 
 @pytest.mark.slow
@@ -321,13 +341,22 @@ def test_torch_dist_optimizer_state_converts_by_name_to_another_layout(kind, tp,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["optim_dp_reshardable", "dp_reshardable_buckets", "dp_reshardable_tp2",
-                                  "dp_reshardable_pp2_vpp2"])
-def test_dp_reshardable_optimizer_state_converts_by_name(kind, native, tmp_path):
-    """Megatron-LM's default distributed-optimizer format (flat per-bucket buffers; where each parameter lies is not
-    saved) converts with the weights: the layout is recomputed from the model and proved (toolkit/checkpoint/
-    megatron_flat.py), and every parameter's exp_avg, exp_avg_sq and fp32 main weights equal the live optimizer's, by
-    name: at DP2 in one bucket and in several, at TP2, and at PP2 x VPP2 with tied embeddings (fp32: no mains)."""
+                                  "dp_reshardable_pp2_vpp2", "legacy_distopt", "legacy_distopt_buckets",
+                                  "legacy_distopt_tp2", "legacy_distopt_pp2_vpp2"])
+def test_flat_distributed_optimizer_state_converts_by_name(kind, native, tmp_path):
+    """The distributed optimizer's flat buffers, where each parameter lies not saved, convert with the weights:
+    Megatron-LM's default torch_dist format (dp_reshardable, per-bucket buffers) and its legacy distrib_optim.pt
+    (save_parameter_state: the buckets coalesced, their cuts not saved either). The layout is recomputed from the
+    model and proved (toolkit/checkpoint/megatron_flat.py), and every parameter's exp_avg, exp_avg_sq and fp32 main
+    weights equal the live optimizer's, by name: at DP2 in one bucket and in several (legacy: a bucket per parameter,
+    of a model whose norms end off the alignment), at TP2, and at PP2 x VPP2 with tied embeddings (fp32: no mains)."""
     quiet = dict(vocab_size=VOCAB, progress=False, log=lambda *_: None)
+    if kind.startswith("legacy"):  # toolkit inspect says what it holds
+        from toolkit.checkpoint.inspect import inspect_megatron_lm
+
+        n = len(list((native[kind] / "iter_0000002").glob("mp_rank_*")))
+        assert inspect_megatron_lm(native[kind])["optimizer_state"] == (
+            f"distributed optimizer, distrib_optim.pt on {n} of {n} model-parallel ranks")
     got, meta = _optim_by_name(convert(native[kind], tmp_path / "one", "megatron", **quiet) / "step_00000002")
     assert meta["step"] == "2"
     live = load_file(str(native[kind] / "live.safetensors"))
@@ -366,4 +395,46 @@ def test_dp_reshardable_buffers_that_do_not_line_up_are_refused(native, tmp_path
     assert not (tmp_path / "out").exists()
     weights = convert(src, tmp_path / "w", "megatron", vocab_size=VOCAB, weights_only=True, progress=False,
                       log=lambda *_: None)
+    assert not list((weights / "step_00000002").glob("optim_*"))
+
+
+def _resave(pt_file, change) -> None:
+    """Rewrite one of the test's own Megatron-LM files with `change` applied to its contents."""
+    state = torch.load(pt_file, weights_only=False)
+    change(state)
+    torch.save(state, pt_file)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, damage, message", [
+    ("legacy_distopt_buckets", "bucket size", r"holds \d+ elements, which no layout of Megatron's parameter orders"),
+    ("legacy_distopt_tp2", "one rank's file", r"mp_rank_01/distrib_optim\.pt: is missing, though other ranks"),
+    ("legacy_distopt", "its data", r"do not line up with the saved weights \(the norms'\)"),
+    ("legacy_distopt", "one weight's data", r"do not line up with the weights at output_layer\.weight .*--weights-only"),
+])
+def test_legacy_distributed_optimizer_state_that_does_not_fit_is_refused(kind, damage, message, native, tmp_path):
+    """A distrib_optim.pt that the model and its args do not place is refused in one line, and nothing is written:
+    args whose ddp_bucket_size is not the one the run used (the buckets then add up to another length), a rank's
+    file missing, and buffers whose main weights are not the saved weights: every one moved by 0.5 (caught as the
+    norms tell Megatron's two parameter orders apart), or only output_layer's (caught as it is read). --weights-only
+    still converts the weights."""
+    src = tmp_path / "src"
+    shutil.copytree(native[kind], src)
+    it = src / "iter_0000002"
+    if damage == "bucket size":
+        _resave(it / "mp_rank_00" / "model_optim_rng.pt", lambda s: setattr(s["args"], "ddp_bucket_size", None))
+    elif damage == "one rank's file":
+        from toolkit.checkpoint.inspect import inspect_megatron_lm
+
+        (it / "mp_rank_01" / "distrib_optim.pt").unlink()
+        assert "distrib_optim.pt on 1 of 2 model-parallel ranks" in inspect_megatron_lm(src)["optimizer_state"]
+    else:  # the buffer's start holds the last parameter registered, output_layer.weight, in either order
+        end = None if damage == "its data" else 64
+        _resave(it / "mp_rank_00" / "distrib_optim.pt", lambda s: s[0][next(iter(s[0]))]["param"][:end].add_(0.5))
+    quiet = dict(vocab_size=VOCAB, progress=False, log=lambda *_: None)
+    with pytest.raises(ToolkitError, match=message) as e:
+        convert(src, tmp_path / "out", "megatron", **quiet)
+    assert len(str(e.value).splitlines()) <= 3  # one line, or the checks' heading, its one problem and the fix
+    assert not (tmp_path / "out").exists()
+    weights = convert(src, tmp_path / "w", "megatron", weights_only=True, **quiet)
     assert not list((weights / "step_00000002").glob("optim_*"))

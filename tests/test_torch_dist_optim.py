@@ -83,6 +83,23 @@ def test_flat_layout_aligns_each_parameter_and_fills_each_bucket_exactly():
         assert lay_out(params, wrong) is None, wrong
 
 
+def test_bucket_cuts_follow_ddp_size_and_shared_embedding_rules():
+    """The unpadded bucket lengths DDP gives (checked end to end against Megatron-Core's own save_parameter_state
+    in test_megatron_native): no cut without a bucket size; a cut after the parameter that reaches it (at its end,
+    unaligned); around a shared embedding, before it at the aligned start and after it."""
+    from toolkit.checkpoint.megatron_flat import bucket_sizes, lay_out
+
+    params = [("emb", 100), ("norm", 10), ("w", 64)]  # laid out in reverse: w, norm, emb
+    assert bucket_sizes(params, None, set()) == [228]
+    assert bucket_sizes(params, 70, set()) == [74, 100]  # w (64) is short of 70; norm takes it to 74
+    assert bucket_sizes(params, 1, set()) == [64, 10, 100]
+    assert bucket_sizes(params, None, {"emb"}) == [128, 100]  # the cut at norm's end, 64-aligned
+    assert bucket_sizes([("a", 10), ("emb", 64)], None, {"emb"}) == [64, 10]  # first in its chunk: one cut, after
+    for size, shared in ((None, set()), (70, set()), (1, set()), (None, {"emb"})):
+        sizes = bucket_sizes(params, size, shared)
+        assert lay_out(params, sizes) is not None, (size, shared)
+
+
 def test_the_two_layer_specs_register_the_input_norm_in_different_places():
     from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, TE_ORDER, registration_order
 

@@ -284,7 +284,8 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
                if to == "torch_dist" else "a Hugging Face folder holds every expert in one model")
         raise ToolkitError(f"--ep {ep}: expert-parallel files are written in the toolkit's Megatron layout and "
                            f"Megatron-LM's legacy one; {why}: drop --ep")
-    source, check = _open_checking(src, vocab_size, fp32, weights_only)
+    # only --to megatron carries optimizer state: other targets never read (nor can be stopped by) a source's
+    source, check = _open_checking(src, vocab_size, fp32, weights_only or to != "megatron")
     try:
         with output.scratch_folder(dst, "partial") as tmp, check:
             cast = DTYPES[dtype] if dtype else None

@@ -152,9 +152,15 @@ def inspect_megatron_lm(path: Path) -> dict:
     problems = [f"{f.relative_to(it_dir)} is missing" for f in ranks if not f.is_file()]
     problems += [why for f in files[1:] if (why := check_file(f))]  # unreadable or unsafe (pickles only, mmapped)
     config = megatron_lm.hf_config(args, args.padded_vocab_size)
-
+    if getattr(args, "use_distributed_optimizer", False):  # distrib_optim.pt beside each rank's file
+        found = sum((f.parent / "distrib_optim.pt").is_file() for f in ranks)
+        optimizer = f"distributed optimizer, distrib_optim.pt on {found} of {len(ranks)} model-parallel ranks"
+    else:
+        optimizer = ("plain optimizer, in model_optim_rng.pt (converts weights only)" if state.get("optimizer")
+                     else "none (saved with --no-save-optim?)")
     dims = dims_from_hf(config)
     return {"path": str(path), "format": "megatron-lm", "complete": not problems, "problems": problems,
+            "optimizer_state": optimizer,
             "step": state.get("iteration"), "layout": {"tp": tp, "pp": pp, "vpp": vpp, **({"ep": ep} if ep > 1 else {})},
             "architecture": {**_hf_architecture(config), "vocab_size": f"{args.padded_vocab_size} (padded)"},
             "parameters": sum(_numel(s) for e in iter_entries(dims, 1, 1) if e.reads_back for s in e.hf_shapes),
@@ -216,7 +222,7 @@ def render(report: dict) -> str:
     lines += [f"  problem: {p}" for p in report["problems"]]
     if report["step"] is not None:
         lines.append(f"  step: {report['step']}")
-    for key in ("tag", "written_by", "optimizer_state"):  # plain DeepSpeed checkpoints (deepspeed_plain.py)
+    for key in ("tag", "written_by", "optimizer_state"):  # plain DeepSpeed (deepspeed_plain.py) and Megatron-LM
         if report.get(key):
             lines.append(f"  {key.replace('_', ' ')}: {report[key]}")
     if report["layout"]:

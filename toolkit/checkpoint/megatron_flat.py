@@ -7,8 +7,8 @@ registration order, each starting on a multiple of 64 elements; cut into buckets
 format for it, `dp_reshardable`, saves those buckets as they are, one tensor per bucket and field:
 `optimizer.distributed.dp_group_idx_G.gbuf_idx_C.dtype_(P, G').bucket_idx_K.{param,exp_avg,exp_avg_sq}` (G: the
 rank's index in its model-parallel group, tp_rank + tp x pp_rank; C: the model chunk; each tensor as long as its
-bucket without the end padding), one saved chunk per parameter range and padding gap. Where each parameter lies is not
-saved.
+bucket without the end padding), one saved chunk per parameter range and padding gap. Megatron-LM's legacy format
+saves the same buckets coalesced in `distrib_optim.pt` (LegacyFlatState). Where each parameter lies is not saved.
 
 So the layout is recomputed from the model, and accepted only when it is proved:
 - the parameters of each chunk, with their TP-shard sizes, in one of Megatron's two registration orders: the local
@@ -28,13 +28,17 @@ from collections.abc import Iterable
 
 import torch
 
+from toolkit.checkpoint.megatron_lm import rank_dir
+from toolkit.checkpoint.torch_dist_optim import _parts, _scaler, _step
 from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import Entry, iter_entries
+from toolkit.format import paths
 
 ALIGN = 64
 _BUCKET = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
                      r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
 FIELDS = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+_SAVED = {v: k for k, v in FIELDS.items()}  # our field -> Megatron's name for it
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 LOCAL_ORDER = ("input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight",
                "self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
@@ -84,20 +88,78 @@ def lay_out(params: list[tuple[str, int]], sizes: list[int]) -> dict[str, tuple[
     return placed if bucket == len(sizes) else None
 
 
-class FlatState:
-    """The dp_reshardable optimizer state of a torch_dist checkpoint, by parameter name: `fields` and `meta` as
-    torch_dist_optim.OptimizerState has them, `note` when it is not read, `problems` when the buffers cannot be this
-    model's."""
+def bucket_sizes(params: list[tuple[str, int]], bucket_size: int | None, shared: set[str]) -> list[int]:
+    """The unpadded lengths of the buckets DDP cuts a chunk's buffer into (`_ParamAndGradBuffer` with the
+    distributed optimizer), parameters given in registration order: laid out in reverse, each 64-aligned; a bucket
+    closes after the parameter that takes it to `bucket_size` elements (None: no cut) and around a parameter in
+    `shared` (the tied embedding's copies between pipeline stages), before it at its aligned start and after it."""
+    sizes, start, open_ = [], 0, False
+    for name, numel in reversed(params):
+        start = -(-start // ALIGN) * ALIGN
+        if name in shared and open_:
+            sizes.append(start)
+            start = 0
+        end, open_ = start + numel, True
+        if (bucket_size is not None and end >= bucket_size) or name in shared:
+            sizes.append(end)
+            start, open_ = 0, False
+        else:
+            start = end
+    if open_:
+        sizes.append(end)
+    return sizes
 
-    def __init__(self, reader, dims, layout: tuple[int, int, int], sixteen_bit: bool, scalers: list[dict]):
-        self.reader, self.note, self.problems, self.order = reader, None, [], None
+
+class _Flat:
+    """Adam's state in flat buffers whose layout was recomputed: `fields` and `meta` as torch_dist_optim.
+    OptimizerState has them, `note` when it is not read, `problems` when the buffers cannot be this model's."""
+
+    what = "?"  # the buffers, for messages
+    way_out = "convert with --weights-only"
+
+    def __init__(self, dims, layout: tuple[int, int, int]):
+        self.note, self.problems, self.order = None, [], None
         self.fields: tuple[str, ...] = ()
         self.meta: dict[str, str] = {}
-        self._where: dict[tuple[str, int], tuple] = {}  # (entry, tp rank) -> (bucket, start, end, {field: fqn})
+        self._where: dict[tuple[str, int], tuple] = {}  # (entry, tp rank) -> (start, end, fetch(field, start, end))
         self._checked: set[tuple[str, ...]] = set()
-        self._tp, pp, vpp = layout
-        tp = self._tp
-        self._entries = {e.hf_names: e for e in iter_entries(dims, pp, vpp) if e.reads_back}
+        self._tp = layout[0]
+        self._entries = {e.hf_names: e for e in iter_entries(dims, *layout[1:]) if e.reads_back}
+
+    def read(self, hf_names, field: str, weights) -> list[torch.Tensor]:
+        """A parameter's optimizer field as Hugging Face tensors, merged from its TP shards' buffer ranges. The first
+        time a parameter is read, its fp32 main weights, rounded to the weights' dtype, must equal `weights()` (its
+        saved Hugging Face weights): the proof that the recomputed layout is the one Megatron used."""
+        entry = self._entries[tuple(hf_names)]
+        shape = entry.rule.shard_shape(entry.hf_shapes, self._tp)
+
+        def merged(f: str) -> list[torch.Tensor]:
+            shards = []
+            for t in range(self._tp):
+                start, end, fetch = self._where[(_at(entry), t)]
+                shards.append(fetch(f, start, end).view(shape))
+            return list(entry.to_hf(shards).values())
+
+        if entry.hf_names not in self._checked:
+            saved = weights()
+            if not all(torch.equal(m.to(w.dtype), w) for m, w in zip(merged("master"), saved)):
+                raise ToolkitError(f"{self.where}: the {self.what} do not line up with the weights at "
+                                   f"{entry.megatron_name} (its fp32 main weights are not its saved weights), so "
+                                   f"where Megatron put each parameter is not what this model gives; {self.way_out}")
+            self._checked.add(entry.hf_names)
+        return merged(field)
+
+
+class FlatState(_Flat):
+    """The dp_reshardable optimizer state of a torch_dist checkpoint, by parameter name."""
+
+    what = "dp_reshardable optimizer buffers"
+    way_out = "convert with --weights-only, or re-save it in Megatron-LM with --dist-ckpt-optim-fully-reshardable"
+
+    def __init__(self, reader, dims, layout: tuple[int, int, int], sixteen_bit: bool, scalers: list[dict]):
+        super().__init__(dims, layout)
+        self.reader, self.where = reader, reader.dir
+        tp, pp, vpp = layout
         buckets: dict[tuple[int, int], dict[int, dict[str, str]]] = {}
         prefixes, dtypes = set(), set()
         for fqn in reader.tensor_names():
@@ -140,9 +202,7 @@ class FlatState:
             edges = [{x for b in reader.chunk_bounds(found[k]["master"]) for x in b} for k in ks]
             fits = {}
             for name, order in ORDERS.items():
-                params = [(n, math.prod(named[n].rule.shard_shape(named[n].hf_shapes, tp)))
-                          for n in registration_order(named, order)]
-                placed = lay_out(params, sizes)
+                placed = lay_out(_params(named, order, tp), sizes)
                 if placed and all(s in edges[k] and e in edges[k] for k, s, e in placed.values()):
                     fits[name] = placed
             if len(fits) != 1:
@@ -155,7 +215,7 @@ class FlatState:
             (order, placed), = fits.items()
             orders.add(order)
             for n, (k, s, e) in placed.items():
-                self._where[(_at(named[n]), t)] = (k, s, e, found[k])
+                self._where[(_at(named[n]), t)] = (s, e, _ranges(reader, found[k]))
         if len(orders) > 1:
             self.problems.append(Problem("optimizer.distributed", "the ranks' buffers fit different layer specs",
                                          "re-copy the checkpoint"))
@@ -178,31 +238,131 @@ class FlatState:
                     steps += [g.get("step") for g in groups or [] if isinstance(g, dict)]
         return steps
 
-    def read(self, hf_names, field: str, weights) -> list[torch.Tensor]:
-        """A parameter's optimizer field as Hugging Face tensors, merged from its TP shards' buffer ranges. The first
-        time a parameter is read, its fp32 main weights, rounded to the weights' dtype, must equal `weights()` (its
-        saved Hugging Face weights): the proof that the recomputed layout is the one Megatron used."""
-        entry = self._entries[tuple(hf_names)]
-        shape = entry.rule.shard_shape(entry.hf_shapes, self._tp)
-
-        def merged(f: str) -> list[torch.Tensor]:
-            shards = []
-            for t in range(self._tp):
-                _, start, end, fqns = self._where[(_at(entry), t)]
-                shards.append(self.reader.get_range(fqns[f], start, end).view(shape))
-            return list(entry.to_hf(shards).values())
-
-        if entry.hf_names not in self._checked:
-            saved = weights()
-            if not all(torch.equal(m.to(w.dtype), w) for m, w in zip(merged("master"), saved)):
-                raise ToolkitError(f"{self.reader.dir}: the dp_reshardable optimizer buffers do not line up with the "
-                                   f"weights at {entry.megatron_name} (its fp32 main weights are not its saved "
-                                   "weights), so where Megatron put each parameter is not what this model gives; "
-                                   "convert with --weights-only, or re-save it in Megatron-LM with "
-                                   "--dist-ckpt-optim-fully-reshardable")
-            self._checked.add(entry.hf_names)
-        return merged(field)
-
-
 def _at(entry: Entry) -> str:
     return f"{entry.pp_rank}.{entry.chunk}.{entry.megatron_name}"
+
+
+def _params(named: dict[str, Entry], order: tuple[str, ...], tp: int) -> list[tuple[str, int]]:
+    """(name, elements of its TP shard) of a chunk's parameters, in registration order."""
+    return [(n, math.prod(named[n].rule.shard_shape(named[n].hf_shapes, tp))) for n in registration_order(named, order)]
+
+
+def _ranges(reader, fqns: dict[str, str]):
+    return lambda field, start, end: reader.get_range(fqns[field], start, end)
+
+
+class LegacyFlatState(_Flat):
+    """The distributed optimizer's state in a Megatron-LM legacy checkpoint, by parameter name.
+
+    Megatron-LM's save_checkpoint (`--ckpt-format torch`) writes `distrib_optim.pt` beside each model-parallel rank's
+    model_optim_rng.pt: the optimizer's save_parameter_state, gathered from every DP rank onto the first. For each
+    model chunk C it holds {C: {(param dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq": one fp32 tensor,
+    "numel_unpadded"}}}, with "buckets_coalesced": True: the chunk's buckets without their end padding, one after the
+    other. Neither where the parameters lie nor where the buckets end is saved. The cuts follow from Megatron-LM's
+    args as DDP makes them: buckets of `ddp_bucket_size` elements (default max(40M, 1M x data_parallel_size)), none
+    without `overlap_grad_reduce` (or with `overlap_param_gather_with_optimizer_step`), on pipeline stages after the
+    first, or in chunks after the first. The layout is accepted when the buckets add up to the saved length, one
+    registration order fits (Transformer Engine's or the local spec's, told apart by the norms' main weights), and,
+    as each parameter is read, its main weights rounded to the weights' dtype equal its saved weights."""
+
+    what = "distrib_optim.pt buffers"
+
+    def __init__(self, it_dir, args, dims, layout: tuple[int, int, int], sixteen_bit: bool, optimizers: dict,
+                 weight, load):
+        """optimizers: {(pp, tp): model_optim_rng.pt's "optimizer"}; weight(pp, tp, chunk, name): a saved weight
+        shard; load(path): a file's contents through the allow-list."""
+        super().__init__(dims, layout)
+        self.where = it_dir
+        tp, pp, vpp = layout
+        if dims.experts:
+            self.note = ("its distributed optimizer of a mixture of experts (an expert optimizer of its own) is not "
+                         "converted: weights only")
+            return
+        files = {(p, t): it_dir / rank_dir(t, p, pp) / "distrib_optim.pt" for p in range(pp) for t in range(tp)}
+        present = [f for f in files.values() if f.is_file()]
+        paths.check_tree(it_dir, present, f"Megatron-LM checkpoint {it_dir}")  # no link out of the folder
+        if not present:
+            self.note = "it holds no distrib_optim.pt files (saved with --no-save-optim?): weights only"
+            return
+        if len(present) != len(files):
+            missing = [str(f.relative_to(it_dir)) for f in files.values() if not f.is_file()]
+            self.problems.append(Problem(", ".join(missing[:4]), "is missing, though other ranks have theirs",
+                                         "re-copy the checkpoint, or convert with --weights-only"))
+            return
+        need = [k for k in ("overlap_grad_reduce", "data_parallel_size") if not hasattr(args, k)]
+        if need:
+            self.note = (f"its args lack {', '.join(need)}, which fix where the distributed optimizer put each "
+                         "parameter: weights only")
+            return
+        size = None
+        if args.overlap_grad_reduce and not getattr(args, "overlap_param_gather_with_optimizer_step", False):
+            size = getattr(args, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * args.data_parallel_size)
+        chunks: dict[tuple[int, int], dict[str, Entry]] = {}
+        for e in iter_entries(dims, pp, vpp):
+            chunks.setdefault((e.pp_rank, e.chunk), {})[e.megatron_name] = e
+        tied_copies = dims.tied and pp > 1
+        orders = set()
+        for (p, t), f in sorted(files.items()):
+            state = load(f)
+            state = state[0] if isinstance(state, list) and len(state) == 1 else state
+            rel = str(f.relative_to(it_dir))
+            if not (isinstance(state, dict) and state.get("buckets_coalesced") is True):
+                self.problems.append(Problem(rel, "is not the coalesced per-chunk buffers Megatron-Core 0.16's "
+                                             "save_parameter_state writes (an older or a chained optimizer's file)",
+                                             "convert with --weights-only"))
+                continue
+            for c in range(vpp):
+                gbuf = state.get(c)
+                tensors = next(iter(gbuf.values())) if isinstance(gbuf, dict) and len(gbuf) == 1 else None
+                n = tensors.get("numel_unpadded") if isinstance(tensors, dict) else None
+                if not isinstance(n, int) or any(not torch.is_tensor(tensors.get(k)) or tensors[k].shape != (n,)
+                                                 for k in FIELDS):
+                    self.problems.append(Problem(f"{rel} [{c}]", "does not hold one buffer of param, exp_avg and "
+                                                 "exp_avg_sq of numel_unpadded elements",
+                                                 "re-copy the checkpoint, or convert with --weights-only"))
+                    continue
+                named = chunks[(p, c)]
+                shared = set()
+                if tied_copies and (p, c) == (0, 0):
+                    shared.add("embedding.word_embeddings.weight")
+                if tied_copies and (p, c) == (pp - 1, vpp - 1):
+                    shared.add("output_layer.weight")
+                fits = {}
+                for name, order in ORDERS.items():
+                    params = _params(named, order, tp)
+                    sizes = bucket_sizes(params, size if (p, c) == (0, 0) else None, shared)
+                    placed = lay_out(params, sizes) if sum(sizes) == n else None
+                    if placed:
+                        at = [sum(sizes[:k]) for k in range(len(sizes))]
+                        fits[name] = {m: (at[k] + s, at[k] + e) for m, (k, s, e) in placed.items()}
+                if len({tuple(sorted(v.items())) for v in fits.values()}) > 1:  # told apart by the norms' mains
+                    fits = {o: pl for o, pl in fits.items() if all(
+                        torch.equal(tensors["param"][s:e].to(w.dtype), w.flatten())
+                        for m, (s, e) in pl.items() if m.endswith("layernorm.weight")
+                        for w in [weight(p, t, c, m)])}
+                    if not fits:
+                        self.problems.append(Problem(f"{rel} [{c}]", "its main weights do not line up with the saved "
+                                                     "weights (the norms') in either of Megatron's parameter orders",
+                                                     self.way_out))
+                        continue
+                if not fits:
+                    self.problems.append(Problem(
+                        f"{rel} [{c}]", f"holds {n} elements, which no layout of Megatron's parameter orders (local "
+                        f"and Transformer Engine layer specs) gives for pipeline stage {p}, chunk {c} of this model "
+                        f"with buckets of {size or 'any'} elements", "convert with --weights-only"))
+                    continue
+                order, placed = next(iter(fits.items()))
+                orders.add(order)
+                fetch = (lambda ts: lambda field, s, e: ts[_SAVED[field]][s:e])(tensors)
+                for m, (s, e) in placed.items():
+                    self._where[(_at(named[m]), t)] = (s, e, fetch)
+        steps = {_step(x) for o in optimizers.values() for x in _parts(o)}
+        if self.problems:
+            return
+        if len(steps) != 1 or None in steps:
+            self.problems.append(Problem("model_optim_rng.pt", f"optimizer steps {sorted(map(str, steps))}, not one "
+                                         "shared step", "convert a checkpoint saved by one Megatron optimizer"))
+        self.order = orders.pop() if len(orders) == 1 else None
+        self.fields = ("exp_avg", "exp_avg_sq") + (("master",) if sixteen_bit else ())
+        scalers = [_scaler(x) for x in _parts(next(iter(optimizers.values())))]
+        self.meta = {"step": str(steps.pop() if len(steps) == 1 else 0), "grad_scalers": json.dumps(scalers)}

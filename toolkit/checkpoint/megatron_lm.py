@@ -52,8 +52,9 @@ def rank_file(it_dir: Path, tp: int, pp: int, pp_size: int, ep: int = 0, ep_size
     return it_dir / rank_dir(tp, pp, pp_size, ep, ep_size) / "model_optim_rng.pt"
 
 
-def read(path: Path, mmap: bool = False) -> tuple[argparse.Namespace, dict, int]:
-    """(args, {rank_key(pp_rank, tp_rank, ep_rank, ep): [chunk state dicts with local-spec names]}, iteration)."""
+def read(path: Path, mmap: bool = False) -> tuple[argparse.Namespace, dict, int, dict]:
+    """(args, {rank_key(pp_rank, tp_rank, ep_rank, ep): [chunk state dicts with local-spec names]}, iteration,
+    {that rank key: the file's "optimizer" (None without one)})."""
     it_dir = iteration_dir(path)
     paths.check_tree(path, it_dir.glob("mp_rank_*/model_optim_rng.pt"), f"Megatron-LM checkpoint {path}")
     first = min(it_dir.glob("mp_rank_*/model_optim_rng.pt"), default=None)
@@ -69,14 +70,15 @@ def read(path: Path, mmap: bool = False) -> tuple[argparse.Namespace, dict, int]
     if missing:
         raise ToolkitError(f"{it_dir} is incomplete for tp={tp} pp={pp}{f' ep={ep}' if ep > 1 else ''}: missing "
                            f"{', '.join(missing[:4])}")
-    shards, iteration = {}, None
+    shards, iteration, optimizers = {}, None, {}
     for p, t, e in ranks:
         state = safe_load(rank_file(it_dir, t, p, pp, e, ep), mmap)
         iteration = state.get("iteration", iteration)
+        optimizers[rank_key(p, t, e, ep)] = state.get("optimizer")
         keys = ["model"] if vpp == 1 else [f"model{c}" for c in range(vpp)]
         shards[rank_key(p, t, e, ep)] = [{local_spec_name(k): v for k, v in state[key].items()
                                           if not k.endswith("_extra_state") and v is not None} for key in keys]
-    return args, shards, iteration
+    return args, shards, iteration, optimizers
 
 
 LLAMA_ARGS = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "add_bias_linear": False,

@@ -263,9 +263,9 @@ class MegatronLMSource(_ShardedSource):
 
     kind = "Megatron-LM"
 
-    def __init__(self, path: Path, vocab_size: int | None):
+    def __init__(self, path: Path, vocab_size: int | None, weights_only: bool = False):
 
-        args, self._shards, self.step = megatron_lm.read(path, mmap=True)
+        args, self._shards, self.step, optimizers = megatron_lm.read(path, mmap=True)
         megatron_lm.family_of_args(args, path)
         if vocab_size is None:
             raise ToolkitError(f"{path} stores the vocabulary padded to {args.padded_vocab_size} rows; pass the true "
@@ -282,9 +282,30 @@ class MegatronLMSource(_ShardedSource):
                                f"{self.layout[0]}, but the checkpoint has {args.padded_vocab_size}; check the "
                                "vocabulary size")
 
-        raise_problems(f"{path} does not match its own arguments",
-                       check_megatron_shards(self._shards, iter_entries(self._dims, *self.layout[1:], self.ep),
-                                             *self.layout, self.ep))
+        problems = check_megatron_shards(self._shards, iter_entries(self._dims, *self.layout[1:], self.ep),
+                                         *self.layout, self.ep)
+        self._optim = None
+        if not weights_only and not problems:
+            self.optimizer_note = (
+                "it holds no optimizer state (saved with --no-save-optim?): weights only"
+                if all(o is None for o in optimizers.values()) else None if getattr(args, "use_distributed_optimizer",
+                                                                                    False)
+                else "the plain optimizer's state of a legacy checkpoint is not converted: weights only")
+            if self.optimizer_note is None:  # distrib_optim.pt: flat buffers, the layout recomputed, then proved
+                self._optim = megatron_flat.LegacyFlatState(
+                    megatron_lm.iteration_dir(path), args, self._dims, self.layout, self.dtype() != torch.float32,
+                    optimizers, lambda p, t, c, name: self._shards[rank_key(p, t, 0, 1)][c][name],
+                    lambda f: megatron_lm.safe_load(f, mmap=True))
+                problems += self._optim.problems
+                self.optimizer_note = self._optim.note
+                if self._optim.fields:
+                    self.fields, self.optimizer_meta = (WEIGHT, *self._optim.fields), self._optim.meta
+        raise_problems(f"{path} does not match its own arguments", problems)
+
+    def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
+        if field != WEIGHT:
+            return self._optim.read(hf_names, field, lambda: super(MegatronLMSource, self).read(hf_names))
+        return super().read(hf_names, field)
 
     def _get(self, p: int, t: int, key: str, e: int = 0) -> torch.Tensor:
 
@@ -468,7 +489,7 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
         it_dir = megatron_lm.iteration_dir(src)
         if torch_dist.is_torch_dist(it_dir):
             return TorchDistSource(it_dir, vocab_size, weights_only)
-        return MegatronLMSource(src, vocab_size)
+        return MegatronLMSource(src, vocab_size, weights_only)
     if is_plain(src):
         raise ToolkitError(f"{src} is a plain DeepSpeed checkpoint (engine.save_checkpoint, no toolkit files): it "
                            "converts --to hf (with --config HF_FOLDER_OR_config.json when it holds no config.json), "
