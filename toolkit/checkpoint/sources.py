@@ -286,12 +286,11 @@ class MegatronLMSource(_ShardedSource):
                                          *self.layout, self.ep)
         self._optim = None
         if not weights_only and not problems:
-            self.optimizer_note = (
-                "it holds no optimizer state (saved with --no-save-optim?): weights only"
-                if all(o is None for o in optimizers.values()) else None if getattr(args, "use_distributed_optimizer",
-                                                                                    False)
-                else "the plain optimizer's state of a legacy checkpoint is not converted: weights only")
-            if self.optimizer_note is None:  # distrib_optim.pt: flat buffers, the layout recomputed, then proved
+            if all(o is None for o in optimizers.values()):
+                self.optimizer_note = "it holds no optimizer state (saved with --no-save-optim?): weights only"
+            elif not getattr(args, "use_distributed_optimizer", False):
+                self.optimizer_note = "the plain optimizer's state of a legacy checkpoint is not converted: weights only"
+            else:  # distrib_optim.pt: flat buffers, the layout recomputed, then proved
                 self._optim = megatron_flat.LegacyFlatState(
                     megatron_lm.iteration_dir(path), args, self._dims, self.layout, self.dtype() != torch.float32,
                     optimizers, lambda p, t, c, name: self._shards[rank_key(p, t, 0, 1)][c][name],
