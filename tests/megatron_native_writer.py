@@ -171,6 +171,9 @@ def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: s
     from megatron.core import parallel_state as ps
 
     r, layout, wrapped, optimizer, live = _trained(hf, tp, zero_stage, precision, pp, vpp, extra)
+    scheduler = scheduler_for(optimizer)
+    for _ in range(2):
+        scheduler.step(increment=r.training.global_batch_size)
     for out, sharding in outs.items():
         meta = {"chained_optim_avoid_prefix": True, **({"distrib_optim_sharding_type": sharding} if sharding else {})}
         model = {f"model{i}" if vpp > 1 else "model": w.module.sharded_state_dict(metadata=meta)
@@ -178,7 +181,8 @@ def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: s
         args = megatron_lm_args(r, layout)
         args.ckpt_format, args.use_distributed_optimizer = "torch_dist", zero_stage == 1
         state = {"args": args, "checkpoint_version": 3.0, "iteration": 2, "num_floating_point_operations_so_far": 0,
-                 **model, "optimizer": optimizer.sharded_state_dict(model, metadata=meta)}
+                 **model, "optimizer": optimizer.sharded_state_dict(model, metadata=meta),
+                 "opt_param_scheduler": scheduler.state_dict()}
         folder = Path(out) / "iter_0000002"
         if dist.get_rank() == 0:
             folder.mkdir(parents=True, exist_ok=True)
@@ -189,6 +193,16 @@ def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: s
             _save_live(Path(out), live)
         dist.barrier()
     ps.destroy_model_parallel()
+
+
+def scheduler_for(optimizer):
+    """Megatron-Core's learning-rate and weight-decay scheduler, as Megatron-LM's get_optimizer_param_scheduler
+    builds it (cosine decay after a warmup)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=3e-3, min_lr=3e-4, lr_warmup_steps=2,
+                                   lr_decay_steps=200, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+                                   wd_incr_steps=200, wd_incr_style="constant")
 
 
 def legacy_optim(hf: str, out: Path, tp: int, precision: str, pp: int = 1, vpp: int = 1, extra: tuple = ()) -> None:
@@ -202,6 +216,9 @@ def legacy_optim(hf: str, out: Path, tp: int, precision: str, pp: int = 1, vpp: 
     from toolkit.adapters import megatron as mcfg
 
     r, layout, wrapped, optimizer, live = _trained(hf, tp, 1, precision, pp, vpp, extra)
+    scheduler = scheduler_for(optimizer)
+    for _ in range(2):  # Megatron-LM steps it by the global batch size each iteration
+        scheduler.step(increment=r.training.global_batch_size)
     args = megatron_lm_args(r, layout)
     ddp = mcfg.to_ddp_config_kwargs(r, layout)
     args.use_distributed_optimizer, args.overlap_grad_reduce = True, ddp["overlap_grad_reduce"]
@@ -213,7 +230,7 @@ def legacy_optim(hf: str, out: Path, tp: int, precision: str, pp: int = 1, vpp: 
     if first:
         folder.mkdir(parents=True, exist_ok=True)
         state = {"args": args, "checkpoint_version": 3.0, "iteration": 2, "num_floating_point_operations_so_far": 0,
-                 "optimizer": optimizer.state_dict(), "opt_param_scheduler": {"num_steps": 4}}
+                 "optimizer": optimizer.state_dict(), "opt_param_scheduler": scheduler.state_dict()}
         for i, w in enumerate(wrapped):
             state["model" if vpp == 1 else f"model{i}"] = w.module.state_dict_for_save_checkpoint()
         torch.save(state, folder / "model_optim_rng.pt")

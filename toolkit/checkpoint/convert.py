@@ -284,22 +284,23 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
                if to == "torch_dist" else "a Hugging Face folder holds every expert in one model")
         raise ToolkitError(f"--ep {ep}: expert-parallel files are written in the toolkit's Megatron layout and "
                            f"Megatron-LM's legacy one; {why}: drop --ep")
-    # only --to megatron carries optimizer state: other targets never read (nor can be stopped by) a source's
-    source, check = _open_checking(src, vocab_size, fp32, weights_only or to != "megatron")
+    # only --to megatron and megatron_lm carry optimizer state: other targets never read (nor can be stopped by) it
+    source, check = _open_checking(src, vocab_size, fp32, weights_only or to not in ("megatron", "megatron_lm"))
     try:
         with output.scratch_folder(dst, "partial") as tmp, check:
             cast = DTYPES[dtype] if dtype else None
             target = (HFTarget(tmp, source, cast) if to == "hf"
                       else TorchDistTarget(tmp, source, tp, pp, vpp, cast) if to == "torch_dist"
-                      else MegatronLMTarget(tmp, source, tp, pp, vpp, cast, ep) if to == "megatron_lm"
+                      else MegatronLMTarget(tmp, source, tp, pp, vpp, cast, ep, weights_only) if to == "megatron_lm"
                       else MegatronTarget(tmp, source, tp, pp, vpp, cast, weights_only, ep))
             manifest.require_space(dst.parent, target.total, manifest.free_bytes(tmp), str(dst),
                                    "the tensors to write")
             log(f"converting {source.describe()} at {src} -> {to}"
                 + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
                 + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write)")
-            if to == "megatron" and getattr(source, "optimizer_note", None):
-                log(f"optimizer state: {source.optimizer_note}")
+            if to in ("megatron", "megatron_lm") and (getattr(source, "optimizer_note", None)
+                                                      or getattr(target, "note", None)):
+                log(f"optimizer state: {source.optimizer_note or target.note}")
             digests = Digests() if verify else None
             if verify:
                 import_early(family_of_config(source.config).hf_architecture)

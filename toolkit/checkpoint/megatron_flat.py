@@ -29,7 +29,7 @@ from collections.abc import Iterable
 import torch
 
 from toolkit.checkpoint.megatron_lm import rank_dir
-from toolkit.checkpoint.torch_dist_optim import _parts, _scaler, _step
+from toolkit.checkpoint.torch_dist_optim import _parts, _scaler, _step, param_groups
 from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import Entry, iter_entries
 from toolkit.format import paths
@@ -110,6 +110,43 @@ def bucket_sizes(params: list[tuple[str, int]], bucket_size: int | None, shared:
     return sizes
 
 
+def bucket_size(args) -> int | None:
+    """The bucket size Megatron-Core's DDP gives the first chunk of the first pipeline stage for Megatron-LM's args
+    (the other chunks and stages get none): `ddp_bucket_size`, by default max(40M, 1M x data_parallel_size); none
+    without `overlap_grad_reduce` or with `overlap_param_gather_with_optimizer_step`."""
+    if not args.overlap_grad_reduce or getattr(args, "overlap_param_gather_with_optimizer_step", False):
+        return None
+    return getattr(args, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * args.data_parallel_size)
+
+
+def chunk_entries(dims, pp: int, vpp: int) -> dict[tuple[int, int], dict[str, Entry]]:
+    """{(pipeline stage, chunk): {local-spec name: entry}}."""
+    chunks: dict[tuple[int, int], dict[str, Entry]] = {}
+    for e in iter_entries(dims, pp, vpp):
+        chunks.setdefault((e.pp_rank, e.chunk), {})[e.megatron_name] = e
+    return chunks
+
+
+def coalesced(dims, named: dict[str, Entry], order: tuple[str, ...], layout: tuple[int, int, int], p: int, c: int,
+              size: int | None) -> tuple[int, dict[str, tuple[int, int]] | None]:
+    """(length, {name: (start, end)}) of one chunk's parameters in distrib_optim.pt's coalesced buffer (the buckets
+    without their end padding, one after the other), given Megatron's registration order and the first chunk's
+    bucket size; (0, None) when the parameters do not fill the buckets (cannot happen for sizes from bucket_sizes)."""
+    tp, pp, vpp = layout
+    shared = set()
+    if dims.tied and pp > 1 and (p, c) == (0, 0):
+        shared.add("embedding.word_embeddings.weight")
+    if dims.tied and pp > 1 and (p, c) == (pp - 1, vpp - 1):
+        shared.add("output_layer.weight")
+    params = _params(named, order, tp)
+    sizes = bucket_sizes(params, size if (p, c) == (0, 0) else None, shared)
+    placed = lay_out(params, sizes)
+    if placed is None:
+        return 0, None
+    at = [sum(sizes[:k]) for k in range(len(sizes))]
+    return sum(sizes), {m: (at[k] + s, at[k] + e) for m, (k, s, e) in placed.items()}
+
+
 class _Flat:
     """Adam's state in flat buffers whose layout was recomputed: `fields` and `meta` as torch_dist_optim.
     OptimizerState has them, `note` when it is not read, `problems` when the buffers cannot be this model's."""
@@ -119,6 +156,8 @@ class _Flat:
 
     def __init__(self, dims, layout: tuple[int, int, int]):
         self.note, self.problems, self.order = None, [], None
+        self.groups: list[dict] | None = None  # Megatron's param groups (torch_dist_optim.param_groups)
+        self.distributed = True
         self.fields: tuple[str, ...] = ()
         self.meta: dict[str, str] = {}
         self._where: dict[tuple[str, int], tuple] = {}  # (entry, tp rank) -> (start, end, fetch(field, start, end))
@@ -233,10 +272,13 @@ class FlatState(_Flat):
         for name in self.reader.objects():
             if re.match(r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\.optimizer/", name):
                 obj = self.reader.get_object(name)
+                if self.groups is None:
+                    self.groups = param_groups(obj if isinstance(obj, list) else [obj])
                 for part in obj if isinstance(obj, list) else [obj]:
                     groups = part.get("param_groups") if isinstance(part, dict) else None
                     steps += [g.get("step") for g in groups or [] if isinstance(g, dict)]
         return steps
+
 
 def _at(entry: Entry) -> str:
     return f"{entry.pp_rank}.{entry.chunk}.{entry.megatron_name}"
@@ -294,13 +336,8 @@ class LegacyFlatState(_Flat):
             self.note = (f"its args lack {', '.join(need)}, which fix where the distributed optimizer put each "
                          "parameter: weights only")
             return
-        size = None
-        if args.overlap_grad_reduce and not getattr(args, "overlap_param_gather_with_optimizer_step", False):
-            size = getattr(args, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * args.data_parallel_size)
-        chunks: dict[tuple[int, int], dict[str, Entry]] = {}
-        for e in iter_entries(dims, pp, vpp):
-            chunks.setdefault((e.pp_rank, e.chunk), {})[e.megatron_name] = e
-        tied_copies = dims.tied and pp > 1
+        size = bucket_size(args)
+        chunks = chunk_entries(dims, pp, vpp)
         orders = set()
         for (p, t), f in sorted(files.items()):
             state = load(f)
@@ -322,19 +359,11 @@ class LegacyFlatState(_Flat):
                                                  "re-copy the checkpoint, or convert with --weights-only"))
                     continue
                 named = chunks[(p, c)]
-                shared = set()
-                if tied_copies and (p, c) == (0, 0):
-                    shared.add("embedding.word_embeddings.weight")
-                if tied_copies and (p, c) == (pp - 1, vpp - 1):
-                    shared.add("output_layer.weight")
                 fits = {}
                 for name, order in ORDERS.items():
-                    params = _params(named, order, tp)
-                    sizes = bucket_sizes(params, size if (p, c) == (0, 0) else None, shared)
-                    placed = lay_out(params, sizes) if sum(sizes) == n else None
-                    if placed:
-                        at = [sum(sizes[:k]) for k in range(len(sizes))]
-                        fits[name] = {m: (at[k] + s, at[k] + e) for m, (k, s, e) in placed.items()}
+                    total, placed = coalesced(dims, named, order, layout, p, c, size)
+                    if placed and total == n:
+                        fits[name] = placed
                 if len({tuple(sorted(v.items())) for v in fits.values()}) > 1:  # told apart by the norms' mains
                     fits = {o: pl for o, pl in fits.items() if all(
                         torch.equal(tensors["param"][s:e].to(w.dtype), w.flatten())
@@ -364,5 +393,6 @@ class LegacyFlatState(_Flat):
                                          "shared step", "convert a checkpoint saved by one Megatron optimizer"))
         self.order = orders.pop() if len(orders) == 1 else None
         self.fields = ("exp_avg", "exp_avg_sq") + (("master",) if sixteen_bit else ())
+        self.groups = param_groups(_parts(next(iter(optimizers.values()))))
         scalers = [_scaler(x) for x in _parts(next(iter(optimizers.values())))]
         self.meta = {"step": str(steps.pop() if len(steps) == 1 else 0), "grad_scalers": json.dumps(scalers)}

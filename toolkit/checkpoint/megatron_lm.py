@@ -54,7 +54,7 @@ def rank_file(it_dir: Path, tp: int, pp: int, pp_size: int, ep: int = 0, ep_size
 
 def read(path: Path, mmap: bool = False) -> tuple[argparse.Namespace, dict, int, dict]:
     """(args, {rank_key(pp_rank, tp_rank, ep_rank, ep): [chunk state dicts with local-spec names]}, iteration,
-    {that rank key: the file's "optimizer" (None without one)})."""
+    {that rank key: the file's "optimizer" and "opt_param_scheduler" (None without them)})."""
     it_dir = iteration_dir(path)
     paths.check_tree(path, it_dir.glob("mp_rank_*/model_optim_rng.pt"), f"Megatron-LM checkpoint {path}")
     first = min(it_dir.glob("mp_rank_*/model_optim_rng.pt"), default=None)
@@ -74,7 +74,7 @@ def read(path: Path, mmap: bool = False) -> tuple[argparse.Namespace, dict, int,
     for p, t, e in ranks:
         state = safe_load(rank_file(it_dir, t, p, pp, e, ep), mmap)
         iteration = state.get("iteration", iteration)
-        optimizers[rank_key(p, t, e, ep)] = state.get("optimizer")
+        optimizers[rank_key(p, t, e, ep)] = {k: state.get(k) for k in ("optimizer", "opt_param_scheduler")}
         keys = ["model"] if vpp == 1 else [f"model{c}" for c in range(vpp)]
         shards[rank_key(p, t, e, ep)] = [{local_spec_name(k): v for k, v in state[key].items()
                                           if not k.endswith("_extra_state") and v is not None} for key in keys]

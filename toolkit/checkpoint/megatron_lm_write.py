@@ -6,7 +6,10 @@ torch.save of what Megatron-LM's save_checkpoint writes with `--no-save-optim --
 argparse.Namespace with the model arguments for the new layout, the ones Megatron-LM's check_checkpoint_args
 compares), `checkpoint_version` 3.0, `iteration`, `num_floating_point_operations_so_far`, and `model` (or `model0`..
 per virtual chunk) with local-spec names and the `_extra_state` entries a local-spec GPTModel's state_dict has.
-Megatron-LM continues from it with `--no-load-optim --no-load-rng` (or `--finetune`).
+Megatron-LM continues from it with `--no-load-optim --no-load-rng` (or `--finetune`). From a source that carries the
+distributed optimizer's state, that state is written too (`distrib_optim.pt`, and the optimizer and scheduler
+entries of model_optim_rng.pt: toolkit/checkpoint/megatron_lm_optim.py), and Megatron-LM continues with
+`--use-distributed-optimizer --no-load-rng`.
 
 Memory: a rank file is a single pickle, so each is built in memory and written once its pipeline stage is
 complete (HF order visits stages in turn without virtual chunks; with them, a stage's chunks are spread out).
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 
 from toolkit.checkpoint.megatron_lm import rank_dir
+from toolkit.checkpoint.megatron_lm_optim import DistOptimWriter
 from toolkit.families import family_named
 from toolkit.families.entries import holders, iter_entries, raise_problems, rank_key
 from toolkit.families.mapping import check_dims
@@ -61,14 +65,15 @@ def model_args(dims, config: dict, tp: int, pp: int, vpp: int, divisible_by: int
 
 
 class MegatronLMTarget:
-    """A Megatron-LM legacy checkpoint root; see the module docstring. Weights only."""
+    """A Megatron-LM legacy checkpoint root; see the module docstring. The distributed optimizer's state too
+    (`distrib_optim.pt`, toolkit/checkpoint/megatron_lm_optim.py) when the source carries a Megatron optimizer's."""
 
-    def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None, ep: int = 1):
+    def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None, ep: int = 1,
+                 weights_only: bool = False):
         self.root, self.source, self.layout, self.ep = root, source, (tp, pp, vpp), ep
         self.dims = source.dims(tp)
         raise_problems(f"the model cannot be laid out at tp={tp} pp={pp} vpp={vpp} ep={ep}",
                        check_dims(self.dims, tp, pp, vpp, ep))
-        self.fields = (WEIGHT,)
         self.step = int(source.step or 0)
         self.tag_dir = root / f"iter_{self.step:07d}"
         self.out_dtype = dtype or source.dtype()
@@ -80,12 +85,30 @@ class MegatronLMTarget:
                          for e in entries) * tp * self.out_dtype.itemsize
         self._args = model_args(self.dims, source.config, tp, pp, vpp, source.divisible_by, self.out_dtype, "torch",
                                 ep)
+        self.optim, self.note = None, None
+        if not weights_only:
+            self.optim, self.note = DistOptimWriter.plan(self, source)
+        self.fields = (WEIGHT, *(self.optim.fields if self.optim else ()))
+        if self.optim:
+            self.total += self.optim.total
 
     def writes(self, entry, field: str, hf_tensors: list[torch.Tensor]) -> list:
         """Keeps this parameter's TP shards (compact copies) for their rank files (every expert-parallel rank holding
-        it); writes a stage once complete."""
+        it), its optimizer fields in the distributed optimizer's buffers; writes a stage once complete."""
         tp = self.layout[0]
-        for t, piece in enumerate(entry.to_megatron(hf_tensors, tp)):
+        pieces = entry.to_megatron(hf_tensors, tp)
+        if self.optim:
+            self.optim.put(entry, field, pieces)
+        if field == WEIGHT:
+            self._keep(entry, pieces)
+        if field == self.fields[-1]:
+            self._left[entry.pp_rank] -= 1
+            if self._left[entry.pp_rank] == 0:
+                self._save_stage(entry.pp_rank)
+        return []
+
+    def _keep(self, entry, pieces: list[torch.Tensor]) -> None:
+        for t, piece in enumerate(pieces):
             piece = piece.to(self.out_dtype).clone()
             for e in holders(entry, self.ep):
                 chunk = self._states[rank_key(entry.pp_rank, t, e, self.ep)][entry.chunk]
@@ -95,10 +118,6 @@ class MegatronLMTarget:
                     chunk[f"{linear.group(1)}._extra_state"] = None
                 if entry.megatron_name == "output_layer.weight":
                     chunk["output_layer._extra_state"] = None
-        self._left[entry.pp_rank] -= 1
-        if self._left[entry.pp_rank] == 0:
-            self._save_stage(entry.pp_rank)
-        return []
 
     def _save_stage(self, p: int) -> None:
         tp, pp, vpp = self.layout
@@ -107,10 +126,13 @@ class MegatronLMTarget:
             folder.mkdir(parents=True, exist_ok=True)
             chunks = self._states.pop(rank_key(p, t, e, self.ep))
             models = {"model": chunks[0]} if vpp == 1 else {f"model{c}": s for c, s in enumerate(chunks)}
+            extra = self.optim.save(p, t, folder) if self.optim else {}
             torch.save({"args": self._args, "checkpoint_version": 3.0, "iteration": self.step,
-                        "num_floating_point_operations_so_far": 0, **models}, folder / "model_optim_rng.pt")
+                        "num_floating_point_operations_so_far": 0, **models, **extra}, folder / "model_optim_rng.pt")
 
     def close(self) -> None:
         if self._states:
             raise RuntimeError(f"internal: stages {sorted({k[0] for k in self._states})} were never completed")
+        if self.optim:
+            self.optim.close()
         (self.root / "latest_checkpointed_iteration.txt").write_text(str(self.step))

@@ -4,6 +4,8 @@ before anything is written, and hands out one parameter's Hugging Face tensors a
 A source answers read(hf_names, field) with the full (unsharded) Hugging Face tensors of one Megatron parameter
 (e.g. q, k and v for linear_qkv). `field` is "weight", or an optimizer tensor of that parameter ("exp_avg",
 "exp_avg_sq", "master") for sources that carry optimizer state: those convert with the very same rules.
+Megatron-LM's legacy and torch_dist sources are in toolkit/checkpoint/megatron_sources.py, the base classes in
+toolkit/checkpoint/source_base.py.
 """
 from __future__ import annotations
 
@@ -13,20 +15,21 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint import megatron_flat, megatron_lm, torch_dist, torch_dist_optim
+from toolkit.checkpoint import megatron_lm, torch_dist
 from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
 from toolkit.checkpoint.deepspeed_plain import is_plain
+from toolkit.checkpoint.megatron_sources import MegatronLMSource, TorchDistSource
+from toolkit.checkpoint.source_base import WEIGHT, Source, _ShardedSource  # noqa: F401 (WEIGHT, Source: re-exported)
 from toolkit.errors import Problem, ToolkitError
-from toolkit.families.entries import check_megatron_shards, holders, iter_entries, raise_problems, rank_key
+from toolkit.families.entries import holders, iter_entries, raise_problems, rank_key
 from toolkit.families.mapping import Dims, check_dims
-from toolkit.families.registry import dims_from_hf, family_of_config
+from toolkit.families.registry import family_of_config
 from toolkit.format import manifest, paths
 from toolkit.format import safetensors_stream as st
-from toolkit.format.names import META, POINTER, chunk_key, model_file, optim_file, split_key
+from toolkit.format.names import META, POINTER, chunk_key, model_file, optim_file
 from toolkit.model import to_hf_config
 from toolkit.recipe.schema import Recipe
 
-WEIGHT = "weight"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 """Files carried along into a Hugging Face output (each checked to lie inside its folder, links followed)."""
@@ -47,44 +50,6 @@ def meta_shards(dims: Dims, tp: int, pp: int, vpp: int, ep: int = 1) -> dict[tup
             for r in holders(e, ep):
                 out[rank_key(e.pp_rank, t, r, ep)][chunk_key(e.chunk, e.megatron_name)] = shape
     return out
-
-
-class Source:
-    """What every source offers; see the module docstring."""
-
-    kind = "?"
-    config: dict
-    fields: tuple[str, ...] = (WEIGHT,)
-    step: int | None = None
-    meta: dict | None = None  # the toolkit's checkpoint metadata, when the source is a toolkit checkpoint
-    divisible_by: int = 128
-    layout: tuple[int, int, int] | None = None  # (tp, pp, vpp) of sharded sources
-    ep: int = 1  # expert-parallel size of a sharded source (mixture-of-experts families)
-    unchecked: Path | None = None  # a toolkit checkpoint folder whose checksums are still to check (open_source)
-
-    def dims(self, tp: int = 1) -> Dims:
-        return dims_from_hf(self.config, tp, self.divisible_by)
-
-    def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
-        raise NotImplementedError
-
-    def dtype(self) -> torch.dtype:
-        raise NotImplementedError
-
-    def spans(self, hf_names: Sequence[str], field: str = WEIGHT):
-        """Where the raw bytes behind read(hf_names, field) lie, for copying them file to file
-        (toolkit/checkpoint/byte_ranges.py): ([(safetensors reader, key), ...], merge), where merge turns tensors shaped
-        like those keys into the Hugging Face tensors read() gives; None for a source whose files are not raw
-        tensor bytes at known offsets (pickles, DCP)."""
-        return None
-
-    def close(self) -> None:
-        pass
-
-    def describe(self) -> str:
-        lay = f" tp={self.layout[0]} pp={self.layout[1]} vpp={self.layout[2]}" if self.layout else ""
-        lay += f" ep={self.ep}" if self.ep > 1 else ""
-        return f"{self.kind}{lay}"
 
 
 class HFSource(Source):
@@ -153,24 +118,6 @@ class HFSource(Source):
     def close(self) -> None:
         for r in self._readers:
             r.close()
-
-
-class _ShardedSource(Source):
-    """A Megatron layout: merges the TP shards of one parameter on request."""
-
-    _get: callable  # (pp_rank, tp_rank, key, ep_rank) -> tensor
-
-    def _index(self) -> None:
-        tp, pp, vpp = self.layout
-        self._dims = self.dims(tp)
-        self._entries = {e.hf_names: e for e in iter_entries(self._dims, pp, vpp, self.ep) if e.reads_back}
-
-    def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
-
-        entry = self._entries[tuple(hf_names)]
-        key = chunk_key(entry.chunk, entry.megatron_name, None if field == WEIGHT else field)
-        shards = [self._get(entry.pp_rank, t, key, entry.ep_rank or 0) for t in range(self.layout[0])]
-        return list(entry.to_hf(shards).values())
 
 
 class ToolkitMegatronSource(_ShardedSource):
@@ -255,136 +202,6 @@ def model_config(meta: dict) -> tuple[dict, int]:
 
     recipe = Recipe.model_validate(meta["recipe"])
     return to_hf_config(recipe.model).to_dict(), recipe.parallel.megatron.make_vocab_size_divisible_by
-
-
-class MegatronLMSource(_ShardedSource):
-    """Megatron-LM's legacy layout. Its files are pickles: read with weights_only=True and an allow-list, memory-
-    mapped so only the tensors read are paged in."""
-
-    kind = "Megatron-LM"
-
-    def __init__(self, path: Path, vocab_size: int | None, weights_only: bool = False):
-
-        args, self._shards, self.step, optimizers = megatron_lm.read(path, mmap=True)
-        megatron_lm.family_of_args(args, path)
-        if vocab_size is None:
-            raise ToolkitError(f"{path} stores the vocabulary padded to {args.padded_vocab_size} rows; pass the true "
-                               "vocabulary size with --vocab-size (the tokenizer's, e.g. 32000 for Llama 2) so the "
-                               "padding rows are dropped")
-        self.config = megatron_lm.hf_config(args, vocab_size)
-        self.divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
-        self.layout = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                       getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
-        self.ep = megatron_lm.expert_parallel_size(args)
-        self._index()
-        if self._dims.padded_vocab != args.padded_vocab_size:
-            raise ToolkitError(f"--vocab-size {vocab_size} pads to {self._dims.padded_vocab} rows at tp="
-                               f"{self.layout[0]}, but the checkpoint has {args.padded_vocab_size}; check the "
-                               "vocabulary size")
-
-        problems = check_megatron_shards(self._shards, iter_entries(self._dims, *self.layout[1:], self.ep),
-                                         *self.layout, self.ep)
-        self._optim = None
-        if not weights_only and not problems:
-            if all(o is None for o in optimizers.values()):
-                self.optimizer_note = "it holds no optimizer state (saved with --no-save-optim?): weights only"
-            elif not getattr(args, "use_distributed_optimizer", False):
-                self.optimizer_note = "the plain optimizer's state of a legacy checkpoint is not converted: weights only"
-            else:  # distrib_optim.pt: flat buffers, the layout recomputed, then proved
-                self._optim = megatron_flat.LegacyFlatState(
-                    megatron_lm.iteration_dir(path), args, self._dims, self.layout, self.dtype() != torch.float32,
-                    optimizers, lambda p, t, c, name: self._shards[rank_key(p, t, 0, 1)][c][name],
-                    lambda f: megatron_lm.safe_load(f, mmap=True))
-                problems += self._optim.problems
-                self.optimizer_note = self._optim.note
-                if self._optim.fields:
-                    self.fields, self.optimizer_meta = (WEIGHT, *self._optim.fields), self._optim.meta
-        raise_problems(f"{path} does not match its own arguments", problems)
-
-    def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
-        if field != WEIGHT:
-            return self._optim.read(hf_names, field, lambda: super(MegatronLMSource, self).read(hf_names))
-        return super().read(hf_names, field)
-
-    def _get(self, p: int, t: int, key: str, e: int = 0) -> torch.Tensor:
-
-        chunk, name, _ = split_key(key)
-        return self._shards[rank_key(p, t, e, self.ep)][chunk][name]
-
-    def dtype(self) -> torch.dtype:
-        return self._get(0, 0, chunk_key(0, "embedding.word_embeddings.weight")).dtype
-
-
-class TorchDistSource(Source):
-    """Megatron-Core's torch_dist checkpoint (toolkit/checkpoint/torch_dist.py): each parameter's full tensor (one
-    layer of it for layer parameters) is read from its chunks and split into Hugging Face tensors by the family's
-    rules at TP = 1, which is the layout Megatron's sharded keys hold, whatever TP x PP x VPP it was saved at."""
-
-    kind = "Megatron torch_dist"
-
-    def __init__(self, it_dir: Path, vocab_size: int | None, weights_only: bool = False):
-        self._r = torch_dist.Reader(it_dir)
-        args = self._r.common.get("args")
-        if args is None or not hasattr(args, "padded_vocab_size"):
-            raise ToolkitError(f"{it_dir / 'common.pt'} holds no Megatron-LM args (with padded_vocab_size), so the "
-                               "model's shape is unknown; convert a checkpoint saved by Megatron-LM's save_checkpoint")
-        if vocab_size is None:
-            raise ToolkitError(f"{it_dir} stores the vocabulary padded to {args.padded_vocab_size} rows; pass the true "
-                               "vocabulary size with --vocab-size (the tokenizer's, e.g. 32000 for Llama 2) so the "
-                               "padding rows are dropped")
-        megatron_lm.family_of_args(args, it_dir / "common.pt")
-        self.step = self._r.common.get("iteration")
-        self.config = megatron_lm.hf_config(args, vocab_size)
-        self.divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
-        self.layout = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                       getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
-        dims = self.dims(self.layout[0])
-        if dims.padded_vocab != args.padded_vocab_size:
-            raise ToolkitError(f"--vocab-size {vocab_size} pads to {dims.padded_vocab} rows at tp={self.layout[0]}, "
-                               f"but the checkpoint has {args.padded_vocab_size}; check the vocabulary size")
-        self._entries = {e.hf_names: e for e in iter_entries(dims, 1, 1) if e.reads_back}
-        problems, wanted = [], set()
-        for e in iter_entries(dims, 1, 1):
-            name, index = torch_dist.sharded_name(e.megatron_name)
-            wanted.add(name)
-            want = (dims.layers, dims.experts)[:len(index)] + tuple(e.rule.shard_shape(e.hf_shapes, 1))
-            fqn = self._r.names.get(name)
-            if fqn is None:
-                problems.append(Problem(name, "is missing", "convert a complete checkpoint of the model its args "
-                                        "describe"))
-            elif self._r.shape(fqn) != want:
-                problems.append(Problem(fqn, f"has shape {self._r.shape(fqn)}, its args give {want}",
-                                        "the tensors and common.pt are of different models"))
-        if dims.tied:  # Megatron keeps a copy of the embeddings at pp > 1: ignored, as HF has no lm_head then
-            wanted.add("output_layer.weight")
-        extra = sorted(fqn for n, fqn in self._r.names.items() if n not in wanted
-                       and not torch_dist_optim.is_optimizer_key(fqn))
-        if extra:
-            problems.append(Problem("tensors", f"{len(extra)} the {dims.family} map does not know: {', '.join(extra[:6])}",
-                                    f"convert a {dims.family} model (local or Transformer Engine spec)"))
-        if not weights_only and not problems:  # Adam's moments (and fp32 mains) by parameter name
-            read = {self._r.names[torch_dist.sharded_name(e.megatron_name)[0]] for e in self._entries.values()}
-            self._optim = torch_dist_optim.OptimizerState(self._r, {f: self._r.shape(f) for f in read},
-                                                          self.dtype() != torch.float32)
-            if self._optim.sharding == {"dp_reshardable"}:  # flat buffers: the layout recomputed, then proved
-                self._optim = megatron_flat.FlatState(self._r, dims, self.layout, self.dtype() != torch.float32,
-                                                      self._optim.scalers)
-            problems += self._optim.problems
-            self.fields, self.optimizer_meta = (WEIGHT, *self._optim.fields), self._optim.meta
-            self.optimizer_note = self._optim.note
-        raise_problems(f"{it_dir} does not match its own arguments", problems)
-
-    def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
-        if field != WEIGHT and isinstance(self._optim, megatron_flat.FlatState):
-            return self._optim.read(hf_names, field, lambda: self.read(hf_names))
-        entry = self._entries[tuple(hf_names)]
-        name, index = torch_dist.sharded_name(entry.megatron_name)
-        fqn = self._r.names[name] if field == WEIGHT else self._optim.key(field, self._r.names[name])
-        tensor = self._r.get(fqn, index)
-        return list(entry.to_hf([tensor if field == WEIGHT else tensor.float()]).values())
-
-    def dtype(self) -> torch.dtype:
-        return self._r.dtype(self._r.names["embedding.word_embeddings.weight"])
 
 
 class DeepSpeedHFSource(Source):

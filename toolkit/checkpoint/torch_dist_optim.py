@@ -56,6 +56,23 @@ def _step(part: dict):
     return int(step.item() if torch.is_tensor(step) else step) if step is not None else None
 
 
+GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+"""What Megatron-Core's distributed optimizer matches saved param groups to its own by (load_state_dict)."""
+
+
+def param_groups(parts: list) -> list[dict] | None:
+    """The param groups of a single Megatron optimizer's saved state (hyperparameters and step, without `params`),
+    None for several chained optimizers or groups without Megatron's identifying keys."""
+    if len(parts) != 1 or not isinstance(parts[0], dict):
+        return None
+    opt = parts[0].get("optimizer") if isinstance(parts[0].get("optimizer"), dict) else parts[0]
+    groups = opt.get("param_groups")
+    if not isinstance(groups, list) or not groups or not all(
+            isinstance(g, dict) and all(k in g for k in GROUP_KEYS) for g in groups):
+        return None
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
 def _scaler(part: dict) -> dict:
     sd = part.get("grad_scaler") or {}
     return {k: (v.item() if torch.is_tensor(v) else v) for k, v in sd.items()} if isinstance(sd, dict) else {}
@@ -75,13 +92,16 @@ class OptimizerState:
         self.problems: list[Problem] = []
         self.sharding: set = set()
         self.scalers: list[dict] = []
+        self.groups: list[dict] | None = None  # Megatron's param groups (param_groups)
+        self.distributed = False
         self._where: dict[tuple[str, str], str] = {}
         parts = _parts(reader.common.get("optimizer"))
         if not parts:
             self.note = "it holds no optimizer state (saved with --no-save-optim?): weights only"
             return
         kinds = {p.get("param_state_sharding_type") for p in parts}
-        self.sharding, self.scalers = kinds, [_scaler(p) for p in parts]
+        self.sharding, self.scalers, self.groups = kinds, [_scaler(p) for p in parts], param_groups(parts)
+        self.distributed = bool(kinds - {None})  # a sharding type is the distributed optimizer's
         unread = sorted(str(k) for k in kinds if k not in READ)
         if kinds == {"dp_reshardable"}:  # flat buffers: toolkit/checkpoint/megatron_flat.py reads them
             return

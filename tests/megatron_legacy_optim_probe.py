@@ -1,0 +1,83 @@
+"""Run under torchrun with 2 ranks: Megatron-Core's own distributed optimizer loads the optimizer state of a
+Megatron-LM legacy checkpoint that `toolkit convert --to megatron_lm` wrote, as Megatron-LM's load_checkpoint loads
+it: each rank's model_optim_rng.pt into its GPTModel chunks (strict=True) and `optimizer.load_state_dict`, then
+`optimizer.load_parameter_state(distrib_optim.pt)`. The loaded moments and fp32 main weights, gathered by name, must
+equal the live optimizer state the source checkpoint was saved from (LIVE, megatron_native_writer.py), every
+parameter's Adam step must be the source's, and the scheduler state must load into Megatron-Core's scheduler.
+
+    torchrun --nproc_per_node 2 tests/megatron_legacy_optim_probe.py ROOT,HF,LIVE,PRECISION,TPxPPxVPP [...]
+
+Prints "loaded legacy optim ROOT_NAME TPxPPxVPP" per checkpoint that matched on every rank; exits non-zero otherwise.
+"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_native_writer import _live_state, build, scheduler_for  # noqa: E402
+
+from toolkit.train.dist import init_distributed  # noqa: E402
+
+VOCAB = 500  # the models' true vocabulary: rows past it are padding
+
+
+def check(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: int) -> None:
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import load_file
+
+    from toolkit.megatron import runtime
+
+    r, layout, chunks = build(hf, tp, pp, vpp, ("parallel.zero_stage=1", f"training.precision={precision}",
+                                                "data.seq_len=16"))
+    wrapped, optimizer = runtime.wrap_and_optimize(chunks, r, layout)
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(3))
+    batches = [{"input_ids": ids, "labels": ids.clone()}] * (r.training.global_batch_size // layout.dp)
+    runtime.train_step(wrapped, optimizer, batches, r, 1e-2, torch.device("cpu"))  # the state exists, as in a run
+    for w in wrapped:
+        if w.use_forward_hook:
+            w.disable_forward_pre_hook()
+    t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    folder = next(Path(root).glob(f"iter_*/mp_rank_{t:02d}{'' if pp == 1 else f'_{p:03d}'}"))
+    state = torch.load(folder / "model_optim_rng.pt", weights_only=False)  # the toolkit's own output
+    for i, w in enumerate(wrapped):
+        w.module.load_state_dict(state["model" if vpp == 1 else f"model{i}"], strict=True)
+    optimizer.load_state_dict(state["optimizer"])  # the step, from the param groups
+    # Megatron-Core 0.16's load_parameter_state copies every key of a parameter's optimizer state from the file; torch's
+    # own Adam (the CPU fallback, without Apex or Transformer Engine) keeps a per-parameter "step" there too, which the
+    # file never holds: set aside while the file loads, as FusedAdam (no per-parameter step) would have it
+    inner = [o.optimizer.state for o in optimizer.chained_optimizers]
+    steps_aside = [{q: s.pop("step") for q, s in st.items()} for st in inner]
+    with torch.no_grad():  # an fp32 model's main weights are views of its parameters: copied into without autograd
+        optimizer.load_parameter_state(str(folder / "distrib_optim.pt"))
+    for st, aside in zip(inner, steps_aside):
+        for q, step in aside.items():
+            st[q]["step"] = step
+    got, want = _live_state(wrapped, optimizer, True), load_file(live)
+    assert set(got) == set(want), sorted(set(got) ^ set(want))[:4]
+    for k, v in want.items():
+        rows = VOCAB if k.startswith(("embedding.", "output_layer.")) else None
+        assert torch.equal(got[k][:rows], v[:rows]), k
+    steps = {float(s["step"]) for o in optimizer.chained_optimizers for s in o.optimizer.state.values()}
+    assert steps == {2.0}, steps
+    scheduler = scheduler_for(optimizer)
+    scheduler.load_state_dict(state["opt_param_scheduler"])  # as Megatron-LM's load_checkpoint does
+    assert scheduler.num_steps == 4, scheduler.num_steps  # 2 iterations of 2 samples
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print(f"loaded legacy optim {Path(root).name} {tp}x{pp}x{vpp}", flush=True)
+    ps.destroy_model_parallel()
+
+
+def main(*specs: str) -> None:
+    init_distributed(with_deepspeed=False)
+    for spec in specs:
+        root, hf, live, precision, lay = spec.split(",")
+        check(root, hf, live, precision, *(int(x) for x in lay.split("x")))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

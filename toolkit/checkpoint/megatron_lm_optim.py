@@ -1,0 +1,124 @@
+"""Writing the distributed optimizer's state in Megatron-LM's legacy layout (`toolkit convert --to megatron_lm`).
+
+Beside each model-parallel rank's model_optim_rng.pt, `distrib_optim.pt` as Megatron-Core's save_parameter_state
+writes it: {"buckets_coalesced": True, C: {(param dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq": one fp32
+tensor per field, "numel_unpadded"}}} for each model chunk C, the parameters where Megatron-Core's DDP puts them
+(toolkit/checkpoint/megatron_flat.py: the local spec's registration order, 64-aligned, the buckets without their end
+padding one after the other). model_optim_rng.pt then also holds `optimizer` (the distributed optimizer's
+state_dict: the source's param groups, with the step) and `opt_param_scheduler`, both the source's, so Megatron-LM's
+load_checkpoint takes all of it (`--use-distributed-optimizer --no-load-rng`).
+
+The args written say `--use-distributed-optimizer` without `--overlap-grad-reduce`: no bucket cuts but the tied
+embedding's. Where every parameter's size is a multiple of 64 elements (true of real models: hidden sizes, heads and
+vocabulary padding are), a cut moves nothing in the coalesced buffers, so the file fits a run at any
+`--ddp-bucket-size`, with or without `--overlap-grad-reduce`, at any data-parallel size; otherwise Megatron-Core's
+own length check refuses the mismatch on load.
+
+Memory: the buffers are memory-mapped scratch files in the output folder (page cache, not anonymous memory), each
+removed once its rank file is written.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, chunk_entries, coalesced
+
+WEIGHT = "weight"
+_SAVED = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # our field -> Megatron's
+
+
+class DistOptimWriter:
+    """The distributed optimizer's buffers of a Megatron-LM legacy target, filled as the parameters are written."""
+
+    @classmethod
+    def plan(cls, target, source) -> tuple[DistOptimWriter | None, str | None]:
+        """(writer, None) when the source's optimizer state can be written; (None, why not) when it has some that
+        cannot; (None, None) when it has none."""
+        have = {f for f in source.fields if f != WEIGHT}
+        if not {"exp_avg", "exp_avg_sq"} <= have:
+            return None, None
+        if target.ep > 1 or target.dims.experts:
+            return None, "the distributed optimizer's state of a mixture of experts is not written: weights only"
+        if not source.optimizer_distributed:
+            return None, ("only the distributed optimizer's state is written to Megatron-LM's legacy layout "
+                          "(distrib_optim.pt), and the source's is not: weights only")
+        groups, scheduler = source.optimizer_groups, source.scheduler
+        if groups is None or scheduler is None:
+            return None, ("the source carries no Megatron optimizer param groups and scheduler state (Megatron-LM "
+                          "legacy and torch_dist checkpoints do), which Megatron-LM's load needs: weights only")
+        if target.out_dtype != torch.float32 and "master" not in have:
+            return None, "16-bit weights need fp32 main weights, which the source does not carry: weights only"
+        return cls(target, groups, scheduler, getattr(source, "optimizer_meta", {}), "master" in have), None
+
+    def __init__(self, target, groups: list[dict], scheduler: dict, meta: dict, has_master: bool):
+        self.target, self.has_master = target, has_master
+        self.fields = ("exp_avg", "exp_avg_sq") + (("master",) if has_master else ())
+        step = float(meta.get("step") or target.step)
+        self.groups = [{**g, "step": step} for g in groups]  # one shared step, as Megatron-Core's load asserts
+        self.scheduler = scheduler
+        scalers = [s for s in json.loads(meta.get("grad_scalers") or "[]") if s]
+        self.scaler = ({k: torch.tensor(v) if k == "scale" else v for k, v in scalers[0].items()} if scalers
+                       else None)
+        args = target._args  # what fixes the layout below (megatron_flat.bucket_size gives None)
+        args.use_distributed_optimizer, args.overlap_grad_reduce = True, False
+        args.ddp_bucket_size, args.data_parallel_size = None, 1
+        tp, pp, vpp = target.layout
+        self._place: dict[tuple[int, int], tuple[int, dict]] = {}
+        for (p, c), named in chunk_entries(target.dims, pp, vpp).items():
+            n, placed = coalesced(target.dims, named, LOCAL_ORDER, target.layout, p, c, None)
+            if placed is None:
+                raise RuntimeError(f"internal: no distributed-optimizer layout for stage {p} chunk {c}")
+            self._place[(p, c)] = (n, placed)
+        self.total = 3 * 4 * tp * sum(n for n, _ in self._place.values())
+        self.scratch = target.root / ".distrib_optim_scratch"
+        self._buffers: dict[tuple[int, int], dict[int, dict[str, torch.Tensor]]] = {}
+
+    def _buffer(self, p: int, t: int) -> dict[int, dict[str, torch.Tensor]]:
+        if (p, t) not in self._buffers:
+            self.scratch.mkdir(exist_ok=True)
+            chunks = {}
+            for c in range(self.target.layout[2]):
+                n = self._place[(p, c)][0]
+                chunks[c] = {}
+                for key in _SAVED.values():
+                    f = self.scratch / f"{p}_{t}_{c}_{key}"
+                    with open(f, "wb") as out:
+                        out.truncate(n * 4)  # zeros: the gaps between parameters, as Megatron's buffers hold
+                    chunks[c][key] = torch.from_file(str(f), shared=True, size=n, dtype=torch.float32)
+            self._buffers[(p, t)] = chunks
+        return self._buffers[(p, t)]
+
+    def put(self, entry, field: str, pieces: list[torch.Tensor]) -> None:
+        """One field of a parameter, as its TP shards, into the buffers (the weights are the main weights of an
+        fp32 model)."""
+        if field == WEIGHT and self.has_master:
+            return
+        key = "param" if field == WEIGHT else _SAVED[field]
+        _, placed = self._place[(entry.pp_rank, entry.chunk)]
+        start, end = placed[entry.megatron_name]
+        for t, piece in enumerate(pieces):
+            self._buffer(entry.pp_rank, t)[entry.chunk][key][start:end].copy_(piece.reshape(-1))
+
+    def save(self, p: int, t: int, folder: Path) -> dict:
+        """Writes the rank's distrib_optim.pt; gives what its model_optim_rng.pt holds beside the model."""
+        chunks = self._buffers.pop((p, t))
+        dtypes = (self.target.out_dtype, torch.float32)  # Megatron-LM's params, and its fp32 gradient buffers
+        torch.save({"buckets_coalesced": True,
+                    **{c: {dtypes: {**bufs, "numel_unpadded": self._place[(p, c)][0]}} for c, bufs in chunks.items()}},
+                   folder / "distrib_optim.pt")
+        del chunks
+        for c in range(self.target.layout[2]):
+            for key in _SAVED.values():
+                os.unlink(self.scratch / f"{p}_{t}_{c}_{key}")
+        optimizer = {"optimizer": {"param_groups": [dict(g) for g in self.groups]}}
+        if self.scaler:
+            optimizer["grad_scaler"] = dict(self.scaler)
+        return {"optimizer": optimizer, "opt_param_scheduler": self.scheduler}
+
+    def close(self) -> None:
+        if self.scratch.is_dir():
+            self.scratch.rmdir()

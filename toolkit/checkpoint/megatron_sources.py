@@ -1,0 +1,150 @@
+"""Megatron-LM's checkpoints as `toolkit convert` sources: the legacy layout (model_optim_rng.pt, and the
+distributed optimizer's distrib_optim.pt) and Megatron-Core's torch_dist."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from toolkit.checkpoint import megatron_flat, megatron_lm, torch_dist, torch_dist_optim
+from toolkit.checkpoint.source_base import WEIGHT, Source, _ShardedSource
+from toolkit.errors import Problem, ToolkitError
+from toolkit.families.entries import check_megatron_shards, iter_entries, raise_problems, rank_key
+from toolkit.format.names import chunk_key, split_key
+
+
+class MegatronLMSource(_ShardedSource):
+    """Megatron-LM's legacy layout. Its files are pickles: read with weights_only=True and an allow-list, memory-
+    mapped so only the tensors read are paged in."""
+
+    kind = "Megatron-LM"
+
+    def __init__(self, path: Path, vocab_size: int | None, weights_only: bool = False):
+
+        args, self._shards, self.step, states = megatron_lm.read(path, mmap=True)
+        optimizers = {k: v["optimizer"] for k, v in states.items()}
+        self.scheduler = next(iter(states.values()))["opt_param_scheduler"]  # Megatron-LM's, layout-independent
+        megatron_lm.family_of_args(args, path)
+        if vocab_size is None:
+            raise ToolkitError(f"{path} stores the vocabulary padded to {args.padded_vocab_size} rows; pass the true "
+                               "vocabulary size with --vocab-size (the tokenizer's, e.g. 32000 for Llama 2) so the "
+                               "padding rows are dropped")
+        self.config = megatron_lm.hf_config(args, vocab_size)
+        self.divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
+        self.layout = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                       getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+        self.ep = megatron_lm.expert_parallel_size(args)
+        self._index()
+        if self._dims.padded_vocab != args.padded_vocab_size:
+            raise ToolkitError(f"--vocab-size {vocab_size} pads to {self._dims.padded_vocab} rows at tp="
+                               f"{self.layout[0]}, but the checkpoint has {args.padded_vocab_size}; check the "
+                               "vocabulary size")
+
+        problems = check_megatron_shards(self._shards, iter_entries(self._dims, *self.layout[1:], self.ep),
+                                         *self.layout, self.ep)
+        self._optim = None
+        if not weights_only and not problems:
+            if all(o is None for o in optimizers.values()):
+                self.optimizer_note = "it holds no optimizer state (saved with --no-save-optim?): weights only"
+            elif not getattr(args, "use_distributed_optimizer", False):
+                self.optimizer_note = "the plain optimizer's state of a legacy checkpoint is not converted: weights only"
+            else:  # distrib_optim.pt: flat buffers, the layout recomputed, then proved
+                self._optim = megatron_flat.LegacyFlatState(
+                    megatron_lm.iteration_dir(path), args, self._dims, self.layout, self.dtype() != torch.float32,
+                    optimizers, lambda p, t, c, name: self._shards[rank_key(p, t, 0, 1)][c][name],
+                    lambda f: megatron_lm.safe_load(f, mmap=True))
+                problems += self._optim.problems
+                self.optimizer_note = self._optim.note
+                if self._optim.fields:
+                    self.fields, self.optimizer_meta = (WEIGHT, *self._optim.fields), self._optim.meta
+                    self.optimizer_groups, self.optimizer_distributed = self._optim.groups, True
+        raise_problems(f"{path} does not match its own arguments", problems)
+
+    def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
+        if field != WEIGHT:
+            return self._optim.read(hf_names, field, lambda: super(MegatronLMSource, self).read(hf_names))
+        return super().read(hf_names, field)
+
+    def _get(self, p: int, t: int, key: str, e: int = 0) -> torch.Tensor:
+
+        chunk, name, _ = split_key(key)
+        return self._shards[rank_key(p, t, e, self.ep)][chunk][name]
+
+    def dtype(self) -> torch.dtype:
+        return self._get(0, 0, chunk_key(0, "embedding.word_embeddings.weight")).dtype
+
+
+
+class TorchDistSource(Source):
+    """Megatron-Core's torch_dist checkpoint (toolkit/checkpoint/torch_dist.py): each parameter's full tensor (one
+    layer of it for layer parameters) is read from its chunks and split into Hugging Face tensors by the family's
+    rules at TP = 1, which is the layout Megatron's sharded keys hold, whatever TP x PP x VPP it was saved at."""
+
+    kind = "Megatron torch_dist"
+
+    def __init__(self, it_dir: Path, vocab_size: int | None, weights_only: bool = False):
+        self._r = torch_dist.Reader(it_dir)
+        args = self._r.common.get("args")
+        if args is None or not hasattr(args, "padded_vocab_size"):
+            raise ToolkitError(f"{it_dir / 'common.pt'} holds no Megatron-LM args (with padded_vocab_size), so the "
+                               "model's shape is unknown; convert a checkpoint saved by Megatron-LM's save_checkpoint")
+        if vocab_size is None:
+            raise ToolkitError(f"{it_dir} stores the vocabulary padded to {args.padded_vocab_size} rows; pass the true "
+                               "vocabulary size with --vocab-size (the tokenizer's, e.g. 32000 for Llama 2) so the "
+                               "padding rows are dropped")
+        megatron_lm.family_of_args(args, it_dir / "common.pt")
+        self.step = self._r.common.get("iteration")
+        self.scheduler = self._r.common.get("opt_param_scheduler")
+        self.config = megatron_lm.hf_config(args, vocab_size)
+        self.divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
+        self.layout = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                       getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+        dims = self.dims(self.layout[0])
+        if dims.padded_vocab != args.padded_vocab_size:
+            raise ToolkitError(f"--vocab-size {vocab_size} pads to {dims.padded_vocab} rows at tp={self.layout[0]}, "
+                               f"but the checkpoint has {args.padded_vocab_size}; check the vocabulary size")
+        self._entries = {e.hf_names: e for e in iter_entries(dims, 1, 1) if e.reads_back}
+        problems, wanted = [], set()
+        for e in iter_entries(dims, 1, 1):
+            name, index = torch_dist.sharded_name(e.megatron_name)
+            wanted.add(name)
+            want = (dims.layers, dims.experts)[:len(index)] + tuple(e.rule.shard_shape(e.hf_shapes, 1))
+            fqn = self._r.names.get(name)
+            if fqn is None:
+                problems.append(Problem(name, "is missing", "convert a complete checkpoint of the model its args "
+                                        "describe"))
+            elif self._r.shape(fqn) != want:
+                problems.append(Problem(fqn, f"has shape {self._r.shape(fqn)}, its args give {want}",
+                                        "the tensors and common.pt are of different models"))
+        if dims.tied:  # Megatron keeps a copy of the embeddings at pp > 1: ignored, as HF has no lm_head then
+            wanted.add("output_layer.weight")
+        extra = sorted(fqn for n, fqn in self._r.names.items() if n not in wanted
+                       and not torch_dist_optim.is_optimizer_key(fqn))
+        if extra:
+            problems.append(Problem("tensors", f"{len(extra)} the {dims.family} map does not know: {', '.join(extra[:6])}",
+                                    f"convert a {dims.family} model (local or Transformer Engine spec)"))
+        if not weights_only and not problems:  # Adam's moments (and fp32 mains) by parameter name
+            read = {self._r.names[torch_dist.sharded_name(e.megatron_name)[0]] for e in self._entries.values()}
+            self._optim = torch_dist_optim.OptimizerState(self._r, {f: self._r.shape(f) for f in read},
+                                                          self.dtype() != torch.float32)
+            if self._optim.sharding == {"dp_reshardable"}:  # flat buffers: the layout recomputed, then proved
+                self._optim = megatron_flat.FlatState(self._r, dims, self.layout, self.dtype() != torch.float32,
+                                                      self._optim.scalers)
+            problems += self._optim.problems
+            self.fields, self.optimizer_meta = (WEIGHT, *self._optim.fields), self._optim.meta
+            self.optimizer_note, self.optimizer_groups = self._optim.note, self._optim.groups
+            self.optimizer_distributed = self._optim.distributed
+        raise_problems(f"{it_dir} does not match its own arguments", problems)
+
+    def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
+        if field != WEIGHT and isinstance(self._optim, megatron_flat.FlatState):
+            return self._optim.read(hf_names, field, lambda: self.read(hf_names))
+        entry = self._entries[tuple(hf_names)]
+        name, index = torch_dist.sharded_name(entry.megatron_name)
+        fqn = self._r.names[name] if field == WEIGHT else self._optim.key(field, self._r.names[name])
+        tensor = self._r.get(fqn, index)
+        return list(entry.to_hf([tensor if field == WEIGHT else tensor.float()]).values())
+
+    def dtype(self) -> torch.dtype:
+        return self._r.dtype(self._r.names["embedding.word_embeddings.weight"])

@@ -1,0 +1,77 @@
+"""What every checkpoint source of `toolkit convert` offers (toolkit/checkpoint/sources.py), and the Megatron
+layouts' shared shard merging."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from toolkit.families.entries import iter_entries
+from toolkit.families.mapping import Dims
+from toolkit.families.registry import dims_from_hf
+from toolkit.format.names import chunk_key
+
+WEIGHT = "weight"
+
+
+class Source:
+    """What every source offers; see toolkit/checkpoint/sources.py's docstring."""
+
+    kind = "?"
+    config: dict
+    fields: tuple[str, ...] = (WEIGHT,)
+    step: int | None = None
+    meta: dict | None = None  # the toolkit's checkpoint metadata, when the source is a toolkit checkpoint
+    divisible_by: int = 128
+    layout: tuple[int, int, int] | None = None  # (tp, pp, vpp) of sharded sources
+    ep: int = 1  # expert-parallel size of a sharded source (mixture-of-experts families)
+    unchecked: Path | None = None  # a toolkit checkpoint folder whose checksums are still to check (open_source)
+    optimizer_groups: list[dict] | None = None  # a Megatron optimizer's param groups (torch_dist_optim.param_groups)
+    scheduler: dict | None = None  # Megatron-LM's opt_param_scheduler state, for a Megatron-LM target
+    optimizer_distributed: bool = False  # the optimizer state is Megatron's distributed optimizer's
+
+    def dims(self, tp: int = 1) -> Dims:
+        return dims_from_hf(self.config, tp, self.divisible_by)
+
+    def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    def spans(self, hf_names: Sequence[str], field: str = WEIGHT):
+        """Where the raw bytes behind read(hf_names, field) lie, for copying them file to file
+        (toolkit/checkpoint/byte_ranges.py): ([(safetensors reader, key), ...], merge), where merge turns tensors shaped
+        like those keys into the Hugging Face tensors read() gives; None for a source whose files are not raw
+        tensor bytes at known offsets (pickles, DCP)."""
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        lay = f" tp={self.layout[0]} pp={self.layout[1]} vpp={self.layout[2]}" if self.layout else ""
+        lay += f" ep={self.ep}" if self.ep > 1 else ""
+        return f"{self.kind}{lay}"
+
+
+
+class _ShardedSource(Source):
+    """A Megatron layout: merges the TP shards of one parameter on request."""
+
+    _get: callable  # (pp_rank, tp_rank, key, ep_rank) -> tensor
+
+    def _index(self) -> None:
+        tp, pp, vpp = self.layout
+        self._dims = self.dims(tp)
+        self._entries = {e.hf_names: e for e in iter_entries(self._dims, pp, vpp, self.ep) if e.reads_back}
+
+    def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
+
+        entry = self._entries[tuple(hf_names)]
+        key = chunk_key(entry.chunk, entry.megatron_name, None if field == WEIGHT else field)
+        shards = [self._get(entry.pp_rank, t, key, entry.ep_rank or 0) for t in range(self.layout[0])]
+        return list(entry.to_hf(shards).values())
+
+
