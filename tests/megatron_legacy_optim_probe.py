@@ -7,7 +7,11 @@ parameter's Adam step must be the source's, and the scheduler state must load in
 
     torchrun --nproc_per_node 2 tests/megatron_legacy_optim_probe.py ROOT,HF,LIVE,PRECISION,TPxPPxVPP [...]
 
-Prints "loaded legacy optim ROOT_NAME TPxPPxVPP" per checkpoint that matched on every rank; exits non-zero otherwise.
+A ROOT holding iter_*/metadata.json is a torch_dist checkpoint instead, loaded through Megatron-Core's
+dist_checkpointing.load (check_torch_dist).
+
+Prints "loaded legacy optim ROOT_NAME TPxPPxVPP" ("loaded torch_dist optim ...") per checkpoint that matched on every
+rank; exits non-zero otherwise.
 """
 import sys
 from pathlib import Path
@@ -24,10 +28,9 @@ from toolkit.train.dist import init_distributed  # noqa: E402
 VOCAB = 500  # the models' true vocabulary: rows past it are padding
 
 
-def check(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: int) -> None:
-    from megatron.core import parallel_state as ps
-    from safetensors.torch import load_file
-
+def _stepped(hf: str, tp: int, pp: int, vpp: int, precision: str):
+    """DDP chunks and Megatron-Core's distributed optimizer at the layout, after one step (its state exists, as in a
+    run that loads a checkpoint)."""
     from toolkit.megatron import runtime
 
     r, layout, chunks = build(hf, tp, pp, vpp, ("parallel.zero_stage=1", f"training.precision={precision}",
@@ -35,10 +38,33 @@ def check(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: 
     wrapped, optimizer = runtime.wrap_and_optimize(chunks, r, layout)
     ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(3))
     batches = [{"input_ids": ids, "labels": ids.clone()}] * (r.training.global_batch_size // layout.dp)
-    runtime.train_step(wrapped, optimizer, batches, r, 1e-2, torch.device("cpu"))  # the state exists, as in a run
+    runtime.train_step(wrapped, optimizer, batches, r, 1e-2, torch.device("cpu"))
     for w in wrapped:
         if w.use_forward_hook:
             w.disable_forward_pre_hook()
+    return wrapped, optimizer, layout
+
+
+def _compare(wrapped, optimizer, live: str, scheduler_state: dict) -> None:
+    """The loaded state by name equals the live one's, with the step; the scheduler state loads."""
+    from safetensors.torch import load_file
+
+    got, want = _live_state(wrapped, optimizer, True), load_file(live)
+    assert set(got) == set(want), sorted(set(got) ^ set(want))[:4]
+    for k, v in want.items():
+        rows = VOCAB if k.startswith(("embedding.", "output_layer.")) else None
+        assert torch.equal(got[k][:rows], v[:rows]), k
+    steps = {float(s["step"]) for o in optimizer.chained_optimizers for s in o.optimizer.state.values()}
+    assert steps == {2.0}, steps
+    scheduler = scheduler_for(optimizer)
+    scheduler.load_state_dict(scheduler_state)  # as Megatron-LM's load_checkpoint does
+    assert scheduler.num_steps == 4, scheduler.num_steps  # 2 iterations of 2 samples
+
+
+def check(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: int) -> None:
+    from megatron.core import parallel_state as ps
+
+    wrapped, optimizer, layout = _stepped(hf, tp, pp, vpp, precision)
     t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     folder = next(Path(root).glob(f"iter_*/mp_rank_{t:02d}{'' if pp == 1 else f'_{p:03d}'}"))
     state = torch.load(folder / "model_optim_rng.pt", weights_only=False)  # the toolkit's own output
@@ -55,19 +81,35 @@ def check(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: 
     for st, aside in zip(inner, steps_aside):
         for q, step in aside.items():
             st[q]["step"] = step
-    got, want = _live_state(wrapped, optimizer, True), load_file(live)
-    assert set(got) == set(want), sorted(set(got) ^ set(want))[:4]
-    for k, v in want.items():
-        rows = VOCAB if k.startswith(("embedding.", "output_layer.")) else None
-        assert torch.equal(got[k][:rows], v[:rows]), k
-    steps = {float(s["step"]) for o in optimizer.chained_optimizers for s in o.optimizer.state.values()}
-    assert steps == {2.0}, steps
-    scheduler = scheduler_for(optimizer)
-    scheduler.load_state_dict(state["opt_param_scheduler"])  # as Megatron-LM's load_checkpoint does
-    assert scheduler.num_steps == 4, scheduler.num_steps  # 2 iterations of 2 samples
+    _compare(wrapped, optimizer, live, state["opt_param_scheduler"])
     dist.barrier()
     if dist.get_rank() == 0:
         print(f"loaded legacy optim {Path(root).name} {tp}x{pp}x{vpp}", flush=True)
+    ps.destroy_model_parallel()
+
+
+def check_torch_dist(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: int) -> None:
+    """The same for a torch_dist checkpoint: Megatron-Core's dist_checkpointing.load of the model's and the
+    distributed optimizer's sharded state dicts (fully_reshardable) at this layout, then the chunks' load_state_dict
+    (strict) and the optimizer's (toolkit/megatron/torch_dist_ckpt.load: the toolkit's own resume, which sets
+    torch's per-parameter Adam steps aside as above)."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state as ps
+
+    from toolkit.format import safe_load
+    from toolkit.megatron import torch_dist_ckpt
+
+    wrapped, optimizer, layout = _stepped(hf, tp, pp, vpp, precision)
+    it_dir = next(Path(root).glob("iter_*"))
+    with safe_load.weights_only_everywhere(it_dir):
+        torch_dist_ckpt.load(SimpleNamespace(chunks=wrapped, optimizer=optimizer, layout_meta={"zero_stage": 1}),
+                             it_dir)
+        common = torch.load(it_dir / "common.pt")
+    _compare(wrapped, optimizer, live, common["opt_param_scheduler"])
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print(f"loaded torch_dist optim {Path(root).name} {tp}x{pp}x{vpp}", flush=True)
     ps.destroy_model_parallel()
 
 
@@ -75,7 +117,8 @@ def main(*specs: str) -> None:
     init_distributed(with_deepspeed=False)
     for spec in specs:
         root, hf, live, precision, lay = spec.split(",")
-        check(root, hf, live, precision, *(int(x) for x in lay.split("x")))
+        torch_dist = any(Path(root).glob("iter_*/metadata.json"))
+        (check_torch_dist if torch_dist else check)(root, hf, live, precision, *(int(x) for x in lay.split("x")))
     dist.barrier()
 
 

@@ -28,6 +28,7 @@ from conftest import REPO, run_ranks
 from safetensors.torch import load_file
 from test_families import CONFIGS, tiny_model
 
+from toolkit.checkpoint import torch_dist
 from toolkit.checkpoint.convert import convert, convert_to_hf
 from toolkit.errors import ToolkitError
 
@@ -375,8 +376,6 @@ def test_dp_reshardable_buffers_that_do_not_line_up_are_refused(native, tmp_path
     stops with one line naming the parameter and the way out, and leaves no output; --weights-only still converts."""
     import io
 
-    from toolkit.checkpoint import torch_dist
-
     src = tmp_path / "src"
     shutil.copytree(native["optim_dp_reshardable"], src)
     r = torch_dist.Reader(src / "iter_0000002")
@@ -441,39 +440,51 @@ def test_legacy_distributed_optimizer_state_that_does_not_fit_is_refused(kind, d
 
 
 @pytest.mark.slow
-def test_legacy_distributed_optimizer_state_written_loads_in_megatron_core_at_other_layouts(native, tmp_path):
-    """--to megatron_lm of a Megatron-LM checkpoint with the distributed optimizer writes its state too (distrib_optim.pt,
-    the optimizer's state_dict and the scheduler's), and Megatron-Core's own DistributedOptimizer loads it as
-    Megatron-LM's load_checkpoint does (load_state_dict, load_parameter_state) at the new layout: from TP2 to TP1 x PP2
-    and to one model-parallel rank at DP2 (bf16), from PP2 x VPP2 tied to TP2 and to PP2 (fp32: the last stage's copy
-    of the embeddings in a bucket of its own, first in its buffer), and from Megatron-LM's torch_dist
-    (dp_reshardable at DP2 to TP2, fully_reshardable to TP1 x PP2). Every loaded moment and main weight equals the
-    live optimizer's the source was saved from, by name, with its step (tests/megatron_legacy_optim_probe.py). The
-    conversion's own read-back already checked the optimizer fields bit for bit through the legacy reader. The plain
-    optimizer's state is not written (weights only)."""
+def test_distributed_optimizer_state_written_loads_in_megatron_core_at_other_layouts(native, tmp_path):
+    """--to megatron_lm and --to torch_dist of a Megatron-LM checkpoint with the distributed optimizer write its state
+    too, and Megatron-Core's own DistributedOptimizer loads it at another layout, with the scheduler's state.
+    Legacy (distrib_optim.pt and the optimizer's state_dict), loaded as Megatron-LM's load_checkpoint does
+    (load_state_dict, load_parameter_state) at the layout written: from TP2 to TP1 x PP2 and to one model-parallel
+    rank at DP2 (bf16), from PP2 x VPP2 tied to TP2 and to PP2 (fp32: the last stage's copy of the embeddings in a
+    bucket of its own, first in its buffer), and from Megatron-LM's torch_dist (dp_reshardable at DP2 to TP2,
+    fully_reshardable to TP1 x PP2). torch_dist (fully_reshardable), loaded through dist_checkpointing.load at a
+    layout other than the one written: TP2 written at TP1 x PP2, dp_reshardable written at TP2 loaded at DP2, and
+    PP2 x VPP2 tied written at PP2 x VPP1. Every loaded moment and main weight equals the live optimizer's the
+    source was saved from, by name, with its step (tests/megatron_legacy_optim_probe.py); each conversion's own
+    read-back already checked the optimizer fields bit for bit through the output's reader. The plain optimizer's
+    state is not written (weights only)."""
     quiet = dict(vocab_size=VOCAB, progress=False, log=lambda *_: None)
+    cases = (("legacy_distopt_tp2", "pp2", "megatron_lm", (1, 2), (1, 2), "untied", "bf16"),
+             ("legacy_distopt_tp2", "dp2", "megatron_lm", (1, 1), (1, 1), "untied", "bf16"),
+             ("legacy_distopt_pp2_vpp2", "tp2", "megatron_lm", (2, 1), (2, 1), "tied", "fp32"),
+             ("legacy_distopt_pp2_vpp2", "pp2_tied", "megatron_lm", (1, 2), (1, 2), "tied", "fp32"),
+             ("optim_dp_reshardable", "from_dp_reshardable", "megatron_lm", (2, 1), (2, 1), "untied", "bf16"),
+             ("optim_distopt", "from_fully_reshardable", "megatron_lm", (1, 2), (1, 2), "untied", "bf16"),
+             ("legacy_distopt_tp2", "td_from_legacy", "torch_dist", (1, 2), (2, 1), "untied", "bf16"),
+             ("optim_dp_reshardable", "td_from_dp_reshardable", "torch_dist", (2, 1), (1, 1), "untied", "bf16"),
+             ("legacy_distopt_pp2_vpp2", "td_tied", "torch_dist", (1, 2), (1, 2), "tied", "fp32"))
     specs = []
-    cases = (("legacy_distopt_tp2", "pp2", dict(tp=1, pp=2), "untied", "bf16"),
-             ("legacy_distopt_tp2", "dp2", dict(tp=1, pp=1), "untied", "bf16"),
-             ("legacy_distopt_pp2_vpp2", "tp2", dict(tp=2, pp=1), "tied", "fp32"),
-             ("legacy_distopt_pp2_vpp2", "pp2_tied", dict(tp=1, pp=2), "tied", "fp32"),
-             ("optim_dp_reshardable", "from_dp_reshardable", dict(tp=2, pp=1), "untied", "bf16"),
-             ("optim_distopt", "from_fully_reshardable", dict(tp=1, pp=2), "untied", "bf16"))
-    for kind, out, lay, hf, precision in cases:
-        root = convert(native[kind], tmp_path / out, "megatron_lm", **lay, **quiet)
+    for kind, out, to, (tp, pp), (load_tp, load_pp), hf, precision in cases:
+        root = convert(native[kind], tmp_path / out, to, tp=tp, pp=pp, **quiet)
         files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
-        ranks = [f"mp_rank_{t:02d}" + ("" if lay["pp"] == 1 else f"_{p:03d}") for p in range(lay["pp"])
-                 for t in range(lay["tp"])]
-        assert files == sorted([".toolkit_output.json", "latest_checkpointed_iteration.txt"]
-                               + [f"iter_0000002/{r}/{f}" for r in ranks for f in ("distrib_optim.pt",
-                                                                                   "model_optim_rng.pt")]), files
+        if to == "megatron_lm":
+            ranks = [f"mp_rank_{t:02d}" + ("" if pp == 1 else f"_{p:03d}") for p in range(pp) for t in range(tp)]
+            assert files == sorted([".toolkit_output.json", "latest_checkpointed_iteration.txt"]
+                                   + [f"iter_0000002/{r}/{f}" for r in ranks for f in ("distrib_optim.pt",
+                                                                                       "model_optim_rng.pt")]), files
+        else:
+            names = torch_dist.Reader(root / "iter_0000002").tensor_names()
+            assert sum(n.startswith("optimizer.state.exp_avg.") for n in names) >= 9, names
         specs.append(",".join([str(root), str(native[hf]), str(native[kind] / "live.safetensors"), precision,
-                               f"{lay['tp']}x{lay['pp']}x1"]))
+                               f"{load_tp}x{load_pp}x1"]))
     proc = run_ranks([str(REPO / "tests" / "megatron_legacy_optim_probe.py"), *specs], 2, dict(os.environ),
                      timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    for _, out, lay, _, _ in cases:
-        assert f"loaded legacy optim {out} {lay['tp']}x{lay['pp']}x1" in proc.stdout, proc.stdout[-2000:]
+    for _, out, to, _, (load_tp, load_pp), _, _ in cases:
+        what = "legacy" if to == "megatron_lm" else "torch_dist"
+        assert f"loaded {what} optim {out} {load_tp}x{load_pp}x1" in proc.stdout, proc.stdout[-2000:]
     weights = convert(native["legacy_distopt_tp2"], tmp_path / "w", "megatron_lm", weights_only=True, **quiet)
     plain = convert(native["optim_plain"], tmp_path / "plain", "megatron_lm", **quiet)  # its state: not written
+    plain_td = convert(native["optim_plain"], tmp_path / "plain_td", "torch_dist", **quiet)
     assert not list(weights.rglob("distrib_optim.pt")) and not list(plain.rglob("distrib_optim.pt"))
+    assert not any(n.startswith("optimizer.") for n in torch_dist.Reader(plain_td / "iter_0000002").tensor_names())

@@ -284,13 +284,13 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
                if to == "torch_dist" else "a Hugging Face folder holds every expert in one model")
         raise ToolkitError(f"--ep {ep}: expert-parallel files are written in the toolkit's Megatron layout and "
                            f"Megatron-LM's legacy one; {why}: drop --ep")
-    # only --to megatron and megatron_lm carry optimizer state: other targets never read (nor can be stopped by) it
-    source, check = _open_checking(src, vocab_size, fp32, weights_only or to not in ("megatron", "megatron_lm"))
+    # a Hugging Face target carries no optimizer state: it never reads (nor can be stopped by) the source's
+    source, check = _open_checking(src, vocab_size, fp32, weights_only or to == "hf")
     try:
         with output.scratch_folder(dst, "partial") as tmp, check:
             cast = DTYPES[dtype] if dtype else None
             target = (HFTarget(tmp, source, cast) if to == "hf"
-                      else TorchDistTarget(tmp, source, tp, pp, vpp, cast) if to == "torch_dist"
+                      else TorchDistTarget(tmp, source, tp, pp, vpp, cast, weights_only) if to == "torch_dist"
                       else MegatronLMTarget(tmp, source, tp, pp, vpp, cast, ep, weights_only) if to == "megatron_lm"
                       else MegatronTarget(tmp, source, tp, pp, vpp, cast, weights_only, ep))
             manifest.require_space(dst.parent, target.total, manifest.free_bytes(tmp), str(dst),
@@ -298,7 +298,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
             log(f"converting {source.describe()} at {src} -> {to}"
                 + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
                 + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write)")
-            if to in ("megatron", "megatron_lm") and (getattr(source, "optimizer_note", None)
+            if to != "hf" and (getattr(source, "optimizer_note", None)
                                                       or getattr(target, "note", None)):
                 log(f"optimizer state: {source.optimizer_note or target.note}")
             digests = Digests() if verify else None

@@ -31,38 +31,46 @@ WEIGHT = "weight"
 _SAVED = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # our field -> Megatron's
 
 
+def optimizer_plan(target, source) -> tuple[dict | None, str | None]:
+    """What a Megatron-LM target (legacy or torch_dist) writes of the source's optimizer state: ({"fields", "groups"
+    (the param groups, with the step), "scheduler", "scaler"}, None); (None, why not) when the source has state
+    that cannot be written; (None, None) when it has none. Only the distributed optimizer's state is written, from
+    a source that carries Megatron's param groups and scheduler state, which Megatron-LM's load needs."""
+    have = {f for f in source.fields if f != WEIGHT}
+    if not {"exp_avg", "exp_avg_sq"} <= have:
+        return None, None
+    if getattr(target, "ep", 1) > 1 or target.dims.experts:
+        return None, "the distributed optimizer's state of a mixture of experts is not written: weights only"
+    if not source.optimizer_distributed:
+        return None, ("only the distributed optimizer's state is written to Megatron-LM's layouts, and the source's "
+                      "is not: weights only")
+    if source.optimizer_groups is None or source.scheduler is None:
+        return None, ("the source carries no Megatron optimizer param groups and scheduler state (Megatron-LM "
+                      "legacy and torch_dist checkpoints do), which Megatron-LM's load needs: weights only")
+    if target.out_dtype != torch.float32 and "master" not in have:
+        return None, "16-bit weights need fp32 main weights, which the source does not carry: weights only"
+    meta = getattr(source, "optimizer_meta", None) or {}
+    step = float(meta.get("step") or target.step)
+    scalers = [s for s in json.loads(meta.get("grad_scalers") or "[]") if s]
+    scaler = {k: torch.tensor(v) if k == "scale" else v for k, v in scalers[0].items()} if scalers else None
+    return {"fields": ("exp_avg", "exp_avg_sq") + (("master",) if "master" in have else ()),
+            "groups": [{**g, "step": step} for g in source.optimizer_groups],  # one step, as Megatron's load asserts
+            "scheduler": source.scheduler, "scaler": scaler}, None
+
+
 class DistOptimWriter:
     """The distributed optimizer's buffers of a Megatron-LM legacy target, filled as the parameters are written."""
 
     @classmethod
     def plan(cls, target, source) -> tuple[DistOptimWriter | None, str | None]:
-        """(writer, None) when the source's optimizer state can be written; (None, why not) when it has some that
-        cannot; (None, None) when it has none."""
-        have = {f for f in source.fields if f != WEIGHT}
-        if not {"exp_avg", "exp_avg_sq"} <= have:
-            return None, None
-        if target.ep > 1 or target.dims.experts:
-            return None, "the distributed optimizer's state of a mixture of experts is not written: weights only"
-        if not source.optimizer_distributed:
-            return None, ("only the distributed optimizer's state is written to Megatron-LM's legacy layout "
-                          "(distrib_optim.pt), and the source's is not: weights only")
-        groups, scheduler = source.optimizer_groups, source.scheduler
-        if groups is None or scheduler is None:
-            return None, ("the source carries no Megatron optimizer param groups and scheduler state (Megatron-LM "
-                          "legacy and torch_dist checkpoints do), which Megatron-LM's load needs: weights only")
-        if target.out_dtype != torch.float32 and "master" not in have:
-            return None, "16-bit weights need fp32 main weights, which the source does not carry: weights only"
-        return cls(target, groups, scheduler, getattr(source, "optimizer_meta", {}), "master" in have), None
+        """(writer, None), or (None, why not or None): optimizer_plan."""
+        plan, note = optimizer_plan(target, source)
+        return (cls(target, plan) if plan else None), note
 
-    def __init__(self, target, groups: list[dict], scheduler: dict, meta: dict, has_master: bool):
-        self.target, self.has_master = target, has_master
-        self.fields = ("exp_avg", "exp_avg_sq") + (("master",) if has_master else ())
-        step = float(meta.get("step") or target.step)
-        self.groups = [{**g, "step": step} for g in groups]  # one shared step, as Megatron-Core's load asserts
-        self.scheduler = scheduler
-        scalers = [s for s in json.loads(meta.get("grad_scalers") or "[]") if s]
-        self.scaler = ({k: torch.tensor(v) if k == "scale" else v for k, v in scalers[0].items()} if scalers
-                       else None)
+    def __init__(self, target, plan: dict):
+        self.target, self.fields = target, plan["fields"]
+        self.has_master = "master" in self.fields
+        self.groups, self.scheduler, self.scaler = plan["groups"], plan["scheduler"], plan["scaler"]
         args = target._args  # what fixes the layout below (megatron_flat.bucket_size gives None)
         args.use_distributed_optimizer, args.overlap_grad_reduce = True, False
         args.ddp_bucket_size, args.data_parallel_size = None, 1

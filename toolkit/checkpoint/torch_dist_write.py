@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from toolkit.checkpoint import torch_dist
+from toolkit.checkpoint.megatron_lm_optim import optimizer_plan
 from toolkit.checkpoint.megatron_lm_write import model_args
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries, raise_problems
@@ -58,20 +59,37 @@ class _ItemFile:
         self.f.close()
 
 
-class TorchDistTarget:
-    """A torch_dist checkpoint root; see the module docstring. Weights only."""
+_SAVED = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # our field -> Megatron's
 
-    def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None):
+
+def optimizer_key(field: str, key: str) -> str:
+    """The sharded key of a parameter's distributed-optimizer field, saved `fully_reshardable`."""
+    return f"optimizer.state.{_SAVED[field]}.{key}"
+
+
+class TorchDistTarget:
+    """A torch_dist checkpoint root; see the module docstring. With the distributed optimizer's state when the
+    source carries it (from a Megatron-LM checkpoint of the distributed optimizer, as megatron_lm_optim.py decides):
+    `optimizer.state.{param,exp_avg,exp_avg_sq}.<key>` per parameter, fp32, shaped and chunked as its weight
+    (Megatron-LM's --dist-ckpt-optim-fully-reshardable, which Megatron-Core reshards onto any TP x PP x VPP x DP at
+    load), and in common.pt the optimizer's param groups with the step and the scheduler's state."""
+
+    def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None,
+                 weights_only: bool = False):
         import torch.distributed.checkpoint.metadata as md  # lazy: torch_dist outputs only
 
         self.root, self.source, self.layout = root, source, (tp, pp, vpp)
         self.dims = source.dims(tp)  # padded vocabulary of the target tp
         raise_problems(f"the model cannot be laid out at tp={tp} pp={pp} vpp={vpp}", check_dims(self.dims, tp, pp, vpp))
-        self.fields = (WEIGHT,)
         self.step = int(source.step or 0)
         self.tag_dir = root / f"iter_{self.step:07d}"
         self.tag_dir.mkdir(parents=True)
         self.out_dtype = dtype or source.dtype()
+        self.note, self._optim = None, None
+        if not weights_only:
+            self._optim, self.note = optimizer_plan(self, source)
+        self._has_master = bool(self._optim) and "master" in self._optim["fields"]
+        self.fields = (WEIGHT, *(self._optim["fields"] if self._optim else ()))
         self._items = _ItemFile(self.tag_dir / "__0_0.distcp")
         self._md = md
         self._meta: dict = {}
@@ -90,16 +108,27 @@ class TorchDistTarget:
             emb = self._meta["embedding.word_embeddings.weight"]
             self._meta["output_layer.weight"] = md.TensorStorageMetadata(emb.properties, emb.size, [])
             self.total += emb.size.numel() * self.out_dtype.itemsize
+        if self._optim:  # each weight's fp32 main weights and moments, shaped as it
+            fp32 = md.TensorProperties(dtype=torch.float32)
+            for key, m in list(self._meta.items()):
+                for field in _SAVED:
+                    self._meta[optimizer_key(field, key)] = md.TensorStorageMetadata(fp32, m.size, [])
+                    self.total += m.size.numel() * 4
 
     def writes(self, entry, field: str, hf_tensors: list[torch.Tensor]) -> list:
         """(file, chunk index, tensor) for this parameter, once (the tied output layer: with the embeddings)."""
         if not entry.reads_back:
             return []
         key, index = self._global[tuple(entry.hf_names)]
-        full = entry.to_megatron(hf_tensors, 1)[0].to(self.out_dtype)
+        full = entry.to_megatron(hf_tensors, 1)[0]
         keys = [key, "output_layer.weight"] if self.dims.tied and key == "embedding.word_embeddings.weight" else [key]
+        if field == WEIGHT:
+            names = keys + ([optimizer_key("master", k) for k in keys] if self._optim and not self._has_master else [])
+        else:
+            names = [optimizer_key(field, k) for k in keys]
         out = []
-        for k in keys:
+        for k in names:
+            full = full.to(self._meta[k].properties.dtype)  # the weights in the output dtype, the optimizer in fp32
             offsets, piece = (*index, *(0,) * full.dim()), full.reshape((1,) * len(index) + tuple(full.shape))
             self._meta[k].chunks.append(self._md.ChunkStorageMetadata(torch.Size(offsets), piece.shape))
             # a compact copy: torch.save of a view would write its whole storage
@@ -118,8 +147,16 @@ class TorchDistTarget:
             raise ToolkitError(f"internal: torch_dist output incomplete for {missing[:4]}")
         metadata = md.Metadata(state_dict_metadata=self._meta, storage_data=self._items.where)
         (self.tag_dir / ".metadata").write_bytes(pickle.dumps(metadata))
-        torch.save({"args": self._args(), "checkpoint_version": 3.0, "iteration": self.step,
-                    "num_floating_point_operations_so_far": 0}, self.tag_dir / "common.pt")
+        common = {"args": self._args(), "checkpoint_version": 3.0, "iteration": self.step,
+                  "num_floating_point_operations_so_far": 0}
+        if self._optim:
+            common["args"].use_distributed_optimizer = True
+            common["optimizer"] = {"optimizer": {"param_groups": self._optim["groups"]},
+                                   "param_state_sharding_type": "fully_reshardable"}
+            common["opt_param_scheduler"] = self._optim["scheduler"]
+            if self._optim["scaler"]:
+                common["optimizer"]["grad_scaler"] = self._optim["scaler"]
+        torch.save(common, self.tag_dir / "common.pt")
         (self.tag_dir / "metadata.json").write_text(json.dumps(
             {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
              "common_backend_version": 1}))
