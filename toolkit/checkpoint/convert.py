@@ -65,7 +65,7 @@ class Progress:
         if self.enabled and (now - self.last > (0.5 if self.tty else 10) or self.done >= self.total):
             self.last = now
             rate = self.done / max(now - self.start, 1e-9)
-            eta = (self.total - self.done) / rate if rate else 0
+            eta = max(self.total - self.done, 0) / rate if rate else 0  # serialized bytes may exceed the tensors
             line = (f"converting: {self.done / 2**30:.2f} / {self.total / 2**30:.2f} GiB, "
                     f"{rate / 2**20:.0f} MiB/s, ETA {eta:.0f} s")
             print(("\r" + line) if self.tty else line, end="" if self.tty and self.done < self.total else "\n",
