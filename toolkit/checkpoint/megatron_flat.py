@@ -17,7 +17,7 @@ So the layout is recomputed from the model, and accepted only when it is proved:
 - laid out with the 64-element alignment, they end each bucket exactly at its saved length, and every parameter
   begins and ends on a boundary of the saved chunks. Exactly one order may fit;
 - then, as each parameter is read, its fp32 main weights rounded to the model's dtype must equal its saved weights
-  (the source checks it: toolkit/checkpoint/sources.py). A wrong layout cannot pass that.
+  (the source checks it: toolkit/checkpoint/megatron_sources.py). A wrong layout cannot pass that.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from collections.abc import Iterable
 import torch
 
 from toolkit.checkpoint.megatron_lm import rank_dir
-from toolkit.checkpoint.torch_dist_optim import _parts, _scaler, _step, param_groups
+from toolkit.checkpoint.torch_dist_optim import optimizer_parts, param_groups, saved_scaler, saved_step
 from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import Entry, iter_entries
 from toolkit.format import paths
@@ -38,7 +38,8 @@ ALIGN = 64
 _BUCKET = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
                      r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
 FIELDS = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-_SAVED = {v: k for k, v in FIELDS.items()}  # our field -> Megatron's name for it
+SAVED_AS = {v: k for k, v in FIELDS.items()}
+"""Our optimizer field -> Megatron's name for it (the distributed optimizer's)."""
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 LOCAL_ORDER = ("input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight",
                "self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
@@ -221,9 +222,7 @@ class FlatState(_Flat):
                                          f"{sorted(want)[:4]}", "the optimizer state belongs to another layout: "
                                          "re-save the checkpoint"))
             return
-        chunks: dict[tuple[int, int], dict[str, Entry]] = {}
-        for e in iter_entries(dims, pp, vpp):
-            chunks.setdefault((e.pp_rank, e.chunk), {})[e.megatron_name] = e
+        chunks = chunk_entries(dims, pp, vpp)
         orders = set()
         for (g, c), found in sorted(buckets.items()):
             p, t = divmod(g, tp)
@@ -382,10 +381,10 @@ class LegacyFlatState(_Flat):
                     continue
                 order, placed = next(iter(fits.items()))
                 orders.add(order)
-                fetch = (lambda ts: lambda field, s, e: ts[_SAVED[field]][s:e])(tensors)
+                fetch = (lambda ts: lambda field, s, e: ts[SAVED_AS[field]][s:e])(tensors)
                 for m, (s, e) in placed.items():
                     self._where[(_at(named[m]), t)] = (s, e, fetch)
-        steps = {_step(x) for o in optimizers.values() for x in _parts(o)}
+        steps = {saved_step(x) for o in optimizers.values() for x in optimizer_parts(o)}
         if self.problems:
             return
         if len(steps) != 1 or None in steps:
@@ -393,6 +392,6 @@ class LegacyFlatState(_Flat):
                                          "shared step", "convert a checkpoint saved by one Megatron optimizer"))
         self.order = orders.pop() if len(orders) == 1 else None
         self.fields = ("exp_avg", "exp_avg_sq") + (("master",) if sixteen_bit else ())
-        self.groups = param_groups(_parts(next(iter(optimizers.values()))))
-        scalers = [_scaler(x) for x in _parts(next(iter(optimizers.values())))]
+        self.groups = param_groups(optimizer_parts(next(iter(optimizers.values()))))
+        scalers = [saved_scaler(x) for x in optimizer_parts(next(iter(optimizers.values())))]
         self.meta = {"step": str(steps.pop() if len(steps) == 1 else 0), "grad_scalers": json.dumps(scalers)}

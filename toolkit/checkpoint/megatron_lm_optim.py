@@ -25,10 +25,9 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, chunk_entries, coalesced
+from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, SAVED_AS, chunk_entries, coalesced
 
 WEIGHT = "weight"
-_SAVED = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # our field -> Megatron's
 
 
 def optimizer_plan(target, source) -> tuple[dict | None, str | None]:
@@ -92,7 +91,7 @@ class DistOptimWriter:
             for c in range(self.target.layout[2]):
                 n = self._place[(p, c)][0]
                 chunks[c] = {}
-                for key in _SAVED.values():
+                for key in SAVED_AS.values():
                     f = self.scratch / f"{p}_{t}_{c}_{key}"
                     with open(f, "wb") as out:
                         out.truncate(n * 4)  # zeros: the gaps between parameters, as Megatron's buffers hold
@@ -105,7 +104,7 @@ class DistOptimWriter:
         fp32 model)."""
         if field == WEIGHT and self.has_master:
             return
-        key = "param" if field == WEIGHT else _SAVED[field]
+        key = "param" if field == WEIGHT else SAVED_AS[field]
         _, placed = self._place[(entry.pp_rank, entry.chunk)]
         start, end = placed[entry.megatron_name]
         for t, piece in enumerate(pieces):
@@ -120,7 +119,7 @@ class DistOptimWriter:
                    folder / "distrib_optim.pt")
         del chunks
         for c in range(self.target.layout[2]):
-            for key in _SAVED.values():
+            for key in SAVED_AS.values():
                 os.unlink(self.scratch / f"{p}_{t}_{c}_{key}")
         optimizer = {"optimizer": {"param_groups": [dict(g) for g in self.groups]}}
         if self.scaler:

@@ -37,7 +37,7 @@ def is_optimizer_key(fqn: str) -> bool:
     return re.match(r"^(?:chained_\d+\.)?optimizer\.", fqn) is not None
 
 
-def _parts(state) -> list[dict]:
+def optimizer_parts(state) -> list[dict]:
     """The per-inner-optimizer common state dicts (one, or one per chained optimizer)."""
     if isinstance(state, dict) and state and all(isinstance(k, int) for k in state):
         return [state[k] for k in sorted(state)]
@@ -46,7 +46,7 @@ def _parts(state) -> list[dict]:
     return [state] if isinstance(state, dict) else []
 
 
-def _step(part: dict):
+def saved_step(part: dict):
     # Float16 and distributed optimizers nest torch's state dict under "optimizer"; FP32Optimizer saves it bare
     opt = part.get("optimizer") if isinstance(part.get("optimizer"), dict) else part
     step = (opt.get("state") or {}).get("common_step")  # plain optimizer
@@ -73,7 +73,7 @@ def param_groups(parts: list) -> list[dict] | None:
     return [{k: v for k, v in g.items() if k != "params"} for g in groups]
 
 
-def _scaler(part: dict) -> dict:
+def saved_scaler(part: dict) -> dict:
     sd = part.get("grad_scaler") or {}
     return {k: (v.item() if torch.is_tensor(v) else v) for k, v in sd.items()} if isinstance(sd, dict) else {}
 
@@ -95,12 +95,12 @@ class OptimizerState:
         self.groups: list[dict] | None = None  # Megatron's param groups (param_groups)
         self.distributed = False
         self._where: dict[tuple[str, str], str] = {}
-        parts = _parts(reader.common.get("optimizer"))
+        parts = optimizer_parts(reader.common.get("optimizer"))
         if not parts:
             self.note = "it holds no optimizer state (saved with --no-save-optim?): weights only"
             return
         kinds = {p.get("param_state_sharding_type") for p in parts}
-        self.sharding, self.scalers, self.groups = kinds, [_scaler(p) for p in parts], param_groups(parts)
+        self.sharding, self.scalers, self.groups = kinds, [saved_scaler(p) for p in parts], param_groups(parts)
         self.distributed = bool(kinds - {None})  # a sharding type is the distributed optimizer's
         unread = sorted(str(k) for k in kinds if k not in READ)
         if kinds == {"dp_reshardable"}:  # flat buffers: toolkit/checkpoint/megatron_flat.py reads them
@@ -115,7 +115,7 @@ class OptimizerState:
             if m and m.group(2) in weights:
                 self._where[(_FIELD[m.group(1)], m.group(2))] = fqn
         fields = ["exp_avg", "exp_avg_sq"] + ([MASTER] if sixteen_bit else [])  # fp32: the mains are the weights
-        steps = {_step(p) for p in parts}
+        steps = {saved_step(p) for p in parts}
         if steps == {None} and not self._where:
             self.note = "its optimizer has not taken a step: weights only"
             return

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from toolkit.checkpoint import torch_dist
+from toolkit.checkpoint.megatron_flat import SAVED_AS
 from toolkit.checkpoint.megatron_lm_optim import optimizer_plan
 from toolkit.checkpoint.megatron_lm_write import model_args
 from toolkit.errors import ToolkitError
@@ -59,12 +60,9 @@ class _ItemFile:
         self.f.close()
 
 
-_SAVED = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # our field -> Megatron's
-
-
 def optimizer_key(field: str, key: str) -> str:
     """The sharded key of a parameter's distributed-optimizer field, saved `fully_reshardable`."""
-    return f"optimizer.state.{_SAVED[field]}.{key}"
+    return f"optimizer.state.{SAVED_AS[field]}.{key}"
 
 
 class TorchDistTarget:
@@ -111,7 +109,7 @@ class TorchDistTarget:
         if self._optim:  # each weight's fp32 main weights and moments, shaped as it
             fp32 = md.TensorProperties(dtype=torch.float32)
             for key, m in list(self._meta.items()):
-                for field in _SAVED:
+                for field in SAVED_AS:
                     self._meta[optimizer_key(field, key)] = md.TensorStorageMetadata(fp32, m.size, [])
                     self.total += m.size.numel() * 4
 
