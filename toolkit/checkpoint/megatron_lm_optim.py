@@ -14,6 +14,9 @@ vocabulary padding are), a cut moves nothing in the coalesced buffers, so the fi
 `--ddp-bucket-size`, with or without `--overlap-grad-reduce`, at any data-parallel size; otherwise Megatron-Core's
 own length check refuses the mismatch on load.
 
+optimizer_plan, which decides what of a source's optimizer state a Megatron-LM target writes, serves the torch_dist
+writer too (toolkit/checkpoint/torch_dist_write.py).
+
 Memory: the buffers are memory-mapped scratch files in the output folder (page cache, not anonymous memory), each
 removed once its rank file is written.
 """

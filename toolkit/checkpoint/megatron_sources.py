@@ -62,9 +62,8 @@ class MegatronLMSource(_ShardedSource):
         raise_problems(f"{path} does not match its own arguments", problems)
 
     def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
-        if field != WEIGHT:
-            return self._optim.read(hf_names, field, lambda: super(MegatronLMSource, self).read(hf_names))
-        return super().read(hf_names, field)
+        weights = super().read
+        return weights(hf_names) if field == WEIGHT else self._optim.read(hf_names, field, lambda: weights(hf_names))
 
     def _get(self, p: int, t: int, key: str, e: int = 0) -> torch.Tensor:
 
@@ -73,7 +72,6 @@ class MegatronLMSource(_ShardedSource):
 
     def dtype(self) -> torch.dtype:
         return self._get(0, 0, chunk_key(0, "embedding.word_embeddings.weight")).dtype
-
 
 
 class TorchDistSource(Source):
