@@ -1,7 +1,8 @@
 """Run under torchrun with 2 ranks: Megatron-Core's own distributed optimizer loads the optimizer state of a
 Megatron-LM legacy checkpoint that `toolkit convert --to megatron_lm` wrote, as Megatron-LM's load_checkpoint loads
 it: each rank's model_optim_rng.pt into its GPTModel chunks (strict=True) and `optimizer.load_state_dict`, then
-`optimizer.load_parameter_state(distrib_optim.pt)`. The loaded moments and fp32 main weights, gathered by name, must
+`optimizer.load_parameter_state(distrib_optim.pt)`. Without distrib_optim.pt files, Megatron-Core's plain optimizer
+(Float16OptimizerWithFloat16Params or FP32Optimizer) loads the state_dict alone ("loaded legacy plain optim ..."). The loaded moments and fp32 main weights, gathered by name, must
 equal the live optimizer state the source checkpoint was saved from (LIVE, megatron_native_writer.py), every
 parameter's Adam step must be the source's, and the scheduler state must load into Megatron-Core's scheduler.
 
@@ -28,13 +29,13 @@ from toolkit.train.dist import init_distributed  # noqa: E402
 VOCAB = 500  # the models' true vocabulary: rows past it are padding
 
 
-def _stepped(hf: str, tp: int, pp: int, vpp: int, precision: str):
-    """DDP chunks and Megatron-Core's distributed optimizer at the layout, after one step (its state exists, as in a
-    run that loads a checkpoint)."""
+def _stepped(hf: str, tp: int, pp: int, vpp: int, precision: str, distributed: bool = True):
+    """DDP chunks and Megatron-Core's distributed optimizer (or its plain one) at the layout, after one step (its
+    state exists, as in a run that loads a checkpoint)."""
     from toolkit.megatron import runtime
 
-    r, layout, chunks = build(hf, tp, pp, vpp, ("parallel.zero_stage=1", f"training.precision={precision}",
-                                                "data.seq_len=16"))
+    r, layout, chunks = build(hf, tp, pp, vpp, (f"parallel.zero_stage={int(distributed)}",
+                                                f"training.precision={precision}", "data.seq_len=16"))
     wrapped, optimizer = runtime.wrap_and_optimize(chunks, r, layout)
     ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(3))
     batches = [{"input_ids": ids, "labels": ids.clone()}] * (r.training.global_batch_size // layout.dp)
@@ -45,11 +46,11 @@ def _stepped(hf: str, tp: int, pp: int, vpp: int, precision: str):
     return wrapped, optimizer, layout
 
 
-def _compare(wrapped, optimizer, live: str, scheduler_state: dict) -> None:
+def _compare(wrapped, optimizer, live: str, scheduler_state: dict, distributed: bool = True) -> None:
     """The loaded state by name equals the live one's, with the step; the scheduler state loads."""
     from safetensors.torch import load_file
 
-    got, want = _live_state(wrapped, optimizer, True), load_file(live)
+    got, want = _live_state(wrapped, optimizer, distributed), load_file(live)
     assert set(got) == set(want), sorted(set(got) ^ set(want))[:4]
     for k, v in want.items():
         rows = VOCAB if k.startswith(("embedding.", "output_layer.")) else None
@@ -64,13 +65,22 @@ def _compare(wrapped, optimizer, live: str, scheduler_state: dict) -> None:
 def check(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: int) -> None:
     from megatron.core import parallel_state as ps
 
-    wrapped, optimizer, layout = _stepped(hf, tp, pp, vpp, precision)
+    distributed = any(Path(root).glob("iter_*/mp_rank_*/distrib_optim.pt"))
+    wrapped, optimizer, layout = _stepped(hf, tp, pp, vpp, precision, distributed)
     t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     folder = next(Path(root).glob(f"iter_*/mp_rank_{t:02d}{'' if pp == 1 else f'_{p:03d}'}"))
     state = torch.load(folder / "model_optim_rng.pt", weights_only=False)  # the toolkit's own output
+    assert state["args"].use_distributed_optimizer == distributed
     for i, w in enumerate(wrapped):
         w.module.load_state_dict(state["model" if vpp == 1 else f"model{i}"], strict=True)
     optimizer.load_state_dict(state["optimizer"])  # the step, from the param groups
+    if not distributed:  # the plain optimizer's state_dict holds everything, by position
+        _compare(wrapped, optimizer, live, state["opt_param_scheduler"], False)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            print(f"loaded legacy plain optim {Path(root).name} {tp}x{pp}x{vpp}", flush=True)
+        ps.destroy_model_parallel()
+        return
     # Megatron-Core 0.16's load_parameter_state copies every key of a parameter's optimizer state from the file; torch's
     # own Adam (the CPU fallback, without Apex or Transformer Engine) keeps a per-parameter "step" there too, which the
     # file never holds: set aside while the file loads, as FusedAdam (no per-parameter step) would have it
@@ -90,7 +100,7 @@ def check(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: 
 
 def check_torch_dist(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: int) -> None:
     """The same for a torch_dist checkpoint: Megatron-Core's dist_checkpointing.load of the model's and the
-    distributed optimizer's sharded state dicts (fully_reshardable) at this layout, then the chunks' load_state_dict
+    optimizer's sharded state dicts (the distributed optimizer's fully_reshardable, or the plain one's) at this layout, then the chunks' load_state_dict
     (strict) and the optimizer's (toolkit/megatron/torch_dist_ckpt.load: the toolkit's own resume, which sets
     torch's per-parameter Adam steps aside as above)."""
     from types import SimpleNamespace
@@ -100,13 +110,14 @@ def check_torch_dist(root: str, hf: str, live: str, precision: str, tp: int, pp:
     from toolkit.format import safe_load
     from toolkit.megatron import torch_dist_ckpt
 
-    wrapped, optimizer, layout = _stepped(hf, tp, pp, vpp, precision)
     it_dir = next(Path(root).glob("iter_*"))
     with safe_load.weights_only_everywhere(it_dir):
-        torch_dist_ckpt.load(SimpleNamespace(chunks=wrapped, optimizer=optimizer, layout_meta={"zero_stage": 1}),
-                             it_dir)
         common = torch.load(it_dir / "common.pt")
-    _compare(wrapped, optimizer, live, common["opt_param_scheduler"])
+        distributed = common["args"].use_distributed_optimizer
+        wrapped, optimizer, layout = _stepped(hf, tp, pp, vpp, precision, distributed)
+        torch_dist_ckpt.load(SimpleNamespace(chunks=wrapped, optimizer=optimizer,
+                                             layout_meta={"zero_stage": int(distributed)}), it_dir)
+    _compare(wrapped, optimizer, live, common["opt_param_scheduler"], distributed)
     dist.barrier()
     if dist.get_rank() == 0:
         print(f"loaded torch_dist optim {Path(root).name} {tp}x{pp}x{vpp}", flush=True)

@@ -25,7 +25,8 @@ as Megatron-LM's save_checkpoint gathers them (with the overlapped parameter gat
 values in the ranges other DP ranks own until the next forward).
 OUT/legacy_distopt, OUT/legacy_distopt_buckets (from HF_ODD, hidden size 48, a bucket per parameter), OUT/legacy_distopt_tp2,
 OUT/legacy_distopt_pp2_vpp2: Megatron-LM's legacy layout with the distributed optimizer's distrib_optim.pt (its own
-save_parameter_state), each with live.safetensors.
+save_parameter_state), each with live.safetensors. OUT/legacy_plain_tp2, OUT/legacy_plain_pp2_vpp2 (fp32, tied) and
+OUT/legacy_plain_qwen2: the same with the plain optimizer (its state_dict in model_optim_rng.pt).
 With HF_QWEN2 and HF_QWEN3 (other families), the same launch also writes OUT/legacy_qwen2 (the legacy layout at TP2,
 args with --add-qkv-bias) and OUT/torch_dist_qwen3 (torch_dist at TP1 x PP2, args with --qk-layernorm and kv_channels
 apart from hidden_size / heads), as Megatron-LM writes those families.
@@ -205,23 +206,25 @@ def scheduler_for(optimizer):
                                    wd_incr_steps=200, wd_incr_style="constant")
 
 
-def legacy_optim(hf: str, out: Path, tp: int, precision: str, pp: int = 1, vpp: int = 1, extra: tuple = ()) -> None:
-    """_trained with the distributed optimizer, then the legacy layout as Megatron-LM's save_checkpoint writes it
-    (`--ckpt-format torch`): on each model-parallel rank of the first DP rank, model_optim_rng.pt with args (with the
-    arguments that fix the buckets: use_distributed_optimizer, overlap_grad_reduce, ddp_bucket_size,
-    data_parallel_size), iteration, model[0..], and optimizer.state_dict(); beside it distrib_optim.pt, written by the
-    optimizer's own save_parameter_state (gathered over DP). live.safetensors as for torch_dist_optim."""
+def legacy_optim(hf: str, out: Path, tp: int, precision: str, pp: int = 1, vpp: int = 1, extra: tuple = (),
+                 distributed: bool = True) -> None:
+    """_trained with the distributed optimizer (or the plain one), then the legacy layout as Megatron-LM's
+    save_checkpoint writes it (`--ckpt-format torch`): on each model-parallel rank of the first DP rank,
+    model_optim_rng.pt with args (with the arguments that fix the buckets: use_distributed_optimizer,
+    overlap_grad_reduce, ddp_bucket_size, data_parallel_size), iteration, model[0..], and optimizer.state_dict(); beside
+    it distrib_optim.pt, written by the distributed optimizer's own save_parameter_state (gathered over DP).
+    live.safetensors as for torch_dist_optim."""
     from megatron.core import parallel_state as ps
 
     from toolkit.adapters import megatron as mcfg
 
-    r, layout, wrapped, optimizer, live = _trained(hf, tp, 1, precision, pp, vpp, extra)
+    r, layout, wrapped, optimizer, live = _trained(hf, tp, int(distributed), precision, pp, vpp, extra)
     scheduler = scheduler_for(optimizer)
     for _ in range(2):  # Megatron-LM steps it by the global batch size each iteration
         scheduler.step(increment=r.training.global_batch_size)
     args = megatron_lm_args(r, layout)
     ddp = mcfg.to_ddp_config_kwargs(r, layout)
-    args.use_distributed_optimizer, args.overlap_grad_reduce = True, ddp["overlap_grad_reduce"]
+    args.use_distributed_optimizer, args.overlap_grad_reduce = distributed, ddp["overlap_grad_reduce"]
     args.ddp_bucket_size, args.data_parallel_size = r.parallel.megatron.bucket_size, layout.dp
     args.overlap_param_gather_with_optimizer_step = False
     t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
@@ -235,7 +238,8 @@ def legacy_optim(hf: str, out: Path, tp: int, precision: str, pp: int = 1, vpp: 
             state["model" if vpp == 1 else f"model{i}"] = w.module.state_dict_for_save_checkpoint()
         torch.save(state, folder / "model_optim_rng.pt")
     dist.barrier()
-    optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))  # collective; the first DP rank writes
+    if distributed:
+        optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))  # collective; the first DP rank writes
     if dist.get_rank() == 0:
         (out / "latest_checkpointed_iteration.txt").write_text("2")
         _save_live(out, live)
@@ -322,6 +326,12 @@ def main(hf_tied: str, hf_untied: str, out: str, torch_dist_iter: str | None = N
         legacy_optim(hf_odd, Path(out) / "legacy_distopt_buckets", 1, "bf16", extra=("parallel.megatron.bucket_size=1",))
     legacy_optim(hf_untied, Path(out) / "legacy_distopt_tp2", 2, "bf16")
     legacy_optim(hf_tied, Path(out) / "legacy_distopt_pp2_vpp2", 1, "fp32", pp=2, vpp=2)
+    # Megatron-LM's default, the plain optimizer, in model_optim_rng.pt (its state keyed by position): TP2 in bf16,
+    # PP2 x VPP2 with tied embeddings in fp32, and Qwen2 (biases: in the no-weight-decay group) in bf16
+    legacy_optim(hf_untied, Path(out) / "legacy_plain_tp2", 2, "bf16", distributed=False)
+    legacy_optim(hf_tied, Path(out) / "legacy_plain_pp2_vpp2", 1, "fp32", pp=2, vpp=2, distributed=False)
+    if hf_qwen2:
+        legacy_optim(hf_qwen2, Path(out) / "legacy_plain_qwen2", 1, "bf16", distributed=False)
     if hf_qwen2:
         legacy(hf_qwen2, Path(out) / "legacy_qwen2", tp=2, pp=1, vpp=1)
         torch_dist(hf_qwen3, Path(out) / "torch_dist_qwen3", tp=1, pp=2)

@@ -74,7 +74,8 @@ def native(tmp_path_factory):
             **{k: root / "out" / k for k in ("optim_plain", "optim_distopt", "optim_dp_reshardable",
                                              "dp_reshardable_buckets", "dp_reshardable_tp2",
                                              "dp_reshardable_pp2_vpp2", "legacy_distopt", "legacy_distopt_buckets",
-                                             "legacy_distopt_tp2", "legacy_distopt_pp2_vpp2")}}
+                                             "legacy_distopt_tp2", "legacy_distopt_pp2_vpp2", "legacy_plain_tp2",
+                                             "legacy_plain_pp2_vpp2", "legacy_plain_qwen2")}}
 
 
 @pytest.mark.slow
@@ -370,6 +371,65 @@ def test_flat_distributed_optimizer_state_converts_by_name(kind, native, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["legacy_plain_tp2", "legacy_plain_pp2_vpp2", "legacy_plain_qwen2"])
+def test_plain_optimizer_state_of_legacy_checkpoints_converts_by_name(kind, native, tmp_path):
+    """Megatron-LM's default optimizer, the plain one: its state_dict in model_optim_rng.pt keys each parameter's
+    state by position in the param groups. The positions are recomputed from the checkpoint's own registration order
+    and Megatron's weight-decay groups, matched by wd_mult, and proved (toolkit/checkpoint/megatron_plain.py): every
+    parameter's exp_avg, exp_avg_sq and fp32 main weights equal the live optimizer's, by name, at TP2 (bf16), at
+    PP2 x VPP2 with tied embeddings (fp32: the last stage's copy of the embeddings holds a position of its own) and
+    for Qwen2 (its q/k/v biases in the no-weight-decay group)."""
+    from toolkit.checkpoint.inspect import inspect_megatron_lm
+
+    assert inspect_megatron_lm(native[kind])["optimizer_state"] == "plain optimizer, in model_optim_rng.pt"
+    quiet = dict(vocab_size=VOCAB, progress=False, log=lambda *_: None)
+    got, meta = _optim_by_name(convert(native[kind], tmp_path / "one", "megatron", **quiet) / "step_00000002")
+    assert meta["step"] == "2"
+    live = load_file(str(native[kind] / "live.safetensors"))
+    if kind.endswith("pp2_vpp2"):  # fp32: the main weights are the weights
+        live = {k: v for k, v in live.items() if not k.endswith(":master")}
+    assert set(got) == set(live) and len(live) >= 2 * 9
+    if kind.endswith("qwen2"):
+        assert any(k.endswith("linear_qkv.bias:exp_avg") for k in live)
+    for k, want in live.items():
+        rows = VOCAB if k.startswith(("embedding.", "output_layer.")) else None  # vocabulary padding is dropped
+        assert torch.equal(got[k][:rows], want[:rows]), k
+
+
+def _swap_states(s):
+    state = s["optimizer"]["optimizer"]["state"]
+    state[0], state[1] = state[1], state[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage, change, message", [
+    ("a group one parameter short", lambda s: s["optimizer"]["optimizer"]["param_groups"][1]["params"].pop(),
+     r"param group 1 \(wd_mult 0\.0\) holds 4 parameters, this model 5 on this rank"),
+    ("other weight-decay groups", lambda s: s["optimizer"]["optimizer"]["param_groups"][1].update(wd_mult=0.5),
+     r"has param groups with wd_mult \[1\.0, 0\.5\], but Megatron's standard groups of this model give"),
+    ("two states swapped", _swap_states, r"state 0 is not shaped as embedding\.word_embeddings\.weight \(256, 64\), the parameter its position"),
+    ("one main weight moved", lambda s: s["optimizer"]["fp32_from_fp16_params"][0][-1].add_(0.5),
+     r"plain optimizer's state does not line up with the weights at output_layer\.weight .*--weights-only"),
+])
+def test_plain_optimizer_state_that_does_not_fit_is_refused(damage, change, message, native, tmp_path):
+    """A plain optimizer's state whose positions the model does not give is refused in one line naming the rank file
+    and the problem, and nothing is written: a param group one parameter short, groups of other weight-decay
+    multipliers, two parameters' states swapped (caught by their shapes), and one fp32 main weight that is not its
+    saved weight (caught as it is read). --weights-only still converts the weights."""
+    src = tmp_path / "src"
+    shutil.copytree(native["legacy_plain_tp2"], src)
+    _resave(src / "iter_0000002" / "mp_rank_01" / "model_optim_rng.pt", change)
+    quiet = dict(vocab_size=VOCAB, progress=False, log=lambda *_: None)
+    with pytest.raises(ToolkitError, match=message) as e:
+        convert(src, tmp_path / "out", "megatron", **quiet)
+    assert len(str(e.value).splitlines()) <= 3  # one line, or the checks' heading, its one problem and the fix
+    assert "mp_rank_01" in str(e.value) or damage == "one main weight moved"
+    assert not (tmp_path / "out").exists()
+    weights = convert(src, tmp_path / "w", "megatron", weights_only=True, **quiet)
+    assert not list((weights / "step_00000002").glob("optim_*"))
+
+
+@pytest.mark.slow
 def test_dp_reshardable_buffers_that_do_not_line_up_are_refused(native, tmp_path):
     """A layout that fits the buckets' lengths and chunks but not their data is caught, and nothing is kept: with one
     bucket's `param` values changed (every main weight there then differs from its saved weight), the conversion
@@ -452,7 +512,10 @@ def test_distributed_optimizer_state_written_loads_in_megatron_core_at_other_lay
     PP2 x VPP2 tied written at PP2 x VPP1. Every loaded moment and main weight equals the live optimizer's the
     source was saved from, by name, with its step (tests/megatron_legacy_optim_probe.py); each conversion's own
     read-back already checked the optimizer fields bit for bit through the output's reader. The plain optimizer's
-    state is not written (weights only)."""
+    state (Megatron-LM legacy at TP2, PP2 x VPP2 tied in fp32, Qwen2 with biases; torch_dist at TP2) is written as the
+    plain optimizer's (its state_dict by position in model_optim_rng.pt; per parameter in torch_dist) and loaded by
+    Megatron-Core's own plain optimizer: legacy at the layout written (TP1 x PP2, TP2), torch_dist written at
+    TP1 x PP2 and loaded at TP2."""
     quiet = dict(vocab_size=VOCAB, progress=False, log=lambda *_: None)
     cases = (("legacy_distopt_tp2", "pp2", "megatron_lm", (1, 2), (1, 2), "untied", "bf16"),
              ("legacy_distopt_tp2", "dp2", "megatron_lm", (1, 1), (1, 1), "untied", "bf16"),
@@ -462,16 +525,23 @@ def test_distributed_optimizer_state_written_loads_in_megatron_core_at_other_lay
              ("optim_distopt", "from_fully_reshardable", "megatron_lm", (1, 2), (1, 2), "untied", "bf16"),
              ("legacy_distopt_tp2", "td_from_legacy", "torch_dist", (1, 2), (2, 1), "untied", "bf16"),
              ("optim_dp_reshardable", "td_from_dp_reshardable", "torch_dist", (2, 1), (1, 1), "untied", "bf16"),
-             ("legacy_distopt_pp2_vpp2", "td_tied", "torch_dist", (1, 2), (1, 2), "tied", "fp32"))
+             ("legacy_distopt_pp2_vpp2", "td_tied", "torch_dist", (1, 2), (1, 2), "tied", "fp32"),
+             # the plain optimizer's: loaded by Megatron-Core's Float16OptimizerWithFloat16Params / FP32Optimizer
+             ("legacy_plain_tp2", "plain_pp2", "megatron_lm", (1, 2), (1, 2), "untied", "bf16"),
+             ("legacy_plain_pp2_vpp2", "plain_tp2_tied", "megatron_lm", (2, 1), (2, 1), "tied", "fp32"),
+             ("legacy_plain_qwen2", "plain_qwen2_tp2", "megatron_lm", (2, 1), (2, 1), "hf_qwen2", "bf16"),
+             ("optim_plain", "plain_from_torch_dist", "megatron_lm", (1, 2), (1, 2), "untied", "bf16"),
+             ("legacy_plain_tp2", "td_plain", "torch_dist", (1, 2), (2, 1), "untied", "bf16"),
+             ("legacy_plain_pp2_vpp2", "td_plain_tied", "torch_dist", (1, 2), (2, 1), "tied", "fp32"))
     specs = []
     for kind, out, to, (tp, pp), (load_tp, load_pp), hf, precision in cases:
         root = convert(native[kind], tmp_path / out, to, tp=tp, pp=pp, **quiet)
         files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
         if to == "megatron_lm":
             ranks = [f"mp_rank_{t:02d}" + ("" if pp == 1 else f"_{p:03d}") for p in range(pp) for t in range(tp)]
+            per_rank = ("model_optim_rng.pt",) + (("distrib_optim.pt",) if "plain" not in kind else ())
             assert files == sorted([".toolkit_output.json", "latest_checkpointed_iteration.txt"]
-                                   + [f"iter_0000002/{r}/{f}" for r in ranks for f in ("distrib_optim.pt",
-                                                                                       "model_optim_rng.pt")]), files
+                                   + [f"iter_0000002/{r}/{f}" for r in ranks for f in per_rank]), files
         else:
             names = torch_dist.Reader(root / "iter_0000002").tensor_names()
             assert sum(n.startswith("optimizer.state.exp_avg.") for n in names) >= 9, names
@@ -480,11 +550,9 @@ def test_distributed_optimizer_state_written_loads_in_megatron_core_at_other_lay
     proc = run_ranks([str(REPO / "tests" / "megatron_legacy_optim_probe.py"), *specs], 2, dict(os.environ),
                      timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    for _, out, to, _, (load_tp, load_pp), _, _ in cases:
-        what = "legacy" if to == "megatron_lm" else "torch_dist"
+    for kind, out, to, _, (load_tp, load_pp), _, _ in cases:
+        what = ("legacy plain" if "plain" in kind else "legacy") if to == "megatron_lm" else "torch_dist"
         assert f"loaded {what} optim {out} {load_tp}x{load_pp}x1" in proc.stdout, proc.stdout[-2000:]
     weights = convert(native["legacy_distopt_tp2"], tmp_path / "w", "megatron_lm", weights_only=True, **quiet)
-    plain = convert(native["optim_plain"], tmp_path / "plain", "megatron_lm", **quiet)  # its state: not written
-    plain_td = convert(native["optim_plain"], tmp_path / "plain_td", "torch_dist", **quiet)
-    assert not list(weights.rglob("distrib_optim.pt")) and not list(plain.rglob("distrib_optim.pt"))
-    assert not any(n.startswith("optimizer.") for n in torch_dist.Reader(plain_td / "iter_0000002").tensor_names())
+    assert not list(weights.rglob("distrib_optim.pt"))
+    assert "optimizer" not in torch.load(next(weights.rglob("model_optim_rng.pt")), weights_only=False)

@@ -112,3 +112,54 @@ def test_the_two_layer_specs_register_the_input_norm_in_different_places():
         "decoder.layers.1.mlp.linear_fc2.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
     te = registration_order(names, TE_ORDER)
     assert te[1:3] == ["decoder.layers.0.self_attention.linear_proj.weight", "decoder.layers.0.input_layernorm.weight"]
+
+
+def test_plain_optimizer_positions_follow_megatrons_weight_decay_groups_matched_by_wd_mult():
+    """Megatron-Core's plain optimizer keys each parameter's state by its position in the param groups (checked end to
+    end against its own files in test_megatron_native): biases and 1-D parameters in the wd_mult 0 group (the q/k
+    norms in the other one with --apply-wd-to-qk-layernorm), each group in registration order over the rank's
+    chunks, the tied output layer's copy included; the groups are found by their wd_mult, not by their place."""
+    from argparse import Namespace
+
+    from toolkit.checkpoint.megatron_plain import positions, wd_groups, wd_mult
+    from toolkit.families.registry import dims_from_hf
+
+    plain, qk_wd = Namespace(), Namespace(apply_wd_to_qk_layernorm=True)
+    assert wd_mult("decoder.layers.0.self_attention.linear_qkv.bias", 1, plain) == 0.0
+    assert wd_mult("decoder.layers.0.self_attention.linear_qkv.weight", 2, plain) == 1.0
+    qk = "decoder.layers.0.self_attention.q_layernorm.weight"
+    assert (wd_mult(qk, 1, plain), wd_mult(qk, 1, qk_wd), wd_mult("decoder.final_layernorm.weight", 1, qk_wd)) == (
+        0.0, 1.0, 0.0)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 500, "hidden_size": 64,
+              "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "tie_word_embeddings": True}
+    dims = dims_from_hf(config, tp=1)
+    assert wd_groups(dims, plain) == {0.0, 1.0}
+    layer = ["self_attention.linear_proj.weight", "self_attention.linear_qkv.weight", "mlp.linear_fc1.weight",
+             "mlp.linear_fc2.weight"]
+    # PP2 x VPP2: the last stage holds layer 1 (chunk 0) and layer 3 (chunk 1), each its chunk's layer 0
+    weights, norms = positions(dims, (1, 2, 2), 1, [{"wd_mult": 1.0}, {"wd_mult": 0.0}], plain)
+    assert weights == [(c, f"decoder.layers.0.{n}") for c in (0, 1) for n in layer] + [(1, "output_layer.weight")]
+    assert norms == [(c, f"decoder.layers.0.{n}") for c in (0, 1) for n in (
+        "input_layernorm.weight", "pre_mlp_layernorm.weight")] + [(1, "decoder.final_layernorm.weight")]
+    assert positions(dims, (1, 2, 2), 1, [{"wd_mult": 0.0}, {"wd_mult": 1.0}], plain) == [norms, weights]
+    first, _ = positions(dims, (2, 2, 2), 0, [{"wd_mult": 1.0}, {"wd_mult": 0.0}], plain)
+    assert first[0] == (0, "embedding.word_embeddings.weight")
+    # what a Megatron-LM target writes of a plain source's state: only Megatron's standard groups, at its dtype
+    from types import SimpleNamespace
+
+    from toolkit.checkpoint.megatron_lm_optim import optimizer_plan
+
+    def plan(groups, out_dtype=torch.bfloat16):
+        source = SimpleNamespace(fields=("weight", "exp_avg", "exp_avg_sq", "master"), optimizer_groups=groups,
+                                 scheduler={}, optimizer_distributed=False, args=plain, dtype=lambda: torch.bfloat16,
+                                 optimizer_meta={"step": "2"})
+        return optimizer_plan(SimpleNamespace(ep=1, dims=dims, out_dtype=out_dtype, step=2), source)
+
+    ok, note = plan([{"wd_mult": 1.0}, {"wd_mult": 0.0}])
+    assert note is None and not ok["distributed"] and ok["step"] == 2.0 and ok["fields"][-1] == "master"
+    assert ok["groups"] == [{"wd_mult": 1.0, "step": 2.0}, {"wd_mult": 0.0, "step": 2.0}]
+    assert plan([{"wd_mult": 1.0}, {"wd_mult": 0.5}]) == (None, (
+        "its plain optimizer's param groups (wd_mult [1.0, 0.5]) are not Megatron's standard ones for this model "
+        "([0.0, 1.0]), which fix where each parameter's state goes: weights only"))
+    assert plan([{"wd_mult": 1.0}, {"wd_mult": 0.0}], torch.float32)[1].startswith("not written at another dtype")

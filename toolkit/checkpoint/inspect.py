@@ -156,7 +156,7 @@ def inspect_megatron_lm(path: Path) -> dict:
         found = sum((f.parent / "distrib_optim.pt").is_file() for f in ranks)
         optimizer = f"distributed optimizer, distrib_optim.pt on {found} of {len(ranks)} model-parallel ranks"
     else:
-        optimizer = ("plain optimizer, in model_optim_rng.pt (converts weights only)" if state.get("optimizer")
+        optimizer = ("plain optimizer, in model_optim_rng.pt" if state.get("optimizer")
                      else "none (saved with --no-save-optim?)")
     dims = dims_from_hf(config)
     return {"path": str(path), "format": "megatron-lm", "complete": not problems, "problems": problems,

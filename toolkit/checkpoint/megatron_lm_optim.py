@@ -29,52 +29,63 @@ from pathlib import Path
 import torch
 
 from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, SAVED_AS, chunk_entries, coalesced
+from toolkit.checkpoint.megatron_plain import positions, wd_groups
 
 WEIGHT = "weight"
 
 
 def optimizer_plan(target, source) -> tuple[dict | None, str | None]:
     """What a Megatron-LM target (legacy or torch_dist) writes of the source's optimizer state: ({"fields", "groups"
-    (the param groups, with the step), "scheduler", "scaler"}, None); (None, why not) when the source has state
-    that cannot be written; (None, None) when it has none. Only the distributed optimizer's state is written, from
-    a source that carries Megatron's param groups and scheduler state, which Megatron-LM's load needs."""
+    (the param groups, with the step), "step", "scheduler", "scaler", "distributed" (the source's optimizer is the
+    distributed one: the target's is too), "args" (the source's Megatron-LM args, which fix the plain optimizer's
+    param groups)}, None); (None, why not) when the source has state that cannot be written; (None, None) when it has
+    none. Written from a source that carries Megatron's param groups and scheduler state, which Megatron-LM's load
+    needs."""
     have = {f for f in source.fields if f != WEIGHT}
     if not {"exp_avg", "exp_avg_sq"} <= have:
         return None, None
     if getattr(target, "ep", 1) > 1 or target.dims.experts:
-        return None, "the distributed optimizer's state of a mixture of experts is not written: weights only"
-    if not source.optimizer_distributed:
-        return None, ("only the distributed optimizer's state is written to Megatron-LM's layouts, and the source's "
-                      "is not: weights only")
+        return None, "the optimizer state of a mixture of experts is not written: weights only"
     if source.optimizer_groups is None or source.scheduler is None:
         return None, ("the source carries no Megatron optimizer param groups and scheduler state (Megatron-LM "
                       "legacy and torch_dist checkpoints do), which Megatron-LM's load needs: weights only")
-    if target.out_dtype != torch.float32 and "master" not in have:
-        return None, "16-bit weights need fp32 main weights, which the source does not carry: weights only"
+    if target.out_dtype != source.dtype():
+        return None, f"not written at another dtype than the source's ({source.dtype()}): weights only"
+    if not source.optimizer_distributed:  # the plain optimizer's positions follow from its standard groups
+        saved, standard = [g.get("wd_mult") for g in source.optimizer_groups], wd_groups(target.dims, source.args)
+        if getattr(source.args, "decoupled_lr", None) is not None or sorted(map(str, saved)) != sorted(
+                map(str, standard)) or len(set(saved)) != len(saved):
+            return None, (f"its plain optimizer's param groups (wd_mult {saved}) are not Megatron's standard ones for "
+                          f"this model ({sorted(standard)}), which fix where each parameter's state goes: weights only")
     meta = getattr(source, "optimizer_meta", None) or {}
     step = float(meta.get("step") or target.step)
     scalers = [s for s in json.loads(meta.get("grad_scalers") or "[]") if s]
     scaler = {k: torch.tensor(v) if k == "scale" else v for k, v in scalers[0].items()} if scalers else None
     return {"fields": ("exp_avg", "exp_avg_sq") + (("master",) if "master" in have else ()),
             "groups": [{**g, "step": step} for g in source.optimizer_groups],  # one step, as Megatron's load asserts
-            "scheduler": source.scheduler, "scaler": scaler}, None
+            "step": step, "scheduler": source.scheduler, "scaler": scaler,
+            "distributed": source.optimizer_distributed, "args": source.args}, None
+
+
+def optimizer_writer(target, source) -> tuple[DistOptimWriter | None, str | None]:
+    """(writer, None), or (None, why not or None): optimizer_plan. The distributed optimizer's state for a source of
+    the distributed optimizer, the plain optimizer's for one of the plain optimizer."""
+    plan, note = optimizer_plan(target, source)
+    if not plan:
+        return None, note
+    return (DistOptimWriter if plan["distributed"] else PlainOptimWriter)(target, plan), None
 
 
 class DistOptimWriter:
     """The distributed optimizer's buffers of a Megatron-LM legacy target, filled as the parameters are written."""
 
-    @classmethod
-    def plan(cls, target, source) -> tuple[DistOptimWriter | None, str | None]:
-        """(writer, None), or (None, why not or None): optimizer_plan."""
-        plan, note = optimizer_plan(target, source)
-        return (cls(target, plan) if plan else None), note
-
     def __init__(self, target, plan: dict):
         self.target, self.fields = target, plan["fields"]
         self.has_master = "master" in self.fields
         self.groups, self.scheduler, self.scaler = plan["groups"], plan["scheduler"], plan["scaler"]
+        self.step, self.source_args = plan["step"], plan["args"]
         args = target._args  # what fixes the layout below (megatron_flat.bucket_size gives None)
-        args.use_distributed_optimizer, args.overlap_grad_reduce = True, False
+        args.use_distributed_optimizer, args.overlap_grad_reduce = plan["distributed"], False
         args.ddp_bucket_size, args.data_parallel_size = None, 1
         tp, pp, vpp = target.layout
         self._place: dict[tuple[int, int], tuple[int, dict]] = {}
@@ -121,14 +132,49 @@ class DistOptimWriter:
                     **{c: {dtypes: {**bufs, "numel_unpadded": self._place[(p, c)][0]}} for c, bufs in chunks.items()}},
                    folder / "distrib_optim.pt")
         del chunks
-        for c in range(self.target.layout[2]):
-            for key in SAVED_AS.values():
-                os.unlink(self.scratch / f"{p}_{t}_{c}_{key}")
+        self._release(p, t)
         optimizer = {"optimizer": {"param_groups": [dict(g) for g in self.groups]}}
         if self.scaler:
             optimizer["grad_scaler"] = dict(self.scaler)
         return {"optimizer": optimizer, "opt_param_scheduler": self.scheduler}
 
+    def _release(self, p: int, t: int) -> None:
+        for c in range(self.target.layout[2]):
+            for key in SAVED_AS.values():
+                os.unlink(self.scratch / f"{p}_{t}_{c}_{key}")
+
     def close(self) -> None:
         if self.scratch.is_dir():
             self.scratch.rmdir()
+
+
+class PlainOptimWriter(DistOptimWriter):
+    """The plain optimizer's state of a Megatron-LM legacy target (toolkit/checkpoint/megatron_plain.py): in each
+    rank's model_optim_rng.pt, the optimizer's state_dict with every parameter's state at the position Megatron-Core's
+    param groups give it at the new layout (local spec), as views of the same scratch buffers."""
+
+    def save(self, p: int, t: int, folder: Path) -> dict:
+        chunks, tp = self._buffers.pop((p, t)), self.target.layout[0]
+        named = chunk_entries(self.target.dims, *self.target.layout[1:])
+        state, groups, mains = {}, [], []
+        for group, members in zip(self.groups, positions(self.target.dims, self.target.layout, p, self.groups,
+                                                         self.source_args)):
+            ids, group_mains = [], []
+            for c, n in members:
+                start, end = self._place[(p, c)][1][n]
+                e = named[(p, c)][n]
+                shape = tuple(e.rule.shard_shape(e.hf_shapes, tp))
+                view = (lambda key: chunks[c][key][start:end].view(shape))
+                state[len(state)] = {"step": torch.tensor(float(self.step)), "exp_avg": view("exp_avg"),
+                                     "exp_avg_sq": view("exp_avg_sq")}  # torch's Adam keeps its step per parameter
+                ids.append(len(state) - 1)
+                group_mains.append(view("param"))
+            groups.append({**group, "params": ids})
+            mains.append(group_mains)
+        optimizer = {"state": state, "param_groups": groups}
+        if self.has_master:  # Float16OptimizerWithFloat16Params's state_dict
+            optimizer = {"optimizer": optimizer, "fp32_from_fp16_params": mains}
+            if self.scaler:
+                optimizer["grad_scaler"] = dict(self.scaler)
+        self._release(p, t)  # the views keep the mapped storage until the rank file is written
+        return {"optimizer": optimizer, "opt_param_scheduler": self.scheduler}

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
+from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, registration_order
 from toolkit.checkpoint.megatron_lm import rank_dir
-from toolkit.checkpoint.megatron_lm_optim import DistOptimWriter
+from toolkit.checkpoint.megatron_lm_optim import optimizer_writer
 from toolkit.families import family_named
 from toolkit.families.entries import holders, iter_entries, raise_problems, rank_key
 from toolkit.families.mapping import check_dims
@@ -64,6 +65,19 @@ def model_args(dims, config: dict, tp: int, pp: int, vpp: int, divisible_by: int
         **family_named(dims.family).megatron_fields, **moe_args(dims, config, ep))
 
 
+def _registered(chunk: dict) -> dict:
+    """A chunk's state dict in the order a local-spec GPTModel's state_dict() lists it: parameters in registration
+    order, each module's `_extra_state` after its parameters (a reader of the plain optimizer's state relies on it, as
+    that state is keyed by registration position)."""
+    params = registration_order([k for k in chunk if not k.endswith("._extra_state")], LOCAL_ORDER)
+    rank = {k: 2 * i for i, k in enumerate(params)}
+    for k in chunk:
+        if k.endswith("._extra_state"):
+            module = k.removesuffix("._extra_state") + "."
+            rank[k] = max(rank[q] for q in params if q.startswith(module)) + 1
+    return {k: chunk[k] for k in sorted(chunk, key=rank.__getitem__)}
+
+
 class MegatronLMTarget:
     """A Megatron-LM legacy checkpoint root; see the module docstring. The distributed optimizer's state too
     (`distrib_optim.pt`, toolkit/checkpoint/megatron_lm_optim.py) when the source carries a Megatron optimizer's."""
@@ -87,7 +101,7 @@ class MegatronLMTarget:
                                 ep)
         self.optim, self.note = None, None
         if not weights_only:
-            self.optim, self.note = DistOptimWriter.plan(self, source)
+            self.optim, self.note = optimizer_writer(self, source)
         self.fields = (WEIGHT, *(self.optim.fields if self.optim else ()))
         if self.optim:
             self.total += self.optim.total
@@ -124,7 +138,7 @@ class MegatronLMTarget:
         for t, e in ((t, e) for t in range(tp) for e in range(self.ep)):
             folder = self.tag_dir / rank_dir(t, p, pp, e, self.ep)
             folder.mkdir(parents=True, exist_ok=True)
-            chunks = self._states.pop(rank_key(p, t, e, self.ep))
+            chunks = [_registered(c) for c in self._states.pop(rank_key(p, t, e, self.ep))]
             models = {"model": chunks[0]} if vpp == 1 else {f"model{c}": s for c, s in enumerate(chunks)}
             extra = self.optim.save(p, t, folder) if self.optim else {}
             torch.save({"args": self._args, "checkpoint_version": 3.0, "iteration": self.step,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint import megatron_flat, megatron_lm, torch_dist, torch_dist_optim
+from toolkit.checkpoint import megatron_flat, megatron_lm, megatron_plain, torch_dist, torch_dist_optim
 from toolkit.checkpoint.source_base import WEIGHT, Source, _ShardedSource
 from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import check_megatron_shards, iter_entries, raise_problems, rank_key
@@ -23,6 +23,7 @@ class MegatronLMSource(_ShardedSource):
     def __init__(self, path: Path, vocab_size: int | None, weights_only: bool = False):
 
         args, self._shards, self.step, states = megatron_lm.read(path, mmap=True)
+        self.args = args  # Megatron-LM's, for the plain optimizer's param groups (megatron_plain.wd_mult)
         optimizers = {k: v["optimizer"] for k, v in states.items()}
         self.scheduler = next(iter(states.values()))["opt_param_scheduler"]  # Megatron-LM's, layout-independent
         megatron_lm.family_of_args(args, path)
@@ -47,18 +48,21 @@ class MegatronLMSource(_ShardedSource):
         if not weights_only and not problems:
             if all(o is None for o in optimizers.values()):
                 self.optimizer_note = "it holds no optimizer state (saved with --no-save-optim?): weights only"
-            elif not getattr(args, "use_distributed_optimizer", False):
-                self.optimizer_note = "the plain optimizer's state of a legacy checkpoint is not converted: weights only"
+            elif not getattr(args, "use_distributed_optimizer", False):  # by position in model_optim_rng.pt
+                self._optim = megatron_plain.PlainLegacyState(
+                    megatron_lm.iteration_dir(path), args, self._dims, self.layout, self.dtype() != torch.float32,
+                    optimizers, {k: [list(c) for c in v] for k, v in self._shards.items()})
             else:  # distrib_optim.pt: flat buffers, the layout recomputed, then proved
                 self._optim = megatron_flat.LegacyFlatState(
                     megatron_lm.iteration_dir(path), args, self._dims, self.layout, self.dtype() != torch.float32,
                     optimizers, lambda p, t, c, name: self._shards[rank_key(p, t, 0, 1)][c][name],
                     lambda f: megatron_lm.safe_load(f, mmap=True))
+            if self._optim is not None:
                 problems += self._optim.problems
                 self.optimizer_note = self._optim.note
                 if self._optim.fields:
                     self.fields, self.optimizer_meta = (WEIGHT, *self._optim.fields), self._optim.meta
-                    self.optimizer_groups, self.optimizer_distributed = self._optim.groups, True
+                    self.optimizer_groups, self.optimizer_distributed = self._optim.groups, self._optim.distributed
         raise_problems(f"{path} does not match its own arguments", problems)
 
     def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
@@ -92,6 +96,7 @@ class TorchDistSource(Source):
                                "vocabulary size with --vocab-size (the tokenizer's, e.g. 32000 for Llama 2) so the "
                                "padding rows are dropped")
         megatron_lm.family_of_args(args, it_dir / "common.pt")
+        self.args = args
         self.step = self._r.common.get("iteration")
         self.scheduler = self._r.common.get("opt_param_scheduler")
         self.config = megatron_lm.hf_config(args, vocab_size)

@@ -30,6 +30,7 @@ class Source:
     optimizer_groups: list[dict] | None = None  # a Megatron optimizer's param groups (torch_dist_optim.param_groups)
     scheduler: dict | None = None  # Megatron-LM's opt_param_scheduler state, for a Megatron-LM target
     optimizer_distributed: bool = False  # the optimizer state is Megatron's distributed optimizer's
+    args = None  # Megatron-LM's arguments (an argparse.Namespace), of a Megatron-LM source
 
     def dims(self, tp: int = 1) -> Dims:
         return dims_from_hf(self.config, tp, self.divisible_by)

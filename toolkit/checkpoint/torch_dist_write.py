@@ -60,17 +60,23 @@ class _ItemFile:
         self.f.close()
 
 
-def optimizer_key(field: str, key: str) -> str:
-    """The sharded key of a parameter's distributed-optimizer field, saved `fully_reshardable`."""
-    return f"optimizer.state.{SAVED_AS[field]}.{key}"
+PLAIN_AS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "master": "fp32_param"}
+"""Our optimizer field -> the plain optimizer's name for it in its sharded state dict."""
+
+
+def optimizer_key(field: str, key: str, distributed: bool = True) -> str:
+    """The sharded key of a parameter's optimizer field: the distributed optimizer's saved `fully_reshardable`, or
+    the plain optimizer's."""
+    return f"optimizer.state.{(SAVED_AS if distributed else PLAIN_AS)[field]}.{key}"
 
 
 class TorchDistTarget:
-    """A torch_dist checkpoint root; see the module docstring. With the distributed optimizer's state when the
-    source carries it (from a Megatron-LM checkpoint of the distributed optimizer, as megatron_lm_optim.py decides):
-    `optimizer.state.{param,exp_avg,exp_avg_sq}.<key>` per parameter, fp32, shaped and chunked as its weight
-    (Megatron-LM's --dist-ckpt-optim-fully-reshardable, which Megatron-Core reshards onto any TP x PP x VPP x DP at
-    load), and in common.pt the optimizer's param groups with the step and the scheduler's state."""
+    """A torch_dist checkpoint root; see the module docstring. With the optimizer state when the source carries a
+    Megatron-LM checkpoint's (megatron_lm_optim.optimizer_plan decides), per parameter in fp32, shaped and chunked as
+    its weight, which Megatron-Core reshards onto any TP x PP x VPP x DP at load: the distributed optimizer's as
+    `optimizer.state.{param,exp_avg,exp_avg_sq}.<key>` (Megatron-LM's --dist-ckpt-optim-fully-reshardable), the plain
+    optimizer's as `optimizer.state.{exp_avg,exp_avg_sq[,fp32_param]}.<key>` (its sharded_state_dict; fp32_param for
+    a 16-bit model), and in common.pt the optimizer's param groups with the step and the scheduler's state."""
 
     def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None,
                  weights_only: bool = False):
@@ -87,6 +93,7 @@ class TorchDistTarget:
         if not weights_only:
             self._optim, self.note = optimizer_plan(self, source)
         self._has_master = bool(self._optim) and "master" in self._optim["fields"]
+        self._distributed = bool(self._optim) and self._optim["distributed"]
         self.fields = (WEIGHT, *(self._optim["fields"] if self._optim else ()))
         self._items = _ItemFile(self.tag_dir / "__0_0.distcp")
         self._md = md
@@ -106,11 +113,12 @@ class TorchDistTarget:
             emb = self._meta["embedding.word_embeddings.weight"]
             self._meta["output_layer.weight"] = md.TensorStorageMetadata(emb.properties, emb.size, [])
             self.total += emb.size.numel() * self.out_dtype.itemsize
-        if self._optim:  # each weight's fp32 main weights and moments, shaped as it
+        if self._optim:  # each weight's moments and fp32 main weights (the plain optimizer's: of 16-bit weights)
             fp32 = md.TensorProperties(dtype=torch.float32)
             for key, m in list(self._meta.items()):
-                for field in SAVED_AS:
-                    self._meta[optimizer_key(field, key)] = md.TensorStorageMetadata(fp32, m.size, [])
+                for field in SAVED_AS if self._distributed else self._optim["fields"]:
+                    self._meta[optimizer_key(field, key, self._distributed)] = md.TensorStorageMetadata(fp32, m.size,
+                                                                                                       [])
                     self.total += m.size.numel() * 4
 
     def writes(self, entry, field: str, hf_tensors: list[torch.Tensor]) -> list:
@@ -120,10 +128,11 @@ class TorchDistTarget:
         key, index = self._global[tuple(entry.hf_names)]
         full = entry.to_megatron(hf_tensors, 1)[0]
         keys = [key, "output_layer.weight"] if self.dims.tied and key == "embedding.word_embeddings.weight" else [key]
-        if field == WEIGHT:
-            names = keys + ([optimizer_key("master", k) for k in keys] if self._optim and not self._has_master else [])
+        if field == WEIGHT:  # the distributed optimizer saves an fp32 model's mains, which are its weights
+            mains = self._optim and self._distributed and not self._has_master
+            names = keys + ([optimizer_key("master", k) for k in keys] if mains else [])
         else:
-            names = [optimizer_key(field, k) for k in keys]
+            names = [optimizer_key(field, k, self._distributed) for k in keys]
         out = []
         for k in names:
             full = full.to(self._meta[k].properties.dtype)  # the weights in the output dtype, the optimizer in fp32
@@ -148,11 +157,16 @@ class TorchDistTarget:
         common = {"args": self._args(), "checkpoint_version": 3.0, "iteration": self.step,
                   "num_floating_point_operations_so_far": 0}
         if self._optim:
-            common["args"].use_distributed_optimizer = True
-            common["optimizer"] = {"optimizer": {"param_groups": self._optim["groups"]},
-                                   "param_state_sharding_type": "fully_reshardable"}
+            common["args"].use_distributed_optimizer = self._distributed
+            if self._distributed:
+                common["optimizer"] = {"optimizer": {"param_groups": self._optim["groups"]},
+                                       "param_state_sharding_type": "fully_reshardable"}
+            else:  # the plain optimizer's: the step shared by every parameter, torch's state dict nested for 16 bits
+                inner = {"state": {"common_step": torch.tensor(float(self._optim["step"]))},
+                         "param_groups": self._optim["groups"]}
+                common["optimizer"] = {"optimizer": inner} if self._has_master else inner
             common["opt_param_scheduler"] = self._optim["scheduler"]
-            if self._optim["scaler"]:
+            if self._optim["scaler"] and (self._distributed or self._has_master):
                 common["optimizer"]["grad_scaler"] = self._optim["scaler"]
         torch.save(common, self.tag_dir / "common.pt")
         (self.tag_dir / "metadata.json").write_text(json.dumps(
