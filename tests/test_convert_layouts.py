@@ -169,3 +169,28 @@ def test_tp2_pp2_training_checkpoint_resumes_at_tp1_pp2(uninterrupted, stopped, 
     # Only the reduction order differs between TP2 and TP1 (fp32); a lost optimizer state (fresh Adam moments
     # at step 4) moves the loss by ~1e-2 here, a wrong shard far more.
     assert got == pytest.approx(straight[3:], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_training_checkpoint_resumes_after_a_convert(uninterrupted, stopped, tmp_path):
+    """The distributed optimizer's state in the Megatron backend's default format (Megatron's own distopt_*.pt flat
+    buffers) moves with the weights: 2 steps at DP2 with the distributed optimizer, convert (read by parameter name,
+    toolkit/checkpoint/megatron_flat.py), 2 more steps with the plain optimizer from the by-name state, and the
+    losses continue those of the uninterrupted distributed-optimizer run. Resuming it with the distributed optimizer
+    is refused in one line that names the saved layout (zero_stage=0)."""
+    straight = [m["loss"] for m in uninterrupted("tiny_dp2_distopt", 4, 2)]
+    first = stopped("tiny_dp2_distopt", 4, 2, 2)
+    moved = convert(first / "checkpoints", tmp_path / "moved", "megatron", progress=False, log=lambda *_: None)
+    optim = load_file(str(moved / "step_00000002" / "optim_tp00_pp000.safetensors"))
+    assert any(k.endswith(":exp_avg_sq") for k in optim)
+    again = ["training.steps=4", *UNINTERRUPTED, f"checkpoint.resume={moved}"]
+    refused = launch("tiny_dp2_distopt", again, nproc=2, out_dir=tmp_path / "refused", check=False)
+    assert refused.returncode != 0 and "was written with" in refused.stderr and "zero_stage=0" in refused.stderr
+    proc = launch("tiny_dp2_distopt", [*again, "parallel.zero_stage=0"], nproc=2, out_dir=tmp_path / "second")
+    assert "resumed from" in proc.stdout
+    second = read_metrics(tmp_path / "second")
+    assert [m["step"] for m in second] == [3, 4]
+    got = [m["loss"] for m in second]
+    print("uninterrupted DP2 distributed optimizer:", straight[2:], "resumed with the plain optimizer:", got)
+    # a lost optimizer state (fresh Adam moments at step 3) moves the loss by ~1e-2 here
+    assert got == pytest.approx(straight[2:], rel=1e-5)

@@ -228,7 +228,8 @@ class MegatronTarget:
         dp, cp = old.get("dp", 1), old.get("cp", 1)
         if (dp * cp) % self.ep:  # Megatron takes the expert-parallel ranks from dp x cp
             dp = self.ep
-        resumable = self.fields != (WEIGHT,) and old.get("zero_stage", 0) == 0 and src_meta.get("recipe")
+        # the optimizer state goes by parameter name, the plain optimizer's, whichever optimizer the source had
+        resumable = self.fields != (WEIGHT,) and src_meta.get("recipe")
         layout = {"world_size": tp * pp * cp * dp, "zero_stage": 0, "dp": dp, "tp": tp, "pp": pp, "vpp": vpp, "cp": cp,
                   **({"ep": self.ep} if self.ep > 1 else {})}
         meta = {"schema_version": SCHEMA_VERSION, "step": self.step, "tag": self.tag_dir.name, "backend": "megatron",
@@ -238,7 +239,7 @@ class MegatronTarget:
         if src_meta.get("recipe") and src_meta.get("backend") == "megatron":
             recipe = json.loads(json.dumps(src_meta["recipe"]))
             par = recipe.setdefault("parallel", {})
-            par.update(tp=tp, pp=pp, vpp=vpp, world_size=layout["world_size"], dp=dp, ep=self.ep)
+            par.update(tp=tp, pp=pp, vpp=vpp, world_size=layout["world_size"], dp=dp, ep=self.ep, zero_stage=0)
             meta["recipe"] = recipe
         if resumable:
             src_dir = self.source.tag_dir

@@ -315,9 +315,10 @@ class LegacyFlatState(_Flat):
     what = "distrib_optim.pt buffers"
 
     def __init__(self, it_dir, args, dims, layout: tuple[int, int, int], sixteen_bit: bool, optimizers: dict,
-                 weight, load):
+                 weight, load, files: dict | None = None):
         """optimizers: {(pp, tp): model_optim_rng.pt's "optimizer"}; weight(pp, tp, chunk, name): a saved weight
-        shard; load(path): a file's contents through the allow-list."""
+        shard; load(path): a file's contents through the allow-list; files: {(pp, tp): its save_parameter_state
+        file}, Megatron-LM's mp_rank_*/distrib_optim.pt unless given (the toolkit's own: distopt_tpTT_ppPPP.pt)."""
         super().__init__(dims, layout)
         self.where = it_dir
         tp, pp, vpp = layout
@@ -325,7 +326,8 @@ class LegacyFlatState(_Flat):
             self.note = ("its distributed optimizer of a mixture of experts (an expert optimizer of its own) is not "
                          "converted: weights only")
             return
-        files = {(p, t): it_dir / rank_dir(t, p, pp) / "distrib_optim.pt" for p in range(pp) for t in range(tp)}
+        files = files or {(p, t): it_dir / rank_dir(t, p, pp) / "distrib_optim.pt" for p in range(pp)
+                          for t in range(tp)}
         present = [f for f in files.values() if f.is_file()]
         paths.check_tree(it_dir, present, f"Megatron-LM checkpoint {it_dir}")  # no link out of the folder
         if not present:

@@ -2,9 +2,9 @@
 from a Megatron-LM legacy checkpoint, and laid out for one.
 
 Megatron-LM's save_checkpoint puts the optimizer's `state_dict()` in each model-parallel rank's model_optim_rng.pt.
-For a 16-bit model (Float16OptimizerWithFloat16Params) that is {"optimizer": torch's state dict, "fp32_from_fp16_params":
-the fp32 main weights, one list per param group[, "grad_scaler"]}; for an fp32 model (FP32Optimizer) torch's state
-dict itself. Torch's state dict keys each parameter's state by its position: "state" {i: {"exp_avg", "exp_avg_sq"[,
+For a 16-bit model (Float16OptimizerWithFloat16Params) that is {"optimizer": torch's state dict,
+"fp32_from_fp16_params": the fp32 main weights, one list per param group[, "grad_scaler"]}; for an fp32 model
+(FP32Optimizer) torch's state dict itself. Torch's state dict keys each parameter's state by its position: "state" {i: {"exp_avg", "exp_avg_sq"[,
 "step"]}} and "param_groups" [{..., "params": [i, ...]}]. No name is saved.
 
 The positions follow from how Megatron-Core builds the param groups (`_get_param_groups`): the rank's model chunks'
@@ -50,9 +50,10 @@ def _inner(part: dict, sixteen_bit: bool) -> tuple[dict | None, list | None]:
 
 def _step(opt: dict):
     """The one Adam step of a torch state dict: per parameter (torch's Adam) or in the param groups (fused Adams)."""
-    steps = {float(s["step"]) for s in opt["state"].values() if isinstance(s, dict) and "step" in s}
-    steps |= {float(g["step"]) for g in opt["param_groups"] if isinstance(g, dict) and g.get("step") is not None}
-    return steps
+    found = [s["step"] for s in opt["state"].values() if isinstance(s, dict) and "step" in s]
+    found += [g["step"] for g in opt["param_groups"] if isinstance(g, dict) and g.get("step") is not None]
+    return {float(s) if isinstance(s, (int, float)) or (torch.is_tensor(s) and s.numel() == 1) else str(s)
+            for s in found}
 
 
 class PlainLegacyState:
@@ -105,7 +106,7 @@ class PlainLegacyState:
                 shape = e.rule.shard_shape(e.hf_shapes, tp)
                 by_wd.setdefault(wd_mult(n, len(shape), args), []).append((c, n, e, tuple(shape)))
             saved_wd = [g.get("wd_mult") if isinstance(g, dict) else None for g in opt["param_groups"]]
-            if sorted(map(str, saved_wd)) != sorted(map(str, by_wd)) or len(set(saved_wd)) != len(saved_wd):
+            if sorted(map(str, saved_wd)) != sorted(map(str, by_wd)) or len(set(map(str, saved_wd))) != len(saved_wd):
                 self.problems.append(Problem(f"{rel} optimizer", f"has param groups with wd_mult {saved_wd}, but "
                                              f"Megatron's standard groups of this model give {sorted(by_wd)}",
                                              "convert with --weights-only"))
@@ -120,7 +121,7 @@ class PlainLegacyState:
                                                  f"{len(want)} on this rank", "convert with --weights-only"))
                     break
                 for i, (pid, (c, n, e, shape)) in enumerate(zip(ids, want)):
-                    st = opt["state"].get(pid)
+                    st = opt["state"].get(pid) if isinstance(pid, int) else None
                     main = main_group[i] if main_group is not None else None
                     bad = not isinstance(st, dict) or any(not torch.is_tensor(st.get(f)) or tuple(st[f].shape) != shape
                                                           for f in FIELDS)
@@ -134,8 +135,9 @@ class PlainLegacyState:
             groups = groups or param_groups(parts)
         if self.problems:
             return
-        if len(steps) != 1:
-            self.problems.append(Problem("model_optim_rng.pt", f"optimizer steps {sorted(steps)}, not one shared step",
+        if len(steps) != 1 or not isinstance(next(iter(steps)), float):
+            self.problems.append(Problem("model_optim_rng.pt", f"optimizer steps {sorted(map(str, steps))}, not one "
+                                         "shared step",
                                          "convert a checkpoint saved by one Megatron optimizer"))
             return
         self.fields = FIELDS + (("master",) if sixteen_bit else ())

@@ -9,13 +9,14 @@ toolkit/checkpoint/source_base.py.
 """
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint import megatron_lm, torch_dist
+from toolkit.checkpoint import megatron_flat, megatron_lm, torch_dist
 from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
 from toolkit.checkpoint.deepspeed_plain import is_plain
 from toolkit.checkpoint.megatron_sources import MegatronLMSource, TorchDistSource
@@ -26,7 +27,7 @@ from toolkit.families.mapping import Dims, check_dims
 from toolkit.families.registry import family_of_config
 from toolkit.format import manifest, paths
 from toolkit.format import safetensors_stream as st
-from toolkit.format.names import META, POINTER, chunk_key, model_file, optim_file
+from toolkit.format.names import META, POINTER, chunk_key, model_file, optim_file, rank_tag
 from toolkit.model import to_hf_config
 from toolkit.recipe.schema import Recipe
 
@@ -148,7 +149,47 @@ class ToolkitMegatronSource(_ShardedSource):
             if len(steps) != 1:
                 raise ToolkitError(f"{tag_dir}: the ranks' optimizer files are at different steps {sorted(steps)}")
             self.optimizer_meta = dict(next(iter(self._optims.values())).metadata)
+        self._flat = None
         self._check()
+        if not weights_only and not self._optims and lay.get("zero_stage") == 1 and meta.get("recipe"):
+            self._distributed_optimizer(ranks)
+
+    def _distributed_optimizer(self, ranks: list) -> None:
+        """The distributed optimizer's state of a training checkpoint: Megatron's own save_parameter_state files
+        (distopt_*.pt: flat buffers, read by parameter name as Megatron-LM's distrib_optim.pt is,
+        toolkit/checkpoint/megatron_flat.py) and its state_dict (optim_*.pt: the param groups and step). The bucket
+        cuts follow from the recipe's DDP settings and the run's data-parallel size."""
+        tag_dir, (tp, pp, _), where = self.tag_dir, self.layout, f"checkpoint {self.tag_dir}"
+        files = {(p, t): paths.inside(tag_dir, f"distopt_{rank_tag(t, p, e if self.ep > 1 else None)}.pt", where)
+                 for p, t, e in ranks}
+        natives = {k: f.with_name(f"optim_{f.name.removeprefix('distopt_')}") for k, f in files.items()}
+        if not any(f.is_file() for f in files.values()):
+            self.optimizer_note = "it holds no distopt_*.pt files: weights only"
+            return
+        missing = [f.name for f in natives.values() if not f.is_file()]
+        if missing:  # the distopt files' own absence is LegacyFlatState's to say
+            raise_problems(f"{tag_dir}: its distributed optimizer's state is incomplete", [Problem(
+                ", ".join(missing[:4]), "is missing, though the ranks' distopt_*.pt files are there",
+                "re-copy the checkpoint, or convert with --weights-only")])
+        mc = Recipe.model_validate(self.meta["recipe"]).parallel.megatron
+        args = argparse.Namespace(overlap_grad_reduce=mc.overlap_grad_reduce, ddp_bucket_size=mc.bucket_size,
+                                  data_parallel_size=self.meta["layout"]["dp"])
+        self._flat = megatron_flat.LegacyFlatState(
+            tag_dir, args, self._dims, self.layout, self.dtype() != torch.float32,
+            {k: megatron_lm.safe_load(f, mmap=True) for k, f in natives.items()},
+            lambda p, t, c, name: self._models[rank_key(p, t, 0, 1)].get(chunk_key(c, name)),
+            lambda f: megatron_lm.safe_load(f, mmap=True), files)
+        self._flat.what = "distopt_*.pt buffers"
+        raise_problems(f"{tag_dir}: its distributed optimizer's state does not fit the model", self._flat.problems)
+        self.optimizer_note = self._flat.note
+        if self._flat.fields:
+            self.fields, self.optimizer_meta = (WEIGHT, *self._flat.fields), self._flat.meta
+            self.optimizer_groups, self.optimizer_distributed = self._flat.groups, True
+
+    def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
+        if field != WEIGHT and self._flat is not None:
+            return self._flat.read(hf_names, field, lambda: super(ToolkitMegatronSource, self).read(hf_names))
+        return super().read(hf_names, field)
 
     def _check(self) -> None:
         tp, pp, vpp = self.layout
@@ -175,6 +216,8 @@ class ToolkitMegatronSource(_ShardedSource):
         return (self._optims if ":" in key else self._models)[rank_key(p, t, e, self.ep)].get(key)
 
     def spans(self, hf_names: Sequence[str], field: str = WEIGHT):
+        if field != WEIGHT and self._flat is not None:
+            return None
         entry = self._entries[tuple(hf_names)]
         key = chunk_key(entry.chunk, entry.megatron_name, None if field == WEIGHT else field)
         readers = self._optims if ":" in key else self._models

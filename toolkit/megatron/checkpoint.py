@@ -209,8 +209,8 @@ def load_rank_state(backend, tag_dir: Path) -> None:
         native = tag_dir / f"optim_{backend.rank_tag}.pt"
         if not native.is_file():
             raise ToolkitError(f"{native} is missing: this checkpoint holds no distributed-optimizer state (a "
-                               "converted checkpoint carries the plain optimizer's state only); resume it with "
-                               "parallel.megatron.distributed_optimizer: false")
+                               "converted checkpoint carries its optimizer state by parameter name, the plain "
+                               "optimizer's); resume it with the plain optimizer, parallel.zero_stage: 0")
         backend.optimizer.load_state_dict(safe_load.load(native, map_location=backend.device))
         _load_distributed_state(backend.optimizer, tag_dir / f"distopt_{backend.rank_tag}.pt")
         return
