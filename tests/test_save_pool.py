@@ -95,3 +95,31 @@ def test_file_ranges_point_at_the_tensors_bytes_and_refuse_offsets_that_do_not_c
     meta[1].untyped_storage()._checkpoint_offset += 4  # a wrong offset: its bytes are not the tensor's
     wrong = pt_ranges.FileRanges(tmp_path / "o.pt", mapped, list(meta))
     assert wrong.fd is None and pt_ranges.ranges_of(pieces, [wrong]) is None
+
+
+def test_save_ranges_fills_a_torch_save_file_file_to_file_and_refuses_wrong_bytes(tmp_path):
+    """A universal-checkpoint file filled in the kernel from byte ranges of memory-mapped rank files (pt_ranges):
+    torch.load gives the concatenation of the pieces, as a bare tensor (ZeRO-3) and as {"cat_dim", "param"} of the
+    parameter's shape (ZeRO-1/2); ranges that are not the pieces' own bytes are caught by the read-back."""
+    from toolkit.checkpoint.pt_ranges import FileRanges, ranges_of
+    from toolkit.format import safe_load
+
+    torch.save({"a": torch.arange(10, dtype=torch.float32), "b": torch.arange(100, 112, dtype=torch.float32)},
+               tmp_path / "rank.pt")
+    mapped = safe_load.load(tmp_path / "rank.pt", mmap=True, deepspeed=True)
+    meta = safe_load.load(tmp_path / "rank.pt", deepspeed=True, map_location="meta")
+    ranges = FileRanges(tmp_path / "rank.pt", [mapped["a"], mapped["b"]], [meta["a"], meta["b"]])
+    pieces = [mapped["a"][6:], mapped["b"][:2]]
+    where = ranges_of(pieces, [ranges])
+    assert where is not None and [n for _, _, n in where] == [16, 8]
+    with save_pool.SavePool(threads=2) as pool:
+        pool.submit_ranges(tmp_path / "flat.pt", lambda: torch.empty(6), where, pieces)
+        pool.submit_ranges(tmp_path / "shaped.pt", lambda: {"cat_dim": 0, "param": torch.empty(2, 3)}, where, pieces)
+    want = torch.tensor([6.0, 7, 8, 9, 100, 101])
+    assert torch.equal(torch.load(tmp_path / "flat.pt", weights_only=True), want)
+    shaped = torch.load(tmp_path / "shaped.pt", weights_only=True)
+    assert shaped["cat_dim"] == 0 and torch.equal(shaped["param"], want.view(2, 3))
+    wrong = [(fd, at + 4, n) for fd, at, n in where]  # each range one element off
+    with pytest.raises(ToolkitError, match="reads back different from what was copied"):
+        save_pool.save_ranges(torch.empty(6), tmp_path / "wrong.pt", wrong, pieces)
+    ranges.close()

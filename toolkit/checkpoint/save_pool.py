@@ -1,5 +1,6 @@
 """Many small torch.save files written from a few threads, each read back and compared, with the tensors alive at
-once bounded in bytes (DeepSpeed's universal checkpoint: three files per parameter, universal.py).
+once bounded in bytes (DeepSpeed's universal checkpoint: three files per parameter, universal.py). A file whose
+tensor lies in other files as byte ranges is written around a hole that the kernel then fills (save_ranges).
 
 torch.cat, torch.save's record writes and torch.equal release the GIL, so while one thread waits on the disk
 (reading the memory-mapped source slices, writing a file, reading it back) another computes: on one core as on
@@ -20,9 +21,11 @@ import torch
 
 from toolkit.errors import ToolkitError
 from toolkit.format import safe_load
+from toolkit.format.safetensors_stream import copy_range
 
 THREADS = max(1, int(os.environ.get("TOOLKIT_SAVE_THREADS", "4") or 4))
 """Writer threads (TOOLKIT_SAVE_THREADS; 1 writes one file after the other, in order)."""
+_BLOCK = 8 * 2**20  # save_ranges' read-back compares this many bytes at a time
 BUDGET = 384 * 2**20
 """Bytes of tensors made and not yet written and compared, at most (one larger tensor is allowed alone)."""
 
@@ -37,6 +40,57 @@ def save_checked(obj, file: Path) -> None:
                            "written")
 
 
+_LOCAL = threading.local()
+
+
+def _buffer() -> bytearray:
+    """This thread's read-back buffer of _BLOCK bytes (allocated once: a fresh 8 MiB buffer per read would be mapped
+    and zeroed by the kernel each time)."""
+    if not hasattr(_LOCAL, "buffer"):
+        _LOCAL.buffer = bytearray(_BLOCK)
+    return _LOCAL.buffer
+
+
+def save_ranges(template, file: Path, ranges: list[tuple[int, int, int]], pieces: list[torch.Tensor]) -> None:
+    """torch.save(template, file) with its one tensor's bytes left out (torch's skip_data: a hole in the file), then
+    those bytes copied into it file to file, in the kernel, from `ranges` ((fd, offset, count) in the source files,
+    whose tensors are `pieces`, in order); read back and compared with `pieces` (the memory-mapped tensors
+    themselves, not the ranges) bit for bit, then loaded with map_location="meta" to check it holds one tensor of
+    their size and dtype. No tensor is copied in this process but through the read-back's 8 MiB buffer. torch.load does not check the zip records' CRC-32, which skip_data leaves
+    that of the hole."""
+    with torch.serialization.skip_data():
+        torch.save(template, file)
+    meta = safe_load.load(file, deepspeed=True, map_location="meta")
+    at = getattr((meta if torch.is_tensor(meta) else meta["param"]).untyped_storage(), "_checkpoint_offset", None)
+    if not isinstance(at, int):
+        raise ToolkitError(f"internal: no storage offset in {file}")
+    fd, start = os.open(file, os.O_RDWR), at
+    try:
+        for src, offset, n in ranges:
+            copy_range(src, offset, fd, at, n)
+            at += n
+        at = start  # read back through a reused buffer, against the pieces' own (memory-mapped) bytes
+        mine = _buffer()
+        for piece in pieces:
+            want = memoryview(piece.reshape(-1).view(torch.uint8).numpy())
+            for done in range(0, len(want), _BLOCK):
+                k = min(_BLOCK, len(want) - done)
+                got = os.preadv(fd, [memoryview(mine)[:k]], at + done)
+                same = (mine if k == _BLOCK else mine[:k]) == want[done:done + k]  # a bytearray compares by memcmp
+                if got != k or not same:
+                    raise ToolkitError(f"verification failed: {file} reads back different from what was copied into "
+                                       "it; nothing was written")
+            at += len(want)
+    finally:
+        os.close(fd)
+    back = safe_load.load(file, deepspeed=True, map_location="meta")  # and it loads as the tensor it must hold
+    flat = back if torch.is_tensor(back) else back.get("param") if isinstance(back, dict) else None
+    if not torch.is_tensor(flat) or flat.numel() != sum(p.numel() for p in pieces) or any(
+            p.dtype != flat.dtype for p in pieces):
+        raise ToolkitError(f"verification failed: {file} does not load as the tensor copied into it; nothing was "
+                           "written")
+
+
 def _return_freed_memory() -> None:
     """Buffers of 1 MiB and more from their own memory maps, given back to the system when freed. Otherwise glibc
     keeps freed tensors under its dynamic mmap threshold (up to 32 MiB: most per-parameter tensors) in each
@@ -48,7 +102,8 @@ def _return_freed_memory() -> None:
 
 
 class SavePool:
-    """submit(file, make, nbytes): save_checked(make(), file) on a worker thread; close() waits for all of them."""
+    """submit(file, make, nbytes): save_checked(make(), file) on a worker thread; submit_ranges: save_ranges; close()
+    waits for all of them."""
 
     def __init__(self, threads: int = THREADS, budget: int = BUDGET):
         if threads > 1:
@@ -59,19 +114,27 @@ class SavePool:
         self._error: BaseException | None = None
         self._futures: list = []
 
+    def submit_ranges(self, file: Path, template: Callable[[], object], ranges: list, pieces: list) -> None:
+        """save_ranges(template(), file, ranges, pieces) on a worker thread: the bytes go file to file, so no
+        memory is reserved (the template's tensor is never touched)."""
+        self._queue(lambda: save_ranges(template(), Path(file), ranges, pieces), 0)
+
     def submit(self, file: Path, make: Callable[[], object], nbytes: int) -> None:
+        self._queue(lambda: save_checked(make(), Path(file)), nbytes)
+
+    def _queue(self, job: Callable[[], None], nbytes: int) -> None:
         take = min(max(0, nbytes), self._budget)
         with self._cond:
             self._cond.wait_for(lambda: self._free >= take or self._error is not None)
             if self._error is not None:
                 raise self._error
             self._free -= take
-        self._futures.append(self._pool.submit(self._run, Path(file), make, take))
+        self._futures.append(self._pool.submit(self._run, job, take))
 
-    def _run(self, file: Path, make, take: int) -> None:
+    def _run(self, job: Callable[[], None], take: int) -> None:
         try:
             if self._error is None:
-                save_checked(make(), file)
+                job()
         except BaseException as e:  # noqa: BLE001 - handed to the submitting thread
             with self._cond:
                 self._error = self._error or e

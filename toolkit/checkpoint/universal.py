@@ -22,8 +22,10 @@ file (fp32 partition and moments included, unused by the loader); ours keeps onl
 step, param_groups, loss-scaler state), so memory stays that of one parameter.
 
 Writing streams from memory-mapped rank files read through the allow-listed loader (toolkit/format/safe_load.py):
-each state file is made, written and read back and compared on one of a few threads (save_pool.py), with the
-tensors alive at once bounded in bytes. The output is built in a hidden
+each state file is written and read back and compared on one of a few threads (save_pool.py). Its bytes go file
+to file (os.copy_file_range into a torch.save file written around a hole, save_pool.save_ranges) where the
+rank files' tensor offsets are found (pt_ranges.py); otherwise it is made in memory, with the tensors alive at once
+bounded in bytes. The output is built in a hidden
 folder beside OUT and moved into place only when complete (output.py).
 """
 from __future__ import annotations
@@ -50,6 +52,7 @@ from toolkit.checkpoint.deepspeed_io import (
     zero3_model_states,
 )
 from toolkit.checkpoint.deepspeed_plain import PlainDeepSpeedSource, _stage_of, is_plain, resolve_tag
+from toolkit.checkpoint.pt_ranges import FileRanges, ranges_of
 from toolkit.checkpoint.save_pool import SavePool
 from toolkit.checkpoint.sources import follow_pointer
 from toolkit.errors import ToolkitError
@@ -243,6 +246,36 @@ def _osds(tag: Path, optims: list[str]) -> list[dict]:
     return osds
 
 
+def _state_tensors(osd: dict, zero3: bool) -> list:
+    """A rank's flat fp32 partitions and Adam moments, in a fixed order (what the per-parameter files are cut from)."""
+    flat = osd["fp32_flat_groups"] if zero3 else osd[FP32_PARTITIONS]
+    state = (osd[OSD] if zero3 else osd["base_optimizer_state"])["state"]
+    return [*flat, *(state[i][k] for i in sorted(state) for k in ("exp_avg", "exp_avg_sq"))]
+
+
+def _file_ranges(tag: Path, optims: list[str], osds: list[dict], zero3: bool) -> list[FileRanges]:
+    """Where those tensors lie in each rank's optimizer file (pt_ranges: offsets read with map_location="meta" and
+    checked against the mapped bytes), so the per-parameter files are filled file to file; a rank whose offsets
+    cannot be found or do not check out has none, and its pieces are written through memory."""
+    out = []
+    for name, osd in zip(optims, osds):
+        try:
+            meta = _state_tensors(safe_load.load(tag / name, deepspeed=True, map_location="meta")[OSD], zero3)
+            out.append(FileRanges(tag / name, _state_tensors(osd, zero3), meta))
+        except (ToolkitError, KeyError, TypeError, IndexError):
+            out.append(FileRanges(tag / name, [], [None]))
+    return out
+
+
+def _submit(pool: SavePool, file: Path, pieces: list, ranges: list, template, make, nbytes: int) -> None:
+    """The file filled file to file from its pieces' byte ranges when they all have one, else made in memory."""
+    where = ranges_of(pieces, ranges)
+    if where is not None:
+        pool.submit_ranges(file, template, where, pieces)
+    else:
+        pool.submit(file, make, nbytes)
+
+
 def _moments(state: dict, where: str) -> dict:
     missing = [k for k in ("exp_avg", "exp_avg_sq") if not torch.is_tensor(state.get(k))]
     if missing:
@@ -254,6 +287,7 @@ def _moments(state: dict, where: str) -> dict:
 def _zero12(tag: Path, zero: Path, models: list[str], optims: list[str], dp: int) -> int:
     states = load_rank_file(tag / MODEL_STATES)
     osds = _osds(tag, optims)
+    ranges = _file_ranges(tag, optims, osds, False)
     paddings = osds[0].get("param_alignment_paddings") or [None] * len(states["param_shapes"])
     written = set()
     with SavePool() as pool:
@@ -269,8 +303,11 @@ def _zero12(tag: Path, zero: Path, models: list[str], optims: list[str], dp: int
                 (zero / name).mkdir(parents=True, exist_ok=True)
                 for key in STATES:
                     pieces = layout.gather(parts[key], off, off + n, layout.partition)
-                    pool.submit(zero / name / f"{key}.pt", lambda p=pieces, s=shapes[name]: {"cat_dim": 0,
-                                "param": _cat(p, s)}, n * parts[key][0].element_size())  # torch.cat: a fresh tensor
+                    dtype = parts[key][0].dtype
+                    _submit(pool, zero / name / f"{key}.pt", pieces, ranges,
+                            lambda s=shapes[name], d=dtype: {"cat_dim": 0, "param": torch.empty(s, dtype=d)},
+                            lambda p=pieces, s=shapes[name]: {"cat_dim": 0, "param": _cat(p, s)},  # a fresh tensor
+                            n * parts[key][0].element_size())
                 if step is not None:
                     pool.submit(zero / name / "step.pt", lambda st=step: st.clone() if torch.is_tensor(st) else st, 0)
                 written.add(name)
@@ -287,6 +324,7 @@ def _zero12(tag: Path, zero: Path, models: list[str], optims: list[str], dp: int
 def _zero3(tag: Path, zero: Path, models: list[str], optims: list[str], dp: int) -> int:
     states = load_rank_file(tag / models[0])
     osds = _osds(tag, optims)
+    ranges = _file_ranges(tag, optims, osds, True)
     count = 0
     with SavePool() as pool:
         for idx, shapes in enumerate(states["param_shapes"]):
@@ -303,9 +341,10 @@ def _zero3(tag: Path, zero: Path, models: list[str], optims: list[str], dp: int)
                     for r in range(dp):
                         take = max(0, min(chunk, n - r * chunk))
                         pieces += _concat_slice([flats[key][r]], off, off + take) if take else []
-                    # torch.cat makes a fresh tensor (not a view of the file), in the worker thread
-                    pool.submit(zero / name / f"{key}.pt", lambda p=pieces: torch.cat(p),
-                                n * flats[key][0].element_size())
+                    # else torch.cat makes a fresh tensor (not a view of the file), in the worker thread
+                    _submit(pool, zero / name / f"{key}.pt", pieces, ranges,
+                            lambda n=n, d=flats[key][0].dtype: torch.empty(n, dtype=d), lambda p=pieces: torch.cat(p),
+                            n * flats[key][0].element_size())
                 off += chunk
                 count += 1
     opt = {k: v for k, v in osds[0].items() if k != "fp32_flat_groups"}
