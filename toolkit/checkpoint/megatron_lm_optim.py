@@ -1,4 +1,6 @@
-"""Writing the distributed optimizer's state in Megatron-LM's legacy layout (`toolkit convert --to megatron_lm`).
+"""Writing the optimizer state in Megatron-LM's legacy layout (`toolkit convert --to megatron_lm`): the distributed
+optimizer's (DistOptimWriter) from a source of the distributed optimizer, the plain optimizer's (PlainOptimWriter,
+its state_dict by position: toolkit/checkpoint/megatron_plain.py) from a source of the plain one.
 
 Beside each model-parallel rank's model_optim_rng.pt, `distrib_optim.pt` as Megatron-Core's save_parameter_state
 writes it: {"buckets_coalesced": True, C: {(param dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq": one fp32
@@ -54,7 +56,7 @@ def optimizer_plan(target, source) -> tuple[dict | None, str | None]:
     if not source.optimizer_distributed:  # the plain optimizer's positions follow from its standard groups
         saved, standard = [g.get("wd_mult") for g in source.optimizer_groups], wd_groups(target.dims, source.args)
         if getattr(source.args, "decoupled_lr", None) is not None or sorted(map(str, saved)) != sorted(
-                map(str, standard)) or len(set(saved)) != len(saved):
+                map(str, standard)) or len(set(map(str, saved))) != len(saved):
             return None, (f"its plain optimizer's param groups (wd_mult {saved}) are not Megatron's standard ones for "
                           f"this model ({sorted(standard)}), which fix where each parameter's state goes: weights only")
     meta = getattr(source, "optimizer_meta", None) or {}
@@ -164,7 +166,8 @@ class PlainOptimWriter(DistOptimWriter):
                 start, end = self._place[(p, c)][1][n]
                 e = named[(p, c)][n]
                 shape = tuple(e.rule.shard_shape(e.hf_shapes, tp))
-                view = (lambda key: chunks[c][key][start:end].view(shape))
+                def view(key: str, c=c, start=start, end=end, shape=shape) -> torch.Tensor:
+                    return chunks[c][key][start:end].view(shape)
                 state[len(state)] = {"step": torch.tensor(float(self.step)), "exp_avg": view("exp_avg"),
                                      "exp_avg_sq": view("exp_avg_sq")}  # torch's Adam keeps its step per parameter
                 ids.append(len(state) - 1)

@@ -159,9 +159,12 @@ class ToolkitMegatronSource(_ShardedSource):
         (distopt_*.pt: flat buffers, read by parameter name as Megatron-LM's distrib_optim.pt is,
         toolkit/checkpoint/megatron_flat.py) and its state_dict (optim_*.pt: the param groups and step). The bucket
         cuts follow from the recipe's DDP settings and the run's data-parallel size."""
-        tag_dir, (tp, pp, _), where = self.tag_dir, self.layout, f"checkpoint {self.tag_dir}"
-        files = {(p, t): paths.inside(tag_dir, f"distopt_{rank_tag(t, p, e if self.ep > 1 else None)}.pt", where)
-                 for p, t, e in ranks}
+        tag_dir, where = self.tag_dir, f"checkpoint {self.tag_dir}"
+        if self._dims.experts:
+            self.optimizer_note = ("its distributed optimizer of a mixture of experts (an expert optimizer of its own) "
+                                   "is not converted: weights only")
+            return
+        files = {(p, t): paths.inside(tag_dir, f"distopt_{rank_tag(t, p)}.pt", where) for p, t, _ in ranks}
         natives = {k: f.with_name(f"optim_{f.name.removeprefix('distopt_')}") for k, f in files.items()}
         if not any(f.is_file() for f in files.values()):
             self.optimizer_note = "it holds no distopt_*.pt files: weights only"
