@@ -54,16 +54,18 @@ def _buffer() -> bytearray:
 def save_ranges(template, file: Path, ranges: list[tuple[int, int, int]], pieces: list[torch.Tensor]) -> None:
     """torch.save(template, file) with its one tensor's bytes left out (torch's skip_data: a hole in the file), then
     those bytes copied into it file to file, in the kernel, from `ranges` ((fd, offset, count) in the source files,
-    whose tensors are `pieces`, in order); read back and compared with `pieces` (the memory-mapped tensors
-    themselves, not the ranges) bit for bit, then loaded with map_location="meta" to check it holds one tensor of
-    their size and dtype. No tensor is copied in this process but through the read-back's 8 MiB buffer. torch.load does not check the zip records' CRC-32, which skip_data leaves
-    that of the hole."""
+    whose tensors are `pieces`, in order), at the offset its map_location="meta" load gives (a file holding one
+    tensor of their size and dtype); read back and compared with `pieces` (the memory-mapped tensors themselves, not
+    the ranges) bit for bit. No tensor is copied in this process but through the read-back's 8 MiB buffer.
+    torch.load does not check the zip records' CRC-32, which skip_data leaves that of the hole."""
     with torch.serialization.skip_data():
         torch.save(template, file)
     meta = safe_load.load(file, deepspeed=True, map_location="meta")
-    at = getattr((meta if torch.is_tensor(meta) else meta["param"]).untyped_storage(), "_checkpoint_offset", None)
-    if not isinstance(at, int):
-        raise ToolkitError(f"internal: no storage offset in {file}")
+    flat = meta if torch.is_tensor(meta) else meta.get("param") if isinstance(meta, dict) else None
+    at = getattr(flat.untyped_storage(), "_checkpoint_offset", None) if torch.is_tensor(flat) else None
+    if not isinstance(at, int) or flat.numel() != sum(p.numel() for p in pieces) or any(
+            p.dtype != flat.dtype for p in pieces):
+        raise ToolkitError(f"internal: {file} does not hold one tensor of its pieces' size and dtype")
     fd, start = os.open(file, os.O_RDWR), at
     try:
         for src, offset, n in ranges:
@@ -83,12 +85,6 @@ def save_ranges(template, file: Path, ranges: list[tuple[int, int, int]], pieces
             at += len(want)
     finally:
         os.close(fd)
-    back = safe_load.load(file, deepspeed=True, map_location="meta")  # and it loads as the tensor it must hold
-    flat = back if torch.is_tensor(back) else back.get("param") if isinstance(back, dict) else None
-    if not torch.is_tensor(flat) or flat.numel() != sum(p.numel() for p in pieces) or any(
-            p.dtype != flat.dtype for p in pieces):
-        raise ToolkitError(f"verification failed: {file} does not load as the tensor copied into it; nothing was "
-                           "written")
 
 
 def _return_freed_memory() -> None:
