@@ -74,11 +74,11 @@ class PlainLegacyState:
         self._at: dict[tuple[str, int], tuple[dict, torch.Tensor | None]] = {}  # (entry, tp) -> (state, main)
         self._checked: set = set()
         if dims.experts:
-            self.note = "its optimizer state of a mixture of experts (an expert optimizer of its own) is not converted"
-            self.note += ": weights only"
+            self.note = ("its optimizer state of a mixture of experts (an expert optimizer of its own) is not "
+                         "converted: weights only")
             return
         if getattr(args, "decoupled_lr", None) is not None:
-            self.note = ("its optimizer has --decoupled-lr param groups, which are not converted: weights only")
+            self.note = "its optimizer has --decoupled-lr param groups, which are not converted: weights only"
             return
         tp, pp, vpp = layout
         chunks = chunk_entries(dims, pp, vpp)
@@ -95,7 +95,7 @@ class PlainLegacyState:
                                              f"{'Float16Optimizer' if sixteen_bit else 'FP32Optimizer'}",
                                              "convert with --weights-only"))
                 continue
-            named = {}  # this rank's parameters, in registration order: {name: (chunk, entry)}
+            named = {}  # this rank's parameters, in registration order: {(chunk, name): entry}
             for c in range(vpp):
                 known = chunks[(p, c)]
                 for n in order[(p, t)][c]:
