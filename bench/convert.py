@@ -46,6 +46,11 @@ SIZES = {  # Llama-shaped configs; parameter counts are printed by the run
 }
 
 
+STEPS = ("hf->tp2pp2", "tp2pp2->tp4pp1", "tp4pp1->hf", "hf->torch_dist", "torch_dist->megatron_lm",
+         "megatron_lm->hf")
+"""The conversions bench_size runs, in order (--steps names a subset)."""
+
+
 def write_random_hf(folder: Path, shape: dict, dtype_name: str) -> int:
     """A random Llama checkpoint written one tensor at a time; returns its parameter count. Runs in a child
     process (--generate): the parent must not import torch, or every child's peak RSS would start at its size."""
@@ -137,6 +142,7 @@ def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | N
              ("torch_dist->megatron_lm", "td", "mlm", ["--to", "megatron_lm", "--tp", "2", "--pp", "2",
                                                       "--vocab-size", str(SIZES[name]["vocab_size"])]),
              ("megatron_lm->hf", "mlm", "back2", ["--to", "hf", "--vocab-size", str(SIZES[name]["vocab_size"])])]
+    assert tuple(s[0] for s in steps) == STEPS
     steps = [s for s in steps if not only or s[0] in only]
     plan = [("cp", None, ["bash", "-c", cp.format(out=root / "copy")], root / "copy")]
     for mode, flag in (("no-verify", ["--no-verify"]), ("verify", [])):
@@ -198,9 +204,11 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown size(s) {unknown}; choose from {', '.join(SIZES)}")
     dtype = args.dtype
+    only = [s.strip() for s in args.steps.split(",")] if args.steps else None
+    if only and set(only) - set(STEPS):  # e.g. a shell that took "->" for a redirection
+        ap.error(f"unknown step(s) {sorted(set(only) - set(STEPS))}; choose from {', '.join(STEPS)} (quote them)")
     print(f"bench/convert.py: {os.cpu_count()} CPUs; sizes {sizes}")
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="bench_convert_") as work:
-        only = [s.strip() for s in args.steps.split(",")] if args.steps else None
         rows = [r for s in sizes for r in bench_size(s, Path(work), dtype, args.reps, only)]
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -126,8 +126,15 @@ class DistOptimWriter:
         for t, piece in enumerate(pieces):
             self._buffer(entry.pp_rank, t)[entry.chunk][key][start:end].copy_(piece.reshape(-1))
 
-    def save(self, p: int, t: int, folder: Path) -> dict:
-        """Writes the rank's distrib_optim.pt; gives what its model_optim_rng.pt holds beside the model."""
+    def extra(self, p: int, t: int) -> dict:
+        """What the rank's model_optim_rng.pt holds beside the model (written before the stage's parameters come)."""
+        optimizer = {"optimizer": {"param_groups": [dict(g) for g in self.groups]}}
+        if self.scaler:
+            optimizer["grad_scaler"] = dict(self.scaler)
+        return {"optimizer": optimizer, "opt_param_scheduler": self.scheduler}
+
+    def finish(self, p: int, t: int, folder: Path) -> None:
+        """Once the stage is complete and its model_optim_rng.pt finished: writes the rank's distrib_optim.pt."""
         chunks = self._buffers.pop((p, t))
         dtypes = (self.target.out_dtype, torch.float32)  # Megatron-LM's params, and its fp32 gradient buffers
         torch.save({"buckets_coalesced": True,
@@ -135,10 +142,6 @@ class DistOptimWriter:
                    folder / "distrib_optim.pt")
         del chunks
         self._release(p, t)
-        optimizer = {"optimizer": {"param_groups": [dict(g) for g in self.groups]}}
-        if self.scaler:
-            optimizer["grad_scaler"] = dict(self.scaler)
-        return {"optimizer": optimizer, "opt_param_scheduler": self.scheduler}
 
     def _release(self, p: int, t: int) -> None:
         for c in range(self.target.layout[2]):
@@ -155,8 +158,10 @@ class PlainOptimWriter(DistOptimWriter):
     rank's model_optim_rng.pt, the optimizer's state_dict with every parameter's state at the position Megatron-Core's
     param groups give it at the new layout (local spec), as views of the same scratch buffers."""
 
-    def save(self, p: int, t: int, folder: Path) -> dict:
-        chunks, tp = self._buffers.pop((p, t)), self.target.layout[0]
+    def extra(self, p: int, t: int) -> dict:
+        """The optimizer's state_dict in the rank's model_optim_rng.pt: views of the scratch buffers, which the
+        stage's parameters fill before the file is finished (pt_skeleton.Skeleton.finish writes them)."""
+        chunks, tp = self._buffer(p, t), self.target.layout[0]
         named = chunk_entries(self.target.dims, *self.target.layout[1:])
         state, groups, mains = {}, [], []
         for group, members in zip(self.groups, positions(self.target.dims, self.target.layout, p, self.groups,
@@ -179,5 +184,9 @@ class PlainOptimWriter(DistOptimWriter):
             optimizer = {"optimizer": optimizer, "fp32_from_fp16_params": mains}
             if self.scaler:
                 optimizer["grad_scaler"] = dict(self.scaler)
-        self._release(p, t)  # the views keep the mapped storage until the rank file is written
         return {"optimizer": optimizer, "opt_param_scheduler": self.scheduler}
+
+    def finish(self, p: int, t: int, folder: Path) -> None:
+        """Once the rank file is finished (the views' bytes written): the scratch buffers removed."""
+        del self._buffers[(p, t)]
+        self._release(p, t)

@@ -11,8 +11,10 @@ distributed optimizer's state, that state is written too (`distrib_optim.pt`, an
 entries of model_optim_rng.pt: toolkit/checkpoint/megatron_lm_optim.py), and Megatron-LM continues with
 `--use-distributed-optimizer --no-load-rng`.
 
-Memory: a rank file is a single pickle, so each is built in memory and written once its pipeline stage is
-complete (HF order visits stages in turn without virtual chunks; with them, a stage's chunks are spread out).
+Memory: a rank file is a single pickle of its whole pipeline stage, so it is written before its weights are known:
+torch.save of the stage's state dict with unwritten tensors (toolkit/checkpoint/pt_skeleton.py), when the stage's
+first parameter comes; each weight's bytes are then written into it as the parameter is converted, and the file is
+finished once its stage is complete. No stage is ever held in memory: a conversion holds the parameter in hand.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, registration_order
 from toolkit.checkpoint.megatron_lm import rank_dir
 from toolkit.checkpoint.megatron_lm_optim import optimizer_writer
+from toolkit.checkpoint.pt_skeleton import Skeleton
 from toolkit.families import family_named
 from toolkit.families.entries import holders, iter_entries, raise_problems, rank_key
 from toolkit.families.mapping import check_dims
@@ -78,6 +81,17 @@ def _registered(chunk: dict) -> dict:
     return {k: chunk[k] for k in sorted(chunk, key=rank.__getitem__)}
 
 
+class _StageEnd:
+    """The last write of a stage: finishes its rank files (and the optimizer's) once the writes before it are done."""
+
+    def __init__(self, target, p: int):
+        self.target, self.p = target, p
+
+    def write(self, _key, _value) -> int:
+        self.target._finish_stage(self.p)
+        return 0
+
+
 class MegatronLMTarget:
     """A Megatron-LM legacy checkpoint root; see the module docstring. The distributed optimizer's state too
     (`distrib_optim.pt`, toolkit/checkpoint/megatron_lm_optim.py) when the source carries a Megatron optimizer's."""
@@ -92,9 +106,10 @@ class MegatronLMTarget:
         self.tag_dir = root / f"iter_{self.step:07d}"
         self.out_dtype = dtype or source.dtype()
         entries = list(iter_entries(self.dims, pp, vpp, ep))
-        self._left = {p: sum(1 for e in entries if e.pp_rank == p) for p in range(pp)}
-        self._states = {rank_key(p, t, e, ep): [{} for _ in range(vpp)]
-                        for p in range(pp) for t in range(tp) for e in range(ep)}
+        self._stages = {p: [e for e in entries if e.pp_rank == p] for p in range(pp)}
+        self._left = {p: len(self._stages[p]) for p in range(pp)}
+        self._files: dict[tuple, Skeleton] = {}  # the open rank files, by rank_key
+        self._slots: dict[tuple, torch.Tensor] = {}  # (rank_key, chunk, name): its unwritten tensor in the file
         self.total = sum(torch.Size(e.rule.shard_shape(e.hf_shapes, tp)).numel() * len(holders(e, ep))
                          for e in entries) * tp * self.out_dtype.itemsize
         self._args = model_args(self.dims, source.config, tp, pp, vpp, source.divisible_by, self.out_dtype, "torch",
@@ -107,46 +122,66 @@ class MegatronLMTarget:
             self.total += self.optim.total
 
     def writes(self, entry, field: str, hf_tensors: list[torch.Tensor]) -> list:
-        """Keeps this parameter's TP shards (compact copies) for their rank files (every expert-parallel rank holding
-        it), its optimizer fields in the distributed optimizer's buffers; writes a stage once complete."""
-        tp = self.layout[0]
+        """(rank file, its tensor, TP shard) for each rank file holding this parameter (every expert-parallel rank
+        holding it), for convert's write-behind thread, which writes them in order; its optimizer fields go into the
+        optimizer's buffers here. After a stage's last parameter, the stage is finished in the same order."""
+        tp, p = self.layout[0], entry.pp_rank
+        if p in self._stages:
+            self._open_stage(p)
         pieces = entry.to_megatron(hf_tensors, tp)
         if self.optim:
             self.optim.put(entry, field, pieces)
+        writes = []
         if field == WEIGHT:
-            self._keep(entry, pieces)
+            for t, piece in enumerate(pieces):
+                for e in holders(entry, self.ep):
+                    key = rank_key(p, t, e, self.ep)
+                    slot = self._slots.pop((key, entry.chunk, entry.megatron_name))
+                    writes.append((self._files[key], slot, piece.to(self.out_dtype)))
         if field == self.fields[-1]:
-            self._left[entry.pp_rank] -= 1
-            if self._left[entry.pp_rank] == 0:
-                self._save_stage(entry.pp_rank)
-        return []
+            self._left[p] -= 1
+            if self._left[p] == 0:
+                writes.append((_StageEnd(self, p), None, None))
+        return writes
 
-    def _keep(self, entry, pieces: list[torch.Tensor]) -> None:
-        for t, piece in enumerate(pieces):
-            piece = piece.to(self.out_dtype).clone()
-            for e in holders(entry, self.ep):
-                chunk = self._states[rank_key(entry.pp_rank, t, e, self.ep)][entry.chunk]
-                chunk[entry.megatron_name] = piece
+    def _open_stage(self, p: int) -> None:
+        """Every rank file of stage p, written with its weights left unwritten (pt_skeleton.Skeleton): the local-spec
+        state dict, with the `_extra_state` entries, and what the optimizer writer puts beside the model."""
+        tp, pp, vpp = self.layout
+        entries = self._stages.pop(p)
+        for t, e in ((t, e) for t in range(tp) for e in range(self.ep)):
+            key = rank_key(p, t, e, self.ep)
+            chunks: list[dict] = [{} for _ in range(vpp)]
+            for entry in (x for x in entries if e in holders(x, self.ep)):
+                chunk = chunks[entry.chunk]
+                slot = torch.empty(entry.rule.shard_shape(entry.hf_shapes, tp), dtype=self.out_dtype)  # not touched
+                chunk[entry.megatron_name] = self._slots[(key, entry.chunk, entry.megatron_name)] = slot
                 linear = _LINEAR.match(entry.megatron_name)
                 if linear:
                     chunk[f"{linear.group(1)}._extra_state"] = None
                 if entry.megatron_name == "output_layer.weight":
                     chunk["output_layer._extra_state"] = None
-
-    def _save_stage(self, p: int) -> None:
-        tp, pp, vpp = self.layout
-        for t, e in ((t, e) for t in range(tp) for e in range(self.ep)):
+            chunks = [_registered(c) for c in chunks]
+            models = {"model": chunks[0]} if vpp == 1 else {f"model{c}": s for c, s in enumerate(chunks)}
+            extra = self.optim.extra(p, t) if self.optim else {}
             folder = self.tag_dir / rank_dir(t, p, pp, e, self.ep)
             folder.mkdir(parents=True, exist_ok=True)
-            chunks = [_registered(c) for c in self._states.pop(rank_key(p, t, e, self.ep))]
-            models = {"model": chunks[0]} if vpp == 1 else {f"model{c}": s for c, s in enumerate(chunks)}
-            extra = self.optim.save(p, t, folder) if self.optim else {}
-            torch.save({"args": self._args, "checkpoint_version": 3.0, "iteration": self.step,
-                        "num_floating_point_operations_so_far": 0, **models, **extra}, folder / "model_optim_rng.pt")
+            self._files[key] = Skeleton(folder / "model_optim_rng.pt", {
+                "args": self._args, "checkpoint_version": 3.0, "iteration": self.step,
+                "num_floating_point_operations_so_far": 0, **models, **extra},
+                [v for k, v in self._slots.items() if k[0] == key])
+
+    def _finish_stage(self, p: int) -> None:
+        tp, pp, _ = self.layout
+        for t, e in ((t, e) for t in range(tp) for e in range(self.ep)):
+            self._files.pop(rank_key(p, t, e, self.ep)).finish()
+            if self.optim and e == 0:
+                self.optim.finish(p, t, self.tag_dir / rank_dir(t, p, pp, e, self.ep))
 
     def close(self) -> None:
-        if self._states:
-            raise RuntimeError(f"internal: stages {sorted({k[0] for k in self._states})} were never completed")
+        if self._stages or self._files:
+            raise RuntimeError(f"internal: stages {sorted({*self._stages, *(k[0] for k in self._files)})} were "
+                               "never completed")
         if self.optim:
             self.optim.close()
         (self.root / "latest_checkpointed_iteration.txt").write_text(str(self.step))

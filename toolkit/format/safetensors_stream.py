@@ -9,12 +9,15 @@ standard: `safetensors.safe_open` and `transformers` read them.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import json
 import os
 import struct
+import threading
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -31,6 +34,20 @@ _CHUNK = 16 * 2**20  # the bounded buffer of the user-space copy (when copy_file
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM}
 """copy_file_range errors that mean "not between these files" (another file system, an old kernel, a file system
 without it, a sandbox that forbids it): the copy then goes through user space. Any other error is raised."""
+_COPY_CHUNK = 32 * 2**20
+"""write_ranges cuts its ranges into copies of at most this many bytes, run on COPY_THREADS threads."""
+COPY_THREADS = max(1, int(os.environ.get("TOOLKIT_COPY_THREADS", "") or min(4, os.cpu_count() or 1)))
+"""Threads copying one tensor's byte ranges at once (TOOLKIT_COPY_THREADS; 1 copies them in order). The kernel's
+copy of cached pages takes a core: one thread left a 2-core machine's second core idle (2.6 s against 1.3 s for
+2.7 GiB, both with start_writeback)."""
+_copy_pool: ThreadPoolExecutor | None = None
+_copy_pool_lock = threading.Lock()
+try:
+    _sync_file_range = ctypes.CDLL(None, use_errno=True).sync_file_range
+    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+except (OSError, AttributeError):  # not Linux
+    _sync_file_range = None
+_SYNC_FILE_RANGE_WRITE = 2
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -236,7 +253,8 @@ class Writer:
             raise ToolkitError(f"{self.path}: {name} is {tuple(tensor.shape)} {tensor.dtype}, declared "
                                f"{tuple(info['shape'])} {info['dtype']}")
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        _pwrite_all(self._f.fileno(), memoryview(data), self._base + info["data_offsets"][0])
+        pwrite_all(self._f.fileno(), memoryview(data), self._base + info["data_offsets"][0])
+        start_writeback(self._f.fileno(), self._base + info["data_offsets"][0], data.size)
         self._advance(name)
         return data.size
 
@@ -253,8 +271,9 @@ class Writer:
         at = self._base + begin
         for p in pieces:
             data = p.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            _pwrite_all(self._f.fileno(), memoryview(data), at)
+            pwrite_all(self._f.fileno(), memoryview(data), at)
             at += data.size
+        start_writeback(self._f.fileno(), self._base + begin, stop - begin)
         self._advance(name)
         return stop - begin
 
@@ -267,17 +286,19 @@ class Writer:
         if sum(n for _, _, n in ranges) != stop - begin:
             raise ToolkitError(f"{self.path}: {name} takes {stop - begin} bytes, the ranges to copy hold "
                                f"{sum(n for _, _, n in ranges)}")
-        at = self._base + begin
+        at, out, copies = self._base + begin, self._f.fileno(), []
         for fd, offset, n in ranges:
             if fd is None:
                 zeros = bytes(min(n, _CHUNK))
                 for done in range(0, n, len(zeros)):
-                    _pwrite_all(self._f.fileno(), memoryview(zeros)[:min(len(zeros), n - done)], at + done)
+                    pwrite_all(out, memoryview(zeros)[:min(len(zeros), n - done)], at + done)
             else:
-                kernel = copy_range(fd, offset, self._f.fileno(), at, n)
-                self.kernel_bytes += kernel
-                self.user_bytes += n - kernel
+                copies += [(fd, offset + d, at + d, min(_COPY_CHUNK, n - d)) for d in range(0, n, _COPY_CHUNK)]
             at += n
+        kernel = sum(_run_copies(out, copies))
+        self.kernel_bytes += kernel
+        self.user_bytes += sum(c[-1] for c in copies) - kernel
+        start_writeback(out, self._base + begin, stop - begin)
         self._advance(name)
         return stop - begin
 
@@ -297,7 +318,39 @@ class Writer:
         self._f.close()
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+def start_writeback(fd: int, offset: int, n: int) -> None:
+    """Ask the kernel to start writing these bytes to disk now (Linux's sync_file_range with SYNC_FILE_RANGE_WRITE,
+    which does not wait for them), so the disk works while the conversion goes on and the fsync at close() finds
+    little left: 0.02 s instead of 0.7-0.9 s for 2.7 GiB here. Elsewhere, or if the call fails, a no-op: close()'s
+    fsync still flushes everything."""
+    if _sync_file_range is not None and n > 0:
+        _sync_file_range(fd, offset, n, _SYNC_FILE_RANGE_WRITE)
+
+
+def _run_copies(dst: int, copies: list[tuple[int, int, int, int]]) -> list[int]:
+    """copy_range of each (src fd, src offset, dst offset, count) into dst; returns the bytes the kernel copied of
+    each. In batches of about _COPY_CHUNK bytes (a row-parallel shard is one small copy per row) on COPY_THREADS
+    threads when there are several batches. Every copy has finished when this returns or raises."""
+    global _copy_pool
+    batches, size = [[]], 0
+    for c in copies:
+        if size >= _COPY_CHUNK:
+            batches.append([])
+            size = 0
+        batches[-1].append(c)
+        size += c[-1]
+    if len(batches) < 2 or COPY_THREADS == 1:
+        return [copy_range(src, at, dst, to, n) for src, at, to, n in copies]
+    with _copy_pool_lock:
+        if _copy_pool is None:
+            _copy_pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="toolkit-copy")
+    futures = [_copy_pool.submit(lambda b=b: [copy_range(src, at, dst, to, n) for src, at, to, n in b])
+               for b in batches]
+    wait(futures)
+    return [k for f in futures for k in f.result()]  # the first failure, raised once none is still writing
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
@@ -328,7 +381,7 @@ def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, n: int) -> 
             if got <= 0:
                 raise ToolkitError(f"the file being copied from ended {n - done} bytes early (at offset "
                                    f"{src_offset + done}): it was truncated while converting; re-copy it")
-            _pwrite_all(dst, buf[:got], dst_offset + done)
+            pwrite_all(dst, buf[:got], dst_offset + done)
             done += got
     return kernel
 

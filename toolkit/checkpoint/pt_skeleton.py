@@ -1,0 +1,97 @@
+"""A torch.save file written before the bytes of its tensors exist, then filled in place: how a Megatron-LM legacy
+rank file (one pickle of a whole pipeline stage, toolkit/checkpoint/megatron_lm_write.py) is written in bounded
+memory.
+
+Skeleton(path, obj) runs torch.save(obj, path) under torch.serialization.skip_data: every storage gets its zip record,
+of its size, with nothing written in it. obj's tensors may be unwritten torch.empty ones, which take address space but
+no resident memory. The file is then loaded back with map_location="meta", which gives each storage's offset in the
+file, paired with obj's tensors in the order both walks visit them. put(tensor, data) writes data's bytes where that
+tensor of obj lies in the file; finish() writes the bytes of every storage not put, from the storage itself (small
+tensors, memory-mapped optimizer buffers), and checks that each tensor meant to be put was. torch.load does not check
+the records' CRC-32, which skip_data leaves those of the empty records (as in save_pool.save_ranges).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from toolkit.format import safe_load
+from toolkit.format.safetensors_stream import pwrite_all, start_writeback
+
+
+def tensors(obj, path: tuple = ()) -> Iterator[tuple[tuple, torch.Tensor]]:
+    """(path, tensor) of every tensor in nested dicts, lists and tuples, in pickling order."""
+    if torch.is_tensor(obj):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from tensors(v, (*path, k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from tensors(v, (*path, i))
+
+
+def _key(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+class Skeleton:
+    """One torch.save file of `obj`, its tensors' bytes written later (see the module docstring). `later`: the tensors
+    of obj whose bytes come through put(); the others' are written by finish() from their own storage."""
+
+    def __init__(self, path: Path, obj, later: list[torch.Tensor]):
+        self.path, self.obj = Path(path), obj
+        with torch.serialization.skip_data():
+            torch.save(obj, self.path)
+        meta = safe_load.load(self.path, deepspeed=False, map_location="meta")
+        self._offset: dict[tuple[int, int], int] = {}
+        mine, theirs = list(tensors(obj)), list(tensors(meta))
+        if [p for p, _ in mine] != [p for p, _ in theirs]:
+            raise RuntimeError(f"internal: {self.path} reads back with other tensors than were saved")
+        for (_, t), (_, m) in zip(mine, theirs):
+            at = getattr(m.untyped_storage(), "_checkpoint_offset", None)
+            if not isinstance(at, int) or m.untyped_storage().nbytes() != t.untyped_storage().nbytes():
+                raise RuntimeError(f"internal: no record offset for a tensor of {self.path}")
+            self._offset.setdefault(_key(t), at)
+        self._later = {_key(t) for t in later if t.untyped_storage().nbytes()}
+        self._put: set[tuple[int, int]] = set()
+        self._fd = os.open(self.path, os.O_RDWR)
+
+    def write(self, tensor: torch.Tensor, data: torch.Tensor) -> int:
+        """put(tensor, data); returns the byte count (a write of convert's write-behind thread: `w.write(k, t)`)."""
+        self.put(tensor, data)
+        return data.numel() * data.element_size()
+
+    def put(self, tensor: torch.Tensor, data: torch.Tensor) -> None:
+        """The bytes of `data` (same shape and dtype) where `tensor` of obj (a whole storage) lies in the file."""
+        if data.shape != tensor.shape or data.dtype != tensor.dtype or tensor.storage_offset() or \
+                tensor.numel() * tensor.element_size() != tensor.untyped_storage().nbytes():
+            raise RuntimeError(f"internal: {tuple(data.shape)} {data.dtype} put for a {tuple(tensor.shape)} "
+                               f"{tensor.dtype} tensor of {self.path}")
+        key = _key(tensor)
+        raw = data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        pwrite_all(self._fd, memoryview(raw), self._offset[key])
+        start_writeback(self._fd, self._offset[key], raw.size)
+        self._put.add(key)
+
+    def finish(self) -> None:
+        """Write every storage not put from its own bytes; check every tensor meant for put() came; close."""
+        try:
+            if self._later - self._put:
+                raise RuntimeError(f"internal: {len(self._later - self._put)} tensors of {self.path} were never "
+                                   "written")
+            done = set(self._put)
+            for _, t in tensors(self.obj):
+                key = _key(t)
+                if key in done or not key[1]:
+                    continue
+                raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
+                pwrite_all(self._fd, memoryview(raw), self._offset[key])
+                done.add(key)
+        finally:
+            os.close(self._fd)
+        self.obj = None
