@@ -152,10 +152,12 @@ class MegatronLMTarget:
         for t, e in ((t, e) for t in range(tp) for e in range(self.ep)):
             key = rank_key(p, t, e, self.ep)
             chunks: list[dict] = [{} for _ in range(vpp)]
+            slots = []
             for entry in (x for x in entries if e in holders(x, self.ep)):
                 chunk = chunks[entry.chunk]
                 slot = torch.empty(entry.rule.shard_shape(entry.hf_shapes, tp), dtype=self.out_dtype)  # not touched
                 chunk[entry.megatron_name] = self._slots[(key, entry.chunk, entry.megatron_name)] = slot
+                slots.append(slot)
                 linear = _LINEAR.match(entry.megatron_name)
                 if linear:
                     chunk[f"{linear.group(1)}._extra_state"] = None
@@ -168,8 +170,7 @@ class MegatronLMTarget:
             folder.mkdir(parents=True, exist_ok=True)
             self._files[key] = Skeleton(folder / "model_optim_rng.pt", {
                 "args": self._args, "checkpoint_version": 3.0, "iteration": self.step,
-                "num_floating_point_operations_so_far": 0, **models, **extra},
-                [v for k, v in self._slots.items() if k[0] == key])
+                "num_floating_point_operations_so_far": 0, **models, **extra}, slots)
 
     def _finish_stage(self, p: int) -> None:
         tp, pp, _ = self.layout
