@@ -12,7 +12,10 @@ import pytest
 import torch
 from conftest import REPO
 
+from toolkit.checkpoint import convert as convert_mod
 from toolkit.checkpoint.convert import convert
+from toolkit.checkpoint.sources import open_source
+from toolkit.checkpoint.verify import verify_logits
 from toolkit.errors import ToolkitError
 from toolkit.families import llama, qwen2
 from toolkit.families.entries import iter_entries
@@ -104,21 +107,94 @@ def _swapped(what: str, real):
                          ids=["llama-qk", "llama-gate_up", "qwen2-qk_bias"])
 def test_mapping_mistake_is_caught_by_default_verification(tmp_path, family, mistake):
     """HF -> Megatron (the mistake goes into the written files) and Megatron -> HF (the mistake goes into the
-    folder): both round trips through the same wrong map read back bit-exactly, so only the logit check, which
-    reads Megatron files by the family's separate modules table, can catch it. It does, and DST stays absent."""
+    folder): both round trips through the same wrong map would read back bit-exactly through the map, so only a read
+    by the family's separate modules table can catch it. The default verification's logit check reads the Megatron
+    side that way and hashes it against the digests the map's read gave: it names the first swapped tensor, and DST
+    stays absent. Without the digests the hidden states themselves disagree after the first layer."""
     hf = tmp_path / "hf"
     name = family.FAMILY.name  # q and k of one shape, so a swap is silent
     _write_hf(hf, layers=2, hidden=64, ffn=128, heads=4, kv_heads=4, family=name)
     good_mg = convert(hf, tmp_path / "good_mg", "megatron", tp=2, progress=False, log=lambda *_: None)
     real = family.FAMILY.layer
+    swapped = {"qk": r"self_attn\.[qk]_proj\.weight", "gate_up": r"mlp\.(gate|up)_proj\.weight",
+               "qk_bias": r"self_attn\.[qk]_proj\.(weight|bias)"}[mistake]
     object.__setattr__(family.FAMILY, "layer", _swapped(mistake, real))  # a frozen dataclass; restored below
     try:
         for src, dst, to in ((hf, tmp_path / "bad_mg", "megatron"), (good_mg, tmp_path / "bad_hf", "hf")):
-            with pytest.raises(ToolkitError, match=r"verification failed: after decoder layer 0 \(model.layers.0\)"):
+            with pytest.raises(ToolkitError, match=rf"verification failed: model\.layers\.0\.{swapped} \(weight\) "
+                                                   r"reads back different from the source's"):
                 convert(src, dst, to, tp=2 if to == "megatron" else 1, progress=False, log=lambda *_: None)
             assert not dst.exists()
             assert sorted(p.name for p in tmp_path.iterdir()) == ["good_mg", "hf"]  # no scratch folder left
         # without the check the same conversion succeeds: nothing else in the pipeline notices the mistake
-        convert(hf, tmp_path / "unchecked", "megatron", tp=2, verify=False, progress=False, log=lambda *_: None)
+        unchecked = convert(hf, tmp_path / "unchecked", "megatron", tp=2, verify=False, progress=False,
+                            log=lambda *_: None)
+        # and the logit comparison alone (no digests to hash against) catches it too
+        reference, output = open_source(hf), open_source(unchecked)
+        try:
+            with pytest.raises(ToolkitError, match=r"verification failed: after decoder layer 0 \(model.layers.0\)"):
+                verify_logits(reference, output, torch.float32, hf, lambda *_: None)
+        finally:
+            reference.close()
+            output.close()
     finally:
         object.__setattr__(family.FAMILY, "layer", real)
+
+
+def test_verification_reads_the_output_once_and_proves_every_tensor(tmp_path, monkeypatch):
+    """The bit-exact read-back of the weights is done on the logit check's own reads: each output tensor is read
+    once (it was read twice before), the weights the copy path never read are read once from the source, and a
+    tensor corrupted on disk after it was written still fails, naming it."""
+    hf = tmp_path / "hf"
+    _write_hf(hf, layers=2, hidden=64, ffn=128, heads=4, kv_heads=4)
+    reads: dict[tuple[str, str], int] = {}
+    real_get = st.Reader.get
+
+    def counting(self, name):
+        key = (str(self.path.relative_to(tmp_path)), name)
+        reads[key] = reads.get(key, 0) + 1
+        return real_get(self, name)
+
+    monkeypatch.setattr(st.Reader, "get", counting)
+    lines = []
+    convert(hf, tmp_path / "mg", "megatron", tp=2, progress=False, log=lines.append)
+    out = {k: n for k, n in reads.items() if k[0].startswith(".")}  # the scratch folder, renamed to mg after
+    assert out and set(out.values()) == {1}, out
+    assert any("all 21 tensors read back bit-exactly" in line for line in lines), lines
+
+    # a byte of one written tensor flipped between the write and the check: the read-back names it
+    def corrupt_then_verify(*args, _real=convert_mod._verify):
+        folder = args[1]
+        reader = st.Reader(next(folder.rglob("*.safetensors")))
+        name = next(k for k in reader.keys() if "linear_fc2" in k)
+        fd, offset, _ = reader.span(name)
+        os.pwrite(fd_w := os.open(reader.path, os.O_WRONLY), b"\x7f", offset + 5)
+        os.close(fd_w)
+        reader.close()
+        return _real(*args)
+
+    monkeypatch.setattr(convert_mod, "_verify", corrupt_then_verify)
+    with pytest.raises(ToolkitError, match=r"verification failed: model\.layers\.\d\.mlp\.down_proj\.weight "
+                                           r"\(weight\) reads back different from the source's"):
+        convert(hf, tmp_path / "bad", "megatron", tp=2, progress=False, log=lambda *_: None)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_mapped_reads_equal_positioned_reads_and_a_truncated_file_is_one_line(tmp_path):
+    """Reader.get within mapped(): the same tensors as positioned reads, writable (copy-on-write: the file is not
+    changed), and a file cut short after it was opened is refused in one line, never a fault on touch."""
+    path = tmp_path / "t.safetensors"
+    tensors = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.arange(5, dtype=torch.bfloat16),
+               "c": torch.zeros(0)}
+    st.save(tensors, path)
+    before = path.read_bytes()
+    reader = st.Reader(path)
+    with st.mapped():
+        got = {k: reader.get(k) for k in tensors}
+    assert all(torch.equal(got[k], tensors[k]) for k in tensors)
+    got["a"].add_(1)  # a private copy of the page
+    assert path.read_bytes() == before and torch.equal(reader.get("a"), tensors["a"])
+    os.truncate(path, len(before) - 4)
+    with st.mapped(), pytest.raises(ToolkitError, match=r"short read of b: the file was truncated while converting"):
+        reader.get("b")
+    reader.close()

@@ -114,8 +114,9 @@ def test_convert_hf_to_megatron_ep2_and_back_is_bit_exact(moe, tmp_path):
 
 
 def test_a_gate_up_swap_in_the_expert_map_is_caught_by_verification(moe, tmp_path):
-    """The conversion's logit check places Megatron tensors by the family's separate MODULES table: an expert map
-    with gate= and up= exchanged fails it, and nothing is written."""
+    """The conversion's logit check places Megatron tensors by the family's separate MODULES table and hashes them
+    against what the conversion read: an expert map with gate= and up= exchanged fails it, naming the tensor, and
+    nothing is written."""
     folder, _, _ = moe
     real = qwen3_moe.FAMILY.layer
 
@@ -125,7 +126,8 @@ def test_a_gate_up_swap_in_the_expert_map_is_caught_by_verification(moe, tmp_pat
 
     object.__setattr__(qwen3_moe.FAMILY, "layer", swapped)  # a frozen dataclass; restored below
     try:
-        with pytest.raises(ToolkitError, match=r"verification failed: after decoder layer 0"):
+        with pytest.raises(ToolkitError, match=r"verification failed: model\.layers\.0\.mlp\.experts\.\d+\."
+                                               r"(gate|up)_proj\.weight \(weight\) reads back different"):
             convert(folder, tmp_path / "bad", "megatron", ep=2, progress=False, log=lambda *_: None)
         assert not (tmp_path / "bad").exists()
     finally:

@@ -13,8 +13,8 @@ address tensor cannot go (a rule that checks values, such as the TP copies of a 
 shape the block does not divide), or where the ranges would be tiny (row-parallel splits leave one range per row,
 MIN_RANGE), the parameter takes the streaming path instead.
 
-Verification does not rely on this: the source-side SHA-256 is still taken from the tensors the source hands out,
-and the read-back hashes what the output's own reader reads from the written files.
+Verification does not rely on this: the source-side hash is taken from the tensors the source hands out (on the
+logit check's reads), and the read-back hashes what is read from the written files.
 """
 from __future__ import annotations
 

@@ -364,8 +364,8 @@ def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log,
             for field in target.fields:
                 t1 = time.monotonic()
                 copies = byte_ranges.plan(source, target, entry, field, cast, WEIGHT)
-                if copies is not None:  # file to file in the kernel; the hash still comes from what read() gives
-                    if digests is not None and entry.reads_back:
+                if copies is not None:  # file to file in the kernel; the weights are hashed when verified
+                    if digests is not None and entry.reads_back and field != WEIGHT:
                         digests.add(entry.hf_names, field, [_cast(x, cast, field)
                                                             for x in source.read(entry.hf_names, field)])
                     read_s += time.monotonic() - t1
@@ -373,9 +373,10 @@ def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log,
                     del copies
                     continue
                 hf = [_cast(x, cast, field) for x in source.read(entry.hf_names, field)]
-                if digests is not None and entry.reads_back:
-                    # hashed here (hashlib releases the GIL while the writer thread writes), so no queued write
-                    # keeps the source tensors alive after their split: memory stays that of --no-verify
+                if digests is not None and entry.reads_back and field != WEIGHT:
+                    # the optimizer state, which the logit check does not read (it hashes the weights), is hashed
+                    # here (the hash releases the GIL while the writer thread writes), so no queued write keeps
+                    # the source tensors alive after their split: memory stays that of --no-verify
                     digests.add(entry.hf_names, field, hf)
                 t2 = time.monotonic()
                 writes = target.writes(entry, field, hf)
@@ -403,14 +404,17 @@ def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log,
 
 def _verify(source: Source, written: Path, fields: tuple[str, ...], cast, log, digests: Digests,
             hf_folder: Path | None) -> None:
-    """The output read back must hash as the source did when written, and transformers' model must give the same
-    logits with the output's weights as with the source's (toolkit/checkpoint/verify.py); memory one layer."""
-    read_back(source, written, fields, digests, log)
-    output_source = open_source(written, source.dims().vocab)  # the true vocabulary, for Megatron-LM-style outputs
+    """transformers' model must give the same logits with the output's weights as with the source's, and every
+    tensor of the output read back must hash as the source's did when written (the weights on the logit check's
+    read, the rest read again after it; toolkit/checkpoint/verify.py); memory one layer."""
+    # the true vocabulary, for Megatron-LM-style outputs; the manifest's checksums were just taken from these files
+    # (hashing them again would prove nothing the tensors' read-back does not)
+    output_source = open_source(written, source.dims().vocab, checksums=False)
     try:
-        verify_logits(source, output_source, cast or source.dtype(), hf_folder, log)
+        proved = verify_logits(source, output_source, cast or source.dtype(), hf_folder, log, True, cast)
     finally:
         output_source.close()
+    read_back(source, written, fields, digests, log, proved or set(), cast)  # the optimizer state, any weight left
 
 
 def _to_deepspeed(src: Path, dst: Path, dp: int | None, overwrite: bool, log=print) -> Path:

@@ -2,8 +2,9 @@
 model size. Two checks, both on by default; any difference fails the conversion before anything reaches DST.
 
 Bit-exact read-back: every Hugging Face tensor the source hands out is hashed (xxh3-128, after the requested cast)
-as it is read for writing (`Digests`); afterwards the output is read back through its own reader,
-tensor by tensor, and each must hash the same. The source is read once, not twice.
+as it is read for writing (`Digests`); afterwards every tensor of the output is read back and must hash the same.
+The weights are hashed on the logit check's own read of the output (below), so the output is read once; what that
+check does not read (the optimizer state) is read back through the output's reader, tensor by tensor, afterwards.
 
 Logits: transformers' own model class for the config is built on the meta device (no memory), and 16 fixed tokens
 run through it one module at a time: the embeddings, each decoder layer (`model.model.layers[i]`, with RoPE from
@@ -15,7 +16,8 @@ Independence: a side that stores Hugging Face names (a Hugging Face folder, a De
 names transformers' modules carry. A Megatron side (source or output) is read by merging each parameter's TP
 shards with its rule and placing the rule's parts (q, k, v; gate, up) by the family's `modules` table (e.g.
 toolkit/families/llama.py MODULES), written apart from the conversion map. So a mistake in the map (q and k
-swapped) does not cancel out on the way back: the two sides then disagree.
+swapped) does not cancel out on the way back: the Megatron side's tensor then hashes differently from the digest
+the map's read gave (the check names it), and were it not hashed, the two sides' hidden states would disagree.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from toolkit.families.entries import iter_entries
 from toolkit.families.registry import family_named
 from toolkit.families.rules import views
 from toolkit.format.names import chunk_key
+from toolkit.format.safetensors_stream import mapped
 from toolkit.layout import first_stage, last_stage, layer_location
 
 TOKENS = 16
@@ -103,16 +106,28 @@ class Digests:
         self.seconds += time.monotonic() - t0
 
 
-def read_back(source: Source, written: Path, fields: tuple[str, ...], digests: Digests, log) -> None:
-    """Every tensor of the output, read through its own reader, hashes as the source's did when it was written."""
+def read_back(source: Source, written: Path, fields: tuple[str, ...], digests: Digests, log,
+              proved: set[tuple[str, str]] = frozenset(), cast_to: torch.dtype | None = None) -> None:
+    """Every tensor of the output that the logit check did not prove (`proved`: the weights, hashed on its reads),
+    read through the output's own reader, hashes as the source's did: the optimizer state against the digests
+    taken as it was written, a weight left over against the source's tensor (after the conversion's cast), read
+    again now."""
     t0 = time.monotonic()
-    again = open_source(written, source.dims().vocab)  # the true vocabulary, for Megatron-LM-style outputs
+    jobs = [(e.hf_names, f) for e in iter_entries(source.dims(), 1, 1) if e.reads_back for f in fields
+            if not all((n, f) in proved for n in e.hf_names)]
+    if not jobs:
+        log(f"verified: all {len(proved)} tensors read back bit-exactly ({HASH_NAME} against the source's, on the "
+            "logit check's reads of both)")
+        return
+    # the true vocabulary, for Megatron-LM-style outputs; its manifest was just taken from these files
+    again = open_source(written, source.dims().vocab, checksums=False)
     try:
-        jobs = [(e.hf_names, f) for e in iter_entries(source.dims(), 1, 1) if e.reads_back for f in fields]
 
         def check(job) -> int:
             names, field = job
-            with views():  # merged tensors may stay views of the shards: hashed at once, never kept
+            with views(), mapped():  # merged tensors may stay views of the shards: hashed at once, never kept
+                if any((n, field) not in digests.of for n in names):  # a weight: hashed from the source now
+                    digests.add(names, field, [cast(t, cast_to, field) for t in source.read(list(names), field)])
                 tensors = again.read(names, field)
             for name, got in zip(names, tensors):
                 if digests.of.get((name, field)) != digest(got):
@@ -125,15 +140,39 @@ def read_back(source: Source, written: Path, fields: tuple[str, ...], digests: D
         count = sum(map(check, jobs))  # one at a time: two threads were no faster here and held two parameters
     finally:
         again.close()
-    log(f"verified: {count} tensors read back bit-exactly ({HASH_NAME} against the source's, "
-        f"{time.monotonic() - t0:.1f} s)")
+    log(f"verified: {count + len(proved)} tensors read back bit-exactly ({HASH_NAME} against the source's; "
+        f"{count} read again in {time.monotonic() - t0:.1f} s, {len(proved)} on the logit check's reads)")
+
+
+class _Hashed:
+    """The bit-exact read-back of the weights, done on the logit check's own reads: each weight the source side
+    hands out is hashed (after the conversion's cast), and the output side's tensor of the same name must hash the
+    same. So the source and the output are each read once for both checks. A Megatron side is read through the
+    family's modules table, independent of the conversion's map: a mapping mistake fails here, naming the tensor."""
+
+    def __init__(self, written: torch.dtype | None):
+        self.written = written
+        self.source: dict[str, str] = {}
+        self.proved: set[tuple[str, str]] = set()
+
+    def check(self, name: str, t: torch.Tensor, output: bool) -> None:
+        if not output:
+            if name not in self.source:
+                self.source[name] = digest(cast(t, self.written))
+            return
+        if name in self.source and (name, WEIGHT) not in self.proved:
+            if self.source[name] != digest(t):
+                raise ToolkitError(f"verification failed: {name} ({WEIGHT}) reads back different from the source's "
+                                   "(each side read by the family's modules table where it is a Megatron one: a "
+                                   "mapping or conversion error); nothing was written")
+            self.proved.add((name, WEIGHT))
 
 
 class _Named:
     """A side whose tensors carry Hugging Face names: read by the names transformers' modules have."""
 
-    def __init__(self, source: Source, dtype: torch.dtype | None):
-        self.source, self.dtype = source, dtype
+    def __init__(self, source: Source, dtype: torch.dtype | None, hashed: _Hashed | None, output: bool):
+        self.source, self.dtype, self.hashed, self.output = source, dtype, hashed, output
         # sources hand out one parameter's tensors at a time (q, k and v together for a torch_dist source)
         self.entry_of = {n: e.hf_names for e in iter_entries(source.dims(), 1, 1) for n in e.hf_names}
 
@@ -141,14 +180,17 @@ class _Named:
         out = {}
         for group in dict.fromkeys(self.entry_of.get(n, (n,)) for n in names):
             out.update(zip(group, self.source.read(list(group))))
+        if self.hashed is not None:
+            for n in names:
+                self.hashed.check(n, out[n], self.output)
         return {n: cast(out[n], self.dtype) for n in names}
 
 
 class _Megatron:
     """A Megatron side: each parameter merged from its TP shards by its rule, its parts placed by family.modules."""
 
-    def __init__(self, source: Source, dtype: torch.dtype | None):
-        self.source, self.dtype = source, dtype
+    def __init__(self, source: Source, dtype: torch.dtype | None, hashed: _Hashed | None, output: bool):
+        self.source, self.dtype, self.hashed, self.output = source, dtype, hashed, output
         tp, pp, vpp = source.layout
         dims = source.dims(tp)
         family = family_named(dims.family)
@@ -188,19 +230,27 @@ class _Megatron:
                     whole = rule.merge([self.source._get(p, t, chunk_key(c, m), e)
                                         for t in range(self.source.layout[0])])
                 merged[(p, c, m, e)] = dict(zip(rule.parts, whole if isinstance(whole, tuple) else (whole,)))
+            if self.hashed is not None:
+                self.hashed.check(n, merged[(p, c, m, e)][part], self.output)
             out[n] = cast(merged[(p, c, m, e)][part], self.dtype)
         return out
 
 
-def side(source: Source, dtype: torch.dtype | None):
+def side(source: Source, dtype: torch.dtype | None, hashed: _Hashed | None = None, output: bool = False):
     """Sharded Megatron sources (the toolkit's layout, Megatron-LM's legacy files) are read shard by shard through
     the modules table; a torch_dist source holds whole tensors and is read through the map (so for it the check
     compares the logits, but a mistake in the map itself would cancel out on its side)."""
-    return _Megatron(source, dtype) if source.layout and hasattr(source, "_get") else _Named(source, dtype)
+    if source.layout and hasattr(source, "_get"):
+        return _Megatron(source, dtype, hashed, output)
+    return _Named(source, dtype, hashed, output)
 
 
-def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_folder: Path | None, log) -> None:
-    """Run the fixed tokens through transformers' model, one module at a time, with both sides' weights."""
+def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_folder: Path | None, log,
+                  read_back: bool = False, written: torch.dtype | None = None) -> set[tuple[str, str]]:
+    """Run the fixed tokens through transformers' model, one module at a time, with both sides' weights. With
+    read_back=True (and `written`, the conversion's cast), every weight read is also hashed, and the output's must
+    hash as the source's (_Hashed); returns the (name, field) pairs of the output so proved, which the read-back
+    then need not read again."""
     if _early is not None:
         _early.join()  # transformers' lazy module is not safe to import from two threads at once
     from transformers import AutoConfig, AutoModelForCausalLM  # lazy: heavy; only the logit check needs it
@@ -214,7 +264,8 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
         config = AutoConfig.for_model(reference.config["model_type"], **fields)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    inner, sides = model.model, (side(reference, dtype), side(output, dtype))
+    hashed = _Hashed(written) if read_back else None
+    inner, sides = model.model, (side(reference, dtype, hashed), side(output, dtype, hashed, output=True))
     family = family_named(reference.dims().family)
     fused = family.in_memory or (lambda name, dims: None)  # transformers' tensors made of several stored ones
     dims = reference.dims()
@@ -236,7 +287,8 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
         `path`), run it on x and drop the weights again."""
         weights = weights or path
         names = [f"{weights}.{k}" for k in module.state_dict()]
-        state = fetch(which, names)
+        with mapped():  # safetensors files: maps of the cached pages, not copies; gone with the module's weights
+            state = fetch(which, names)
         try:
             module.load_state_dict({k[len(weights) + 1:]: v for k, v in state.items()}, strict=True, assign=True)
         except RuntimeError as e:
@@ -272,3 +324,4 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
     compare("the output layer (the logits)", *out)
     log(f"verified: transformers' {type(model).__name__} gives the source's logits on {TOKENS} fixed tokens, layer "
         f"by layer ({len(inner.layers)} layers, one in memory at a time; {time.monotonic() - t0:.1f} s)")
+    return hashed.proved if hashed is not None else set()

@@ -3,7 +3,8 @@ tensor in hand, never the file.
 
 A safetensors file is an 8-byte little-endian header length, a JSON header ({name: {dtype, shape, data_offsets}},
 plus an optional "__metadata__" of strings), then the raw tensor bytes. Reading uses positioned reads into a fresh
-tensor (no memory map, whose touched pages would count towards the process's resident memory); writing lays out
+tensor (no memory map, whose touched pages would count towards the process's resident memory), or within
+`mapped()` a copy-on-write map of the one tensor, unmapped when the tensor is freed; writing lays out
 the header from the shapes known in advance and then writes each tensor at its offset, in any order. The files are
 standard: `safetensors.safe_open` and `transformers` read them.
 """
@@ -13,10 +14,12 @@ import ctypes
 import errno
 import hashlib
 import json
+import mmap
 import os
 import struct
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -48,6 +51,22 @@ try:
 except (OSError, AttributeError):  # not Linux
     _sync_file_range = None
 _SYNC_FILE_RANGE_WRITE = 2
+_mapping = threading.local()
+
+
+@contextmanager
+def mapped() -> Iterator[None]:
+    """Within this block (on this thread), Reader.get hands out each tensor as a copy-on-write memory map of its
+    bytes instead of reading them into fresh memory: no copy and no page zeroing, 3-4x less time for cached files
+    here (0.22 against 0.65-0.89 s for 2 GiB, hashed). The map goes when the tensor is freed, so it is for reads
+    consumed and dropped at once (the verification's); their pages count as the process's file-backed resident
+    memory while they are held, not as anonymous memory."""
+    before = getattr(_mapping, "on", False)
+    _mapping.on = True
+    try:
+        yield
+    finally:
+        _mapping.on = before
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -155,6 +174,9 @@ class Reader:
             raise ToolkitError(f"{self.path} has no tensor {name!r}: the checkpoint is incomplete or of another "
                                "model or layout")
         begin, stop = self._info[name]["data_offsets"]
+        at, dtype = self._base + begin, self.dtype(name)
+        if getattr(_mapping, "on", False) and stop > begin and at % dtype.itemsize == 0:
+            return self._map(name, at, stop - begin, dtype)
         out = torch.empty(stop - begin, dtype=torch.uint8)
         view, done = memoryview(out.numpy()), 0
         while done < stop - begin:  # one read returns at most ~2 GiB on Linux
@@ -163,6 +185,15 @@ class Reader:
                 raise ToolkitError(f"{self.path}: short read of {name} ({done} of {stop - begin} bytes)")
             done += got
         return out.view(self.dtype(name)).reshape(self.shape(name))
+
+    def _map(self, name: str, at: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        if os.fstat(self._f.fileno()).st_size < at + n:  # a map past the end would fault when touched
+            raise ToolkitError(f"{self.path}: short read of {name}: the file was truncated while converting")
+        start = at - at % mmap.ALLOCATIONGRANULARITY
+        m = mmap.mmap(self._f.fileno(), at + n - start, flags=mmap.MAP_PRIVATE,
+                      prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        m.madvise(mmap.MADV_WILLNEED)  # read-ahead for pages not in the cache
+        return torch.frombuffer(m, dtype=torch.uint8, count=n, offset=at - start).view(dtype).reshape(self.shape(name))
 
     def close(self) -> None:
         self._f.close()
