@@ -13,10 +13,11 @@ kernel (wait4; it counts the rank files' memory-mapped pages the converter touch
 whose peak anonymous memory (RssAnon, summed over the process and its children, e.g. ds_to_universal.py's workers,
 sampled every 50 ms) is what the issue bounds:
   cp             cp -r of the checkpoint's tag folder, then sync
-  zero_to_fp32   python CKPT/zero_to_fp32.py CKPT OUT --safe_serialization
+  zero_to_fp32   python CKPT/zero_to_fp32.py CKPT OUT --safe_serialization, then sync (DeepSpeed's tools do not fsync
+                 what they write; the toolkit's output is on disk when it returns, so both are timed to there)
   toolkit        toolkit convert CKPT OUT --to hf --fp32 --no-verify --quiet
   ds_to_universal  python -m deepspeed.checkpoint.ds_to_universal --input_folder TAG --output_folder OUT/TAG
-                   (its default 4 extract / 2 merge worker processes)
+                   (its default 4 extract / 2 merge worker processes), then sync
   toolkit universal  toolkit convert CKPT OUT --to universal --quiet
 and both pairs of outputs are compared tensor by tensor (they must be equal bit for bit; for the universal
 checkpoints every zero/<param>/*.pt file), one tensor at a time; each pair is deleted once compared, so the disk
@@ -29,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -194,14 +196,14 @@ def main(argv=None) -> int:
               f"GiB, {made}", flush=True)
         steps = [
             ("cp", ["bash", "-c", f"cp -r {tag} {work / 'copy'} && sync {work / 'copy'}/*"], work / "copy"),
-            ("zero_to_fp32.py", [sys.executable, str(ckpt / "zero_to_fp32.py"), str(ckpt), str(work / "z2f"),
-                                 "--safe_serialization"], work / "z2f"),
+            ("zero_to_fp32.py", _then_sync([sys.executable, str(ckpt / "zero_to_fp32.py"), str(ckpt),
+                                            str(work / "z2f"), "--safe_serialization"]), work / "z2f"),
             ("toolkit convert", [sys.executable, "-m", "toolkit", "convert", str(ckpt), str(work / "hf"), "--to",
                                  "hf", "--fp32", "--no-verify", "--quiet", "--config", str(config)],
              work / "hf"),
-            ("ds_to_universal", [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                                 str(tag), "--output_folder", str(work / "dsu" / tag.name), "--inject_missing_state"],
-             work / "dsu"),
+            ("ds_to_universal", _then_sync([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                                            "--input_folder", str(tag), "--output_folder", str(work / "dsu" / tag.name),
+                                            "--inject_missing_state"]), work / "dsu"),
             ("toolkit universal", [sys.executable, "-m", "toolkit", "convert", str(ckpt), str(work / "uc"), "--to",
                                    "universal", "--quiet"], work / "uc"),
         ]
@@ -234,6 +236,11 @@ def main(argv=None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return max(same.values())
+
+
+def _then_sync(cmd: list[str]) -> list[str]:
+    """cmd, then sync (one shell): its output timed until it is on disk, as cp's and the toolkit's are."""
+    return ["bash", "-c", f"{shlex.join(cmd)} && sync"]
 
 
 if __name__ == "__main__":

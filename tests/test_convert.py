@@ -198,3 +198,30 @@ def test_existing_destination_needs_overwrite_and_survives_a_failure(megatron_lm
     convert_to_hf(megatron_lm_ckpt, dst, vocab_size=VOCAB, overwrite=True)  # its own output: replaced
     assert (dst / "model.safetensors").is_file() and (dst / "model.safetensors").stat().st_ino != first
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no partial folders left
+
+
+@pytest.mark.parametrize("to", ["megatron_lm", "torch_dist", "hf"])
+def test_every_output_file_is_on_disk_before_it_is_renamed_into_place(megatron_lm_ckpt, tmp_path, monkeypatch, to):
+    """Every file and folder of the output is fsynced before the rename that makes it DST (Megatron-LM's rank files
+    and the .distcp were not): a crash just after a conversion never leaves a DST of empty files."""
+    from toolkit.checkpoint import output
+    from toolkit.checkpoint.convert import convert
+
+    synced, real_fsync, real_replace = set(), os.fsync, os.replace
+    renamed = []
+
+    def fsync(fd):
+        synced.add(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    def replace(a, b):
+        renamed.append(str(a))
+        return real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(output.os, "replace", replace)
+    dst = convert(megatron_lm_ckpt, tmp_path / "out", to, tp=2 if to != "hf" else 1, vocab_size=VOCAB,
+                  progress=False, log=lambda *_: None)
+    scratch = renamed[-1]
+    written = {str(p).replace(str(dst), scratch) for p in [dst, *dst.rglob("*")]}
+    assert len(written) > 3 and written <= synced, sorted(written - synced)

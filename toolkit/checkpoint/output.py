@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -58,10 +59,28 @@ def mark(folder: Path) -> None:
     (folder / OUTPUT_MARK).write_text(json.dumps({"written_by": "toolkit convert", "entries": entries}) + "\n")
 
 
+def durable(folder: Path) -> None:
+    """fsync every file and folder under `folder` (four at a time), so that what is renamed into place is on disk:
+    a crash after the rename never leaves a DST of empty or partial files. Files their writer already synced
+    (safetensors, the .distcp file) cost a system call each."""
+    paths = [folder, *folder.rglob("*")]
+
+    def sync(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(sync, [p for p in paths if not p.is_symlink()]))
+
+
 def replace(tmp: Path, dst: Path) -> None:
-    """Move the finished folder into place; an old DST (checked by check_destination) is kept until the new one is
-    there, then removed."""
+    """Move the finished folder into place, once all of it is on disk; an old DST (checked by check_destination) is
+    kept until the new one is there, then removed."""
     mark(tmp)
+    durable(tmp)
     old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
     if dst.exists():
         os.replace(dst, old)

@@ -18,7 +18,9 @@ expert-parallel size.
 """
 from __future__ import annotations
 
+import io
 import json
+import os
 import re
 from pathlib import Path
 
@@ -99,9 +101,17 @@ class Reader:
 
     def get(self, fqn: str, index: tuple[int, ...] = ()) -> torch.Tensor:
         """The full tensor `fqn`, or only its slice at `index` on the leading axes (a layer; a layer and an expert),
-        read chunk by chunk: only the chunks that overlap it."""
+        read chunk by chunk: only the chunks that overlap it. A slice that one chunk holds whole is that chunk's
+        tensor, not a copy of it."""
         meta = self._tensors[fqn]
         shape, n = tuple(meta.size), len(index)
+        hits = [c for c in meta.chunks if all(c.offsets[d] <= index[d] < c.offsets[d] + c.sizes[d] for d in range(n))]
+        if len(hits) == 1 and tuple(hits[0].sizes)[n:] == shape[n:]:
+            off = tuple(hits[0].offsets)
+            piece = self._chunk(fqn, off, tuple(hits[0].sizes), meta.properties.dtype)
+            for d in range(n):
+                piece = piece[index[d] - off[d]]
+            return piece
         out = torch.empty(shape[n:], dtype=meta.properties.dtype)
         covered = 0
         for chunk in meta.chunks:
@@ -162,15 +172,47 @@ class Reader:
             raise ToolkitError(f"{self.dir / '.metadata'} lists a chunk of {fqn} at {list(offsets)} but no file holds "
                                "it; the checkpoint is damaged: re-copy it")
         where = f"{self.dir / info.relative_path} (bytes {info.offset}..{info.offset + info.length}, {fqn})"
-        with open(self.dir / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
-        tensor = safe_load.load_buffer(data, where)
+        with open(self.dir / info.relative_path, "rb", buffering=0) as f:
+            tensor = safe_load.load_buffer(_Slice(f.fileno(), info.offset, info.length), where)
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != sizes or tensor.dtype != dtype:
             got = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ToolkitError(f"{where} holds {got}, but {self.dir / '.metadata'} says {sizes} {dtype}: the metadata "
                                "disagrees with the files; re-copy the checkpoint")
         return tensor
+
+
+class _Slice(io.RawIOBase):
+    """Bytes offset..offset+length of an open file as a file of their own, read with positioned reads: one chunk's
+    torch.save file, which torch.load then reads straight into its tensor (no copy of the whole chunk first)."""
+
+    def __init__(self, fd: int, offset: int, length: int):
+        super().__init__()
+        self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = max(0, pos + (0 if whence == io.SEEK_SET else self.pos if whence == io.SEEK_CUR else self.length))
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self.length - self.pos))
+        done = 0
+        while done < n:
+            got = os.preadv(self.fd, [view[done:n]], self.offset + self.pos + done)
+            if got <= 0:
+                break  # the file is shorter than its metadata says: torch.load reports the truncated record
+            done += got
+        self.pos += done
+        return done
 
 
 def sharded_name(local_name: str) -> tuple[str, tuple[int, ...]]:

@@ -10,8 +10,8 @@ TP x PP x VPP at load time; the TP x PP x VPP given only fixes the vocabulary pa
 from __future__ import annotations
 
 import argparse
-import io
 import json
+import os
 import pickle
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from toolkit.checkpoint.megatron_lm_write import model_args
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries, raise_problems
 from toolkit.families.mapping import TE_NORM_NAMES, check_dims
+from toolkit.format.safetensors_stream import start_writeback
 
 WEIGHT = "weight"
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -40,7 +41,9 @@ def sharded_key(local_name: str) -> str:
 
 
 class _ItemFile:
-    """The one .distcp file: each item is a torch.save of one chunk, appended; its byte range is recorded."""
+    """The one .distcp file: each item is a torch.save of one chunk, appended straight into the file (a standalone
+    zip, as torch's own FileSystemWriter writes it); its byte range is recorded, and the kernel is asked to start
+    writing it to disk at once."""
 
     def __init__(self, path: Path):
         self.path, self.f = path, open(path, "wb")
@@ -49,15 +52,29 @@ class _ItemFile:
     def write(self, index, tensor_or_bytes) -> int:
         from torch.distributed.checkpoint.filesystem import _StorageInfo  # lazy: torch_dist outputs only
 
-        buf = io.BytesIO()
-        torch.save(tensor_or_bytes if isinstance(tensor_or_bytes, torch.Tensor) else [tensor_or_bytes], buf)
         start = self.f.tell()
-        self.f.write(buf.getbuffer())
-        self.where[index] = _StorageInfo(self.path.name, start, buf.tell())
-        return buf.tell()
+        torch.save(tensor_or_bytes if isinstance(tensor_or_bytes, torch.Tensor) else [tensor_or_bytes], self.f)
+        self.f.flush()
+        size = self.f.tell() - start
+        self.where[index] = _StorageInfo(self.path.name, start, size)
+        start_writeback(self.f.fileno(), start, size)
+        return size
 
     def close(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())  # on disk before the output folder is renamed into place
         self.f.close()
+
+
+def compact(piece: torch.Tensor) -> torch.Tensor:
+    """`piece` with a storage of its own bytes only (torch.save writes a view's whole storage): an alias of a
+    contiguous piece (no copy), a copy of any other."""
+    if not piece.is_contiguous() or piece.numel() == 0:
+        return piece.clone()
+    if piece.untyped_storage().nbytes() == piece.numel() * piece.element_size():
+        return piece
+    raw = torch.from_numpy(piece.reshape(-1).view(torch.uint8).numpy())  # its own storage over the same bytes
+    return raw.view(piece.dtype).reshape(piece.shape)
 
 
 PLAIN_AS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "master": "fp32_param"}
@@ -138,8 +155,7 @@ class TorchDistTarget:
             full = full.to(self._meta[k].properties.dtype)  # the weights in the output dtype, the optimizer in fp32
             offsets, piece = (*index, *(0,) * full.dim()), full.reshape((1,) * len(index) + tuple(full.shape))
             self._meta[k].chunks.append(self._md.ChunkStorageMetadata(torch.Size(offsets), piece.shape))
-            # a compact copy: torch.save of a view would write its whole storage
-            out.append((self._items, self._md.MetadataIndex(k, torch.Size(offsets)), piece.clone()))
+            out.append((self._items, self._md.MetadataIndex(k, torch.Size(offsets)), compact(piece)))
         return out
 
     def close(self) -> None:

@@ -181,12 +181,13 @@ def weights_only_everywhere(folder: Path, names: list[str] | None = None):
             os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = old
 
 
-def load_buffer(data: bytes, where: str):
-    """torch.load of an in-memory torch.save file (one tensor item of a torch DCP `.distcp` file) as weights only,
-    with the allow-list; `where` names the item in errors."""
+def load_buffer(data, where: str):
+    """torch.load of a torch.save file in memory (bytes) or in a file-like object (one tensor item of a torch DCP
+    `.distcp` file) as weights only, with the allow-list; `where` names the item in errors."""
     try:
         with torch.serialization.safe_globals(allowed(False)):
-            return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+            return torch.load(io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data, weights_only=True,
+                              map_location="cpu")
     except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ... here
         raise refusal(where, e) from None
 
