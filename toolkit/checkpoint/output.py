@@ -63,17 +63,8 @@ def durable(folder: Path) -> None:
     """fsync every file and folder under `folder` (four at a time), so that what is renamed into place is on disk:
     a crash after the rename never leaves a DST of empty or partial files. Files their writer already synced
     (safetensors, the .distcp file) cost a system call each."""
-    paths = [folder, *folder.rglob("*")]
-
-    def sync(path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(sync, [p for p in paths if not p.is_symlink()]))
+        list(pool.map(paths.fsync, [p for p in [folder, *folder.rglob("*")] if not p.is_symlink()]))
 
 
 def replace(tmp: Path, dst: Path) -> None:

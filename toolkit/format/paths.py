@@ -4,6 +4,7 @@ open a file elsewhere. One exception, by its layout: a snapshot folder of the Hu
 files into its own repository's blobs folder."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from toolkit.errors import ToolkitError
@@ -43,3 +44,12 @@ def check_tree(root: Path, files, what: str) -> None:
     """inside() for each of `files` (paths under root, e.g. from a glob)."""
     for f in files:
         inside(root, Path(f).relative_to(root), what)
+
+
+def fsync(path: Path) -> None:
+    """Force a file's data, or a folder's entries (a rename in it), to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

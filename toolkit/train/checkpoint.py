@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.errors import ToolkitError
-from toolkit.format import manifest, safe_load
+from toolkit.format import manifest, paths, safe_load
 from toolkit.format.names import (
     DEEPSPEED_POINTER,
     META,
@@ -56,16 +56,7 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename in `folder` durable (a crash right after it must not undo it)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    paths.fsync(path.parent)  # the rename is durable: a crash right after it must not undo it
 
 
 def rng_state() -> dict:
