@@ -139,7 +139,7 @@ def test_megatron_lm_to_megatron_relayout_is_exact(megatron_lm_ckpt, hf_model, t
 
 
 def test_megatron_lm_needs_the_true_vocab_size(megatron_lm_ckpt, tmp_path):
-    with pytest.raises(ToolkitError, match="padded to 512 rows; pass the true vocabulary size with --vocab-size"):
+    with pytest.raises(ToolkitError, match="stores 512 vocabulary rows, padded by Megatron to a multiple of 256; pass the true vocabulary size with --vocab-size"):
         convert_to_hf(megatron_lm_ckpt, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 

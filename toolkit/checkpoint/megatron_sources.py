@@ -14,6 +14,14 @@ from toolkit.families.entries import check_megatron_shards, iter_entries, raise_
 from toolkit.format.names import chunk_key, split_key
 
 
+def vocab_needed(where: Path, args) -> str:
+    """The one line asking for --vocab-size: Megatron pads the vocabulary, and its args do not say by how much."""
+    unit = getattr(args, "make_vocab_size_divisible_by", 128) * getattr(args, "tensor_model_parallel_size", 1)
+    return (f"{where} stores {args.padded_vocab_size} vocabulary rows, padded by Megatron to a multiple of {unit}; "
+            "pass the true vocabulary size with --vocab-size (the tokenizer's, e.g. 32000 for Llama 2; "
+            f"{args.padded_vocab_size} if nothing was padded) so the padding rows are dropped")
+
+
 class MegatronLMSource(_ShardedSource):
     """Megatron-LM's legacy layout. Its files are pickles: read with weights_only=True and an allow-list, memory-
     mapped so only the tensors read are paged in."""
@@ -28,9 +36,7 @@ class MegatronLMSource(_ShardedSource):
         self.scheduler = next(iter(states.values()))["opt_param_scheduler"]  # Megatron-LM's, layout-independent
         megatron_lm.family_of_args(args, path)
         if vocab_size is None:
-            raise ToolkitError(f"{path} stores the vocabulary padded to {args.padded_vocab_size} rows; pass the true "
-                               "vocabulary size with --vocab-size (the tokenizer's, e.g. 32000 for Llama 2) so the "
-                               "padding rows are dropped")
+            raise ToolkitError(vocab_needed(path, args))
         self.config = megatron_lm.hf_config(args, vocab_size)
         self.divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
         self.layout = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -92,9 +98,7 @@ class TorchDistSource(Source):
             raise ToolkitError(f"{it_dir / 'common.pt'} holds no Megatron-LM args (with padded_vocab_size), so the "
                                "model's shape is unknown; convert a checkpoint saved by Megatron-LM's save_checkpoint")
         if vocab_size is None:
-            raise ToolkitError(f"{it_dir} stores the vocabulary padded to {args.padded_vocab_size} rows; pass the true "
-                               "vocabulary size with --vocab-size (the tokenizer's, e.g. 32000 for Llama 2) so the "
-                               "padding rows are dropped")
+            raise ToolkitError(vocab_needed(it_dir, args))
         megatron_lm.family_of_args(args, it_dir / "common.pt")
         self.args = args
         self.step = self._r.common.get("iteration")

@@ -1,10 +1,11 @@
 """Verification of `toolkit convert`'s output, in memory bounded by one decoder layer plus the embeddings, at any
 model size. Two checks, both on by default; any difference fails the conversion before anything reaches DST.
 
-Bit-exact read-back: every Hugging Face tensor the source hands out is hashed (xxh3-128, after the requested cast)
-as it is read for writing (`Digests`); afterwards every tensor of the output is read back and must hash the same.
-The weights are hashed on the logit check's own read of the output (below), so the output is read once; what that
-check does not read (the optimizer state) is read back through the output's reader, tensor by tensor, afterwards.
+Bit-exact read-back: every tensor of the output must hash (xxh3-128) as the source's tensor does after the
+requested cast. The weights are hashed on the logit check's own reads (below, `_Hashed`): each weight the source
+side hands out is hashed, and the output side's tensor of that name must hash the same, so the source and the
+output are each read once for both checks. What that check does not read (the optimizer state) is hashed as it is
+read for writing (`Digests`) and read back through the output's reader, tensor by tensor, afterwards (`read_back`).
 
 Logits: transformers' own model class for the config is built on the meta device (no memory), and 16 fixed tokens
 run through it one module at a time: the embeddings, each decoder layer (`model.model.layers[i]`, with RoPE from
