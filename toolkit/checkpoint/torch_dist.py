@@ -106,7 +106,7 @@ class Reader:
         meta = self._tensors[fqn]
         shape, n = tuple(meta.size), len(index)
         hits = [c for c in meta.chunks if all(c.offsets[d] <= index[d] < c.offsets[d] + c.sizes[d] for d in range(n))]
-        if len(hits) == 1 and tuple(hits[0].sizes)[n:] == shape[n:]:
+        if len(hits) == 1 and tuple(hits[0].sizes) == (1,) * n + shape[n:] and not any(hits[0].offsets[n:]):
             off = tuple(hits[0].offsets)
             piece = self._chunk(fqn, off, tuple(hits[0].sizes), meta.properties.dtype)
             for d in range(n):
