@@ -76,6 +76,7 @@ def replace(tmp: Path, dst: Path) -> None:
     if dst.exists():
         os.replace(dst, old)
     os.replace(tmp, dst)
+    paths.fsync(dst.parent)  # the rename itself on disk
     shutil.rmtree(old, ignore_errors=True)
 
 
