@@ -109,8 +109,8 @@ def test_mapping_mistake_is_caught_by_default_verification(tmp_path, family, mis
     """HF -> Megatron (the mistake goes into the written files) and Megatron -> HF (the mistake goes into the
     folder): both round trips through the same wrong map would read back bit-exactly through the map, so only a read
     by the family's separate modules table can catch it. The default verification's logit check reads the Megatron
-    side that way and hashes it against the digests the map's read gave: it names the first swapped tensor, and DST
-    stays absent. Without the digests the hidden states themselves disagree after the first layer."""
+    side that way, and each of its tensors must hash as the other side's of that name: it names the first swapped
+    tensor, and DST stays absent. Without the hashes the hidden states themselves disagree after the first layer."""
     hf = tmp_path / "hf"
     name = family.FAMILY.name  # q and k of one shape, so a swap is silent
     _write_hf(hf, layers=2, hidden=64, ffn=128, heads=4, kv_heads=4, family=name)

@@ -17,8 +17,8 @@ Independence: a side that stores Hugging Face names (a Hugging Face folder, a De
 names transformers' modules carry. A Megatron side (source or output) is read by merging each parameter's TP
 shards with its rule and placing the rule's parts (q, k, v; gate, up) by the family's `modules` table (e.g.
 toolkit/families/llama.py MODULES), written apart from the conversion map. So a mistake in the map (q and k
-swapped) does not cancel out on the way back: the Megatron side's tensor then hashes differently from the digest
-the map's read gave (the check names it), and were it not hashed, the two sides' hidden states would disagree.
+swapped) does not cancel out on the way back: the two sides' tensors of that name then hash differently (the check
+names it), and were they not hashed, the two sides' hidden states would disagree.
 """
 from __future__ import annotations
 
