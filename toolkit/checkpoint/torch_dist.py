@@ -114,10 +114,8 @@ class Reader:
             return piece
         out = torch.empty(shape[n:], dtype=meta.properties.dtype)
         covered = 0
-        for chunk in meta.chunks:
+        for chunk in hits:
             off, size = tuple(chunk.offsets), tuple(chunk.sizes)
-            if any(not off[d] <= index[d] < off[d] + size[d] for d in range(n)):
-                continue
             piece = self._chunk(fqn, off, size, meta.properties.dtype)
             for d in range(n):
                 piece = piece[index[d] - off[d]]

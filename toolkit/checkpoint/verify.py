@@ -247,9 +247,9 @@ def side(source: Source, dtype: torch.dtype | None, hashed: _Hashed | None = Non
 
 
 def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_folder: Path | None, log,
-                  read_back: bool = False, written: torch.dtype | None = None) -> set[tuple[str, str]]:
+                  hash_weights: bool = False, written: torch.dtype | None = None) -> set[tuple[str, str]]:
     """Run the fixed tokens through transformers' model, one module at a time, with both sides' weights. With
-    read_back=True (and `written`, the conversion's cast), every weight read is also hashed, and the output's must
+    hash_weights=True (and `written`, the conversion's cast), every weight read is also hashed, and the output's must
     hash as the source's (_Hashed); returns the (name, field) pairs of the output so proved, which the read-back
     then need not read again."""
     if _early is not None:
@@ -265,7 +265,7 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
         config = AutoConfig.for_model(reference.config["model_type"], **fields)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    hashed = _Hashed(written) if read_back else None
+    hashed = _Hashed(written) if hash_weights else None
     inner, sides = model.model, (side(reference, dtype, hashed), side(output, dtype, hashed, output=True))
     family = family_named(reference.dims().family)
     fused = family.in_memory or (lambda name, dims: None)  # transformers' tensors made of several stored ones
