@@ -106,14 +106,15 @@ def measure(cmd: list[str]) -> dict:
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{text[-3000:]}")
     stream = re.search(r"wrote [\d.]+ GiB in ([\d.]+) s", text)
-    copied = re.search(r"copied file to file: ([\d.]+) MiB by copy_file_range", text)
+    copied = re.search(r"copied file to file: ([\d.]+) MiB by copy_file_range, ([\d.]+) MiB by pwritev", text)
     phases = {k: float(v) for k, v in re.findall(r"(manifest-hash|read|split|write|hash|verify|close/fsync/manifest) "
                                                     r"([\d.]+) s", " ".join(line for line in text.splitlines()
                                                              if line.startswith("phases:")))}
     return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "load": os.getloadavg()[0],
             "peak_rss_mib": usage.ru_maxrss / 1024, "peak_anon_mib": peak_anon / 1024,
             "stream_s": float(stream[1]) if stream else None, "phases": phases,
-            "copied_gib": float(copied[1]) / 1024 if copied else None}
+            "copied_gib": float(copied[1]) / 1024 if copied else None,
+            "gathered_gib": float(copied[2]) / 1024 if copied else None}
 
 
 def folder_bytes(folder: Path) -> int:
@@ -158,7 +159,8 @@ def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | N
             os.sync()  # each run starts with nothing of the previous one still being written back
             runs.append(measure(cmd))
         r = {"size": name, "params": params, "step": label, "gib": folder_bytes(out) / 2**30, "reps": len(runs)}
-        for key in ("wall_s", "cpu_s", "load", "peak_rss_mib", "peak_anon_mib", "stream_s", "copied_gib"):
+        for key in ("wall_s", "cpu_s", "load", "peak_rss_mib", "peak_anon_mib", "stream_s", "copied_gib",
+                    "gathered_gib"):
             r[key] = _median(runs, key)
         r["phases"] = {k: _median([x["phases"] for x in runs], k) for k in runs[0]["phases"]}
         r["gib_per_s"] = r["gib"] / r["wall_s"]
@@ -177,6 +179,7 @@ def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | N
               f"cpu {r['cpu_s']:5.1f} s  load {r['load']:4.1f}  "
               f"x{r['vs_cp']:.2f} of cp  peak RSS {r['peak_rss_mib']:6.0f} MiB  anon {r['peak_anon_mib']:6.0f} MiB"
               + (f"  copy_file_range {r['copied_gib']:.2f} GiB" if r["copied_gib"] is not None else "")
+              + (f"  pwritev from a map {r['gathered_gib']:.2f} GiB" if r["gathered_gib"] else "")
               + (f"  phases (s): {phases}" if phases else ""), flush=True)
     shutil.rmtree(root)
     return rows

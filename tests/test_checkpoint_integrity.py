@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import xxhash
 import torch.distributed as dist
 from conftest import REPO, run_ranks
 
@@ -66,16 +67,37 @@ def _flip_a_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_manifest_holds_size_and_sha256_of_every_file(world_of_one, tmp_path):
+def test_manifest_holds_size_and_xxh3_128_of_every_file(world_of_one, tmp_path):
     tag_dir = _save(tmp_path / "ckpt", 3)
     meta = json.loads((tag_dir / ckpt.META).read_text())
-    assert meta["schema_version"] == 2 and meta["step"] == 3
+    assert meta["schema_version"] == 3 and meta["step"] == 3
     assert sorted(meta["files"]) == ["toolkit_rank00000.pt", "weights.bin"]
     for name, entry in meta["files"].items():
         data = (tag_dir / name).read_bytes()
-        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert entry == {"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
     assert (tmp_path / "ckpt" / ckpt.POINTER).read_text() == "step_00000003"
     assert ckpt.verify_manifest(tag_dir) == []
+
+
+def test_schema_2_manifests_are_still_checked_by_their_sha256(world_of_one, tmp_path):
+    """Checkpoints saved before XXH3-128 hold SHA-256 digests: they resume, and a changed byte is still found."""
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        tag_dir = _save(root, step)
+        meta = json.loads((tag_dir / ckpt.META).read_text())
+        meta["schema_version"] = 2
+        meta["files"] = {name: {"bytes": e["bytes"], "sha256": hashlib.sha256((tag_dir / name).read_bytes()).hexdigest()}
+                         for name, e in meta["files"].items()}
+        (tag_dir / ckpt.META).write_text(json.dumps(meta))
+    assert ckpt.verify_manifest(root / "step_00000002") == []
+    _flip_a_byte(root / "step_00000002" / "weights.bin")
+    lines: list[str] = []
+    assert ckpt.find_resume(root, "auto", log=lines.append) == root / "step_00000001"
+    assert lines == [
+        f"[toolkit] skipping checkpoint {root}/step_00000002: weights.bin does not match its sha256 in the manifest "
+        "(the file or the manifest changed after the save)",
+        f"[toolkit] resuming from {root}/step_00000001: the newest checkpoint whose manifest verifies (2 files, "
+        "sizes and sha256)"]
 
 
 def test_resume_takes_the_newest_that_verifies_and_logs_each_skipped(world_of_one, tmp_path):
@@ -92,16 +114,16 @@ def test_resume_takes_the_newest_that_verifies_and_logs_each_skipped(world_of_on
     assert ckpt.find_resume(root, "auto", log=lines.append) == root / "step_00000002"
     assert lines == [
         f"[toolkit] skipping checkpoint {root}/step_00000006: toolkit_meta.json is missing: the save never completed",
-        f"[toolkit] skipping checkpoint {root}/step_00000005: weights.bin does not match its sha256 in the manifest "
+        f"[toolkit] skipping checkpoint {root}/step_00000005: weights.bin does not match its xxh3_128 in the manifest "
         "(the file or the manifest changed after the save)",
         f"[toolkit] skipping checkpoint {root}/step_00000004: weights.bin has 10 bytes, the manifest says 4096",
         f"[toolkit] skipping checkpoint {root}/step_00000003: toolkit_rank00000.pt is missing",
         f"[toolkit] resuming from {root}/step_00000002: the newest checkpoint whose manifest verifies (2 files, "
-        "sizes and sha256)"]
+        "sizes and xxh3_128)"]
     with pytest.raises(ToolkitError) as err:
         ckpt.find_resume(root, str(root / "step_00000005"))
     assert str(err.value) == (f"checkpoint.resume: {root}/step_00000005 does not match its manifest: weights.bin does "
-                              "not match its sha256 in the manifest (the file or the manifest changed after the save)")
+                              "not match its xxh3_128 in the manifest (the file or the manifest changed after the save)")
 
 
 def test_old_manifests_without_checksums_are_checked_by_size(world_of_one, tmp_path):
@@ -184,7 +206,7 @@ def test_inspect_names_the_file_that_fails(world_of_one, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "toolkit", "inspect", str(root / "step_00000002")],
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 1
-    assert ("  problem: weights.bin does not match its sha256 in the manifest (the file or the manifest changed "
+    assert ("  problem: weights.bin does not match its xxh3_128 in the manifest (the file or the manifest changed "
             "after the save)") in proc.stdout.splitlines()
     proc = subprocess.run([sys.executable, "-m", "toolkit", "inspect", str(root)], capture_output=True, text=True,
                           cwd=REPO)
@@ -192,7 +214,7 @@ def test_inspect_names_the_file_that_fails(world_of_one, tmp_path):
     assert proc.returncode == 1 and "  step: 1" in proc.stdout.splitlines()
     assert (f"  problem: {root}/step_00000001/toolkit_meta.json names backend 'x'; expected megatron or deepspeed"
             in proc.stdout.splitlines())
-    assert ("  step_00000002: incomplete: weights.bin does not match its sha256 in the manifest (the file or the "
+    assert ("  step_00000002: incomplete: weights.bin does not match its xxh3_128 in the manifest (the file or the "
             "manifest changed after the save)") in proc.stdout.splitlines()
 
 

@@ -89,11 +89,34 @@ def _refuse(code: int):
     return refuse
 
 
-@pytest.mark.parametrize("kernel", ["copy_file_range", "EXDEV", "ENOSYS", "missing", "refused halfway"])
+@pytest.mark.parametrize("kernel", ["copy_file_range", "EXDEV", "ENOSYS", "missing", "refused halfway",
+                                    "pwritev from a map", "pwritev, short writes", "pwritev, no map"])
 @pytest.mark.parametrize("step", list(STEPS))
 def test_copied_ranges_write_what_the_streaming_path_writes(ref, tmp_path, monkeypatch, step, kernel):
+    """The first five: every range by copy_file_range (or the buffer it falls back to); the last three: every
+    tensor of more than one range by pwritev from a map of its sources (st.GATHER_BELOW), also when the kernel
+    writes less than asked each time, or when a source cannot be mapped (then range by range, as before)."""
     src, dst, opts = STEPS[step]
     real = os.copy_file_range
+    gathered = []
+    monkeypatch.setattr(st, "GATHER_BELOW", 2**62 if kernel.startswith("pwritev") else 0)
+    several = []  # the bytes of every tensor written from more than one range (merges, splits)
+    real_write_ranges = st.Writer.write_ranges
+    monkeypatch.setattr(st.Writer, "write_ranges", lambda w, name, ranges: (
+        several.append(sum(n for fd, _, n in ranges if fd is not None))
+        if sum(fd is not None for fd, _, _ in ranges) > 1 else None)
+        or real_write_ranges(w, name, ranges))
+    if kernel.startswith("pwritev"):
+        real_gather = st._gather
+        monkeypatch.setattr(st, "_gather", lambda dst, copies: real_gather(dst, copies) and
+                            not gathered.append(sum(c[-1] for c in copies)))
+    if kernel == "pwritev, short writes":  # at most 7 bytes of the first view a call: the rest is written after
+        real_pwritev = os.pwritev
+        monkeypatch.setattr(os, "pwritev", lambda fd, views, at: real_pwritev(fd, [views[0][:7]], at))
+    elif kernel == "pwritev, no map":
+        def no_map(*_a, **_k):
+            raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))
+        monkeypatch.setattr(st.mmap, "mmap", no_map)
     if kernel in ("EXDEV", "ENOSYS"):
         monkeypatch.setattr(os, "copy_file_range", _refuse(getattr(errno, kernel)))
     elif kernel == "missing":
@@ -113,10 +136,15 @@ def test_copied_ranges_write_what_the_streaming_path_writes(ref, tmp_path, monke
     monkeypatch.setattr(byte_ranges, "MIN_RANGE", 0)  # every parameter the ranges can express goes file to file
     convert(ref / src, tmp_path / dst, **opts, **_quiet())
     _same_files(tmp_path / dst, ref / dst)
-    total, kernel_bytes = sum(n for n, _ in copied), sum(k for _, k in copied)
+    total, kernel_bytes = sum(n for n, _ in copied) + sum(gathered), sum(k for _, k in copied) + sum(gathered)
     written = sum(p.stat().st_size for p in (tmp_path / dst).rglob("*.safetensors"))
     assert total > written / 2, f"only {total} of {written} bytes were copied as ranges"
-    if kernel == "copy_file_range":
+    if kernel in ("pwritev from a map", "pwritev, short writes"):
+        assert sum(gathered) == sum(several), f"only {sum(gathered)} of {sum(several)} bytes went by pwritev"
+        assert several or step == "hf->hf"  # a move of whole tensors is one range each
+    elif kernel == "pwritev, no map":
+        assert not gathered and kernel_bytes == total
+    if kernel == "copy_file_range" or kernel.startswith("pwritev"):
         assert kernel_bytes == total
     elif kernel == "refused halfway":
         assert 0 < kernel_bytes < total
@@ -171,3 +199,22 @@ def test_an_io_error_in_the_copy_fails_in_one_line_and_writes_nothing(ref, tmp_p
     with pytest.raises(ToolkitError, match="Input/output error.*nothing was written"):
         convert(ref / "hf", tmp_path / "out", "megatron", tp=2, **_quiet())
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
+def test_small_ranges_from_a_source_truncated_after_it_was_opened_fail_in_one_line(tmp_path):
+    """The pwritev path reads its sources through a map; a source cut short after it was opened would fault the
+    process when its missing pages were touched. Its size is checked first: one line instead."""
+    src = tmp_path / "src.bin"
+    src.write_bytes(bytes(range(256)) * 16)  # 4 KiB
+    writer = st.Writer(tmp_path / "out.safetensors", {"t": ((16, 64), torch.uint8)})
+    with src.open("rb") as f:
+        good = [(f.fileno(), 128 * i, 64) for i in range(16)]  # every other 64 bytes of the first 2 KiB
+        writer.write_ranges("t", good)
+        writer.close()
+        assert st.load(tmp_path / "out.safetensors")[0]["t"].flatten().tolist() == \
+            [b for i in range(16) for b in (bytes(range(256)) * 16)[128 * i:128 * i + 64]]
+        os.truncate(src, 1024)
+        late = st.Writer(tmp_path / "late.safetensors", {"t": ((16, 64), torch.uint8)})
+        with pytest.raises(ToolkitError, match="truncated while converting"):
+            late.write_ranges("t", good)
+        late._f.close()

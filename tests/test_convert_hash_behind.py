@@ -47,6 +47,6 @@ def test_megatron_output_manifest_and_a_damaged_source_checked_in_the_background
     with pytest.raises(ToolkitError) as e:
         convert(bad, tmp_path / "out", "megatron", tp=4, verify=False, progress=False, log=lambda *_: 0)
     assert str(e.value) == (f"{bad / 'step_00000000'} is not a complete checkpoint: model_tp01_pp001.safetensors "
-                            "does not match its sha256 in the manifest (the file or the manifest changed after the "
+                            "does not match its xxh3_128 in the manifest (the file or the manifest changed after the "
                             "save)")
     assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bad", "hf", "mg"]

@@ -484,7 +484,7 @@ def pointer_names_a_damaged_step(src: Path) -> None:
 
 DISAGREED = [("hf", hf_config_disagrees, "does not match its config.json"),
              ("megatron", meta_layout_disagrees, "model_tp01_pp000.safetensors"),
-             ("megatron", pointer_names_a_damaged_step, "model_tp00_pp000.safetensors does not match its sha256")]
+             ("megatron", pointer_names_a_damaged_step, "model_tp00_pp000.safetensors does not match its xxh3_128")]
 
 
 @pytest.mark.parametrize("source,damage,phrase", DISAGREED, ids=[d[1].__name__ for d in DISAGREED])

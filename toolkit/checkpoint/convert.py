@@ -389,7 +389,8 @@ def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log,
     t3 = time.monotonic()
     writers = getattr(target, "writers", [])
     writers = list(writers.values() if isinstance(writers, dict) else writers)
-    kernel, user = (sum(getattr(w, attr, 0) for w in writers) for attr in ("kernel_bytes", "user_bytes"))
+    kernel, gathered, user = (sum(getattr(w, attr, 0) for w in writers)
+                              for attr in ("kernel_bytes", "gathered_bytes", "user_bytes"))
     target.close()
     log(f"wrote {target.total / 2**30:.2f} GiB in {time.monotonic() - t0:.1f} s")
     if verbose:
@@ -398,8 +399,9 @@ def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log,
             f"s (writer thread, overlapped); manifest-hash {behind.hash_seconds:.1f} s (hash thread, overlapped); "
             f"close/fsync/manifest "
             f"{time.monotonic() - t3:.1f} s")
-        log(f"copied file to file: {kernel / 2**20:.1f} MiB by copy_file_range, {user / 2**20:.1f} MiB through a "
-            f"buffer where the kernel would not copy (of {target.total / 2**30:.2f} GiB)")
+        log(f"copied file to file: {kernel / 2**20:.1f} MiB by copy_file_range, {gathered / 2**20:.1f} MiB by "
+            f"pwritev from the mapped source (small ranges), {user / 2**20:.1f} MiB through a buffer where the kernel "
+            f"would not copy (of {target.total / 2**30:.2f} GiB)")
 
 
 def _verify(source: Source, written: Path, fields: tuple[str, ...], cast, log, digests: Digests,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import json
 import mmap
 import os
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from toolkit.errors import ToolkitError
+from toolkit.format import manifest
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -43,6 +43,12 @@ COPY_THREADS = max(1, int(os.environ.get("TOOLKIT_COPY_THREADS", "") or min(4, o
 """Threads copying one tensor's byte ranges at once (TOOLKIT_COPY_THREADS; 1 copies them in order). The kernel's
 copy of cached pages takes a core: one thread left a 2-core machine's second core idle (2.6 s against 1.3 s for
 2.7 GiB, both with start_writeback)."""
+GATHER_BELOW = 64 * 2**10
+"""write_ranges hands ranges averaging fewer bytes than this (a row-parallel shard is one range per row: 1-6 KiB at
+1.1B) to the kernel from a read-only map of their source file, up to IOV_MAX of them in one pwritev, instead of one
+copy_file_range each. Still one copy, in the kernel, from the source's cached pages; about 2x less time for 1 KiB
+rows here (docs/performance.md), because the cost of so many small copies was the calls, not the bytes."""
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _copy_pool: ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()
 try:
@@ -222,7 +228,8 @@ class Writer:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-(8 + len(raw)) % _ALIGN)
         self._base, self._header, self._pending, self._size = 8 + len(raw), header, set(specs), 8 + len(raw) + offset
-        self.kernel_bytes = self.user_bytes = 0  # what write_ranges copied in the kernel, and through user space
+        # what write_ranges copied in the kernel (copy_file_range; pwritev from a map), and through user space
+        self.kernel_bytes = self.gathered_bytes = self.user_bytes = 0
         self._order, self._next, self._frontier = list(specs), 0, self._base  # bytes [0, _frontier) are all written
         self._hash, self._hashed = None, 0
         self._f = self.path.open("w+b")  # read too: track_hash reads the written bytes back
@@ -235,10 +242,10 @@ class Writer:
         begin, stop = info["data_offsets"]
         return tuple(info["shape"]), _DTYPES[info["dtype"]], stop - begin
 
-    def track_hash(self, algorithm: str) -> None:
+    def track_hash(self, algorithm: str = manifest.DIGEST) -> None:
         """Hash the file as it is written: catch_up() (on any one thread) hashes the bytes written so far in file
         order, read back while they are still in the page cache, so the digest is ready when the last write lands."""
-        self._hash = hashlib.new(algorithm)
+        self._hash, self._hash_name = manifest.new_hash(algorithm), algorithm
 
     @property
     def tracks_hash(self) -> bool:
@@ -256,14 +263,14 @@ class Writer:
             if got <= 0:
                 raise ToolkitError(f"{self.path} ended at {self._hashed} bytes while being hashed; expected "
                                    f"{frontier}: it was truncated while converting")
-            self._hash.update(view[:got])  # hashlib releases the GIL on large buffers
+            self._hash.update(view[:got])  # XXH3 holds the GIL, but only ~0.25 ms for these 4 MiB
             self._hashed += got
 
     def manifest_entry(self) -> dict:
         """{"bytes", algorithm: hex digest} of the finished file, as manifest.file_entry would give it (after close)."""
         if self._hash is None or self._pending or self._hashed != self._size:
             raise ToolkitError(f"{self.path}: not hashed to its end ({self._hashed} of {self._size} bytes)")
-        return {"bytes": self._size, self._hash.name: self._hash.hexdigest()}
+        return {"bytes": self._size, self._hash_name: self._hash.hexdigest()}
 
     def _advance(self, name: str) -> None:
         self._pending.discard(name)
@@ -326,9 +333,12 @@ class Writer:
             else:
                 copies += [(fd, offset + d, at + d, min(_COPY_CHUNK, n - d)) for d in range(0, n, _COPY_CHUNK)]
             at += n
-        kernel = sum(_run_copies(out, copies))
-        self.kernel_bytes += kernel
-        self.user_bytes += sum(c[-1] for c in copies) - kernel
+        if len(copies) > 1 and sum(c[-1] for c in copies) < GATHER_BELOW * len(copies) and _gather(out, copies):
+            self.gathered_bytes += sum(c[-1] for c in copies)
+        else:
+            kernel = sum(_run_copies(out, copies))
+            self.kernel_bytes += kernel
+            self.user_bytes += sum(c[-1] for c in copies) - kernel
         start_writeback(out, self._base + begin, stop - begin)
         self._advance(name)
         return stop - begin
@@ -362,7 +372,6 @@ def _run_copies(dst: int, copies: list[tuple[int, int, int, int]]) -> list[int]:
     """copy_range of each (src fd, src offset, dst offset, count) into dst; returns the bytes the kernel copied of
     each. In batches of about _COPY_CHUNK bytes (a row-parallel shard is one small copy per row) on COPY_THREADS
     threads when there are several batches. Every copy has finished when this returns or raises."""
-    global _copy_pool
     batches, size = [[]], 0
     for c in copies:
         if size >= _COPY_CHUNK:
@@ -370,15 +379,74 @@ def _run_copies(dst: int, copies: list[tuple[int, int, int, int]]) -> list[int]:
             size = 0
         batches[-1].append(c)
         size += c[-1]
-    if len(batches) < 2 or COPY_THREADS == 1:
-        return [copy_range(src, at, dst, to, n) for src, at, to, n in copies]
+    done = _in_pool([lambda b=b: [copy_range(src, at, dst, to, n) for src, at, to, n in b] for b in batches])
+    return [k for batch in done for k in batch]  # the first failure, raised once none is still writing
+
+
+def _gather(dst: int, copies: list[tuple[int, int, int, int]]) -> bool:
+    """Write (src fd, src offset, dst offset, count) copies into dst by pwritev from read-only maps of the source
+    files, up to _IOV_MAX ranges a call (batches on COPY_THREADS threads); False, with nothing written, where a
+    source cannot be mapped (the caller then copies range by range). Each source's size is checked first: a map
+    read past a file's end would fault, so a source truncated after it was opened is one line, as in copy_range."""
+    maps: dict[int, tuple[mmap.mmap, int]] = {}
+    try:
+        for fd in dict.fromkeys(c[0] for c in copies):
+            lo = min(c[1] for c in copies if c[0] == fd)
+            hi = max(c[1] + c[3] for c in copies if c[0] == fd)
+            if os.fstat(fd).st_size < hi:
+                raise ToolkitError(f"the file being copied from ends before byte {hi}: it was truncated while "
+                                   "converting; re-copy it")
+            start = lo - lo % mmap.ALLOCATIONGRANULARITY
+            try:
+                maps[fd] = (mmap.mmap(fd, hi - start, access=mmap.ACCESS_READ, offset=start), start)
+            except (OSError, ValueError):  # not a regular file, or a file system that cannot map it
+                return False
+        batches, size = [[]], 0
+        for c in copies:
+            last = batches[-1][-1] if batches[-1] else None
+            if last is not None and (size >= _COPY_CHUNK or len(batches[-1]) >= _IOV_MAX or last[2] + last[3] != c[2]):
+                batches.append([])
+                size = 0
+            batches[-1].append(c)
+            size += c[3]
+        _in_pool([lambda b=b: _pwritev_all(dst, b, maps) for b in batches])
+        return True
+    finally:
+        for m, _ in maps.values():
+            try:
+                m.close()
+            except BufferError:  # a view still held by a failed batch: the map goes with it
+                pass
+
+
+def _pwritev_all(dst: int, batch: list[tuple[int, int, int, int]], maps: dict) -> None:
+    """One batch of dst-contiguous copies: views of the mapped sources, written by pwritev (which releases the
+    GIL) until every byte is written."""
+    views = [memoryview(maps[fd][0])[off - maps[fd][1]:off - maps[fd][1] + n] for fd, off, _, n in batch]
+    at, i = batch[0][2], 0
+    while i < len(views):
+        got = os.pwritev(dst, views[i:i + _IOV_MAX], at)
+        at += got
+        while i < len(views) and got >= len(views[i]):  # a short write: go on from the first byte not written
+            got -= len(views[i])
+            i += 1
+        if got:
+            views[i] = views[i][got:]
+    del views
+
+
+def _in_pool(jobs: list) -> list:
+    """Run the jobs on the shared copy threads (in order, here, when there is one job or one thread); every job has
+    finished when this returns or raises, and the first failure is raised."""
+    global _copy_pool
+    if len(jobs) < 2 or COPY_THREADS == 1:
+        return [job() for job in jobs]
     with _copy_pool_lock:
         if _copy_pool is None:
             _copy_pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="toolkit-copy")
-    futures = [_copy_pool.submit(lambda b=b: [copy_range(src, at, dst, to, n) for src, at, to, n in b])
-               for b in batches]
+    futures = [_copy_pool.submit(job) for job in jobs]
     wait(futures)
-    return [k for f in futures for k in f.result()]  # the first failure, raised once none is still writing
+    return [f.result() for f in futures]
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
