@@ -39,7 +39,10 @@ from toolkit.format.names import chunk_key
 from toolkit.format.safetensors_stream import mapped
 from toolkit.layout import first_stage, last_stage, layer_location
 
-TOKENS = 16
+TOKENS = 8
+"""Positions the logit check runs. Eight still exercise causal attention and RoPE across positions (a q/k swap
+changes the scores from the second token on); CPU bf16 matmuls cost in proportion to the tokens (35 ms for 16,
+9 ms for 4, through one 2048 x 11264 weight here), and at 16 this forward was most of the verification's time."""
 
 
 def import_early(architecture: str) -> None:
