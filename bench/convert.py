@@ -3,22 +3,28 @@
     python bench/convert.py                       # 1.1B and 3.0B Llama shapes (bf16), medians of 3: ~40 minutes
     python bench/convert.py --sizes 1b --json out.json
     python bench/convert.py --sizes tiny --reps 1 # seconds; what the test suite runs so the script cannot rot
+    python bench/convert.py --sizes 1b --cold     # root: every run (cp too) reads its source from the disk
 
 For each size it writes a random Llama-shaped Hugging Face checkpoint (streamed, never whole in memory), then
 runs, each `--reps` times in a fresh process, and reports the median of each figure:
   cp        cp -r of the Hugging Face folder, then sync of the copied files (the converter fsyncs what it
             writes); run first and last, and the ratios are taken against the mean of the two
   hf->tp2pp2, tp2pp2->tp4pp1, tp4pp1->hf   `toolkit convert --quiet --verbose`, first with --no-verify, then
-            with the default verification (SHA-256 read-back and the layer-by-layer logit check)
+            with the default verification (the bit-exact read-back and the layer-by-layer logit check)
   hf->torch_dist, torch_dist->megatron_lm, megatron_lm->hf   the same two modes: Megatron-Core's torch_dist
             (written at TP2 x PP2), read into Megatron-LM's legacy layout at TP2 x PP2, read back to Hugging Face
 and prints wall time, its ratio to cp's wall time (the targets: 1.3 with --no-verify, 2 verified), CPU seconds
 (user + system, wait4: less sensitive to a shared machine than wall time), the 1-minute load average at its end,
-the throughput ratio to cp, the GiB copied file to file (os.copy_file_range), peak RSS (wait4's ru_maxrss), peak
+the throughput ratio to cp, the GiB copied file to file (os.copy_file_range, and pwritev from a map for tensors of
+many small ranges), peak RSS (wait4's ru_maxrss), peak
 anonymous memory (RssAnon from /proc, sampled every 10 ms) and the converter's phases (read, split, write, hash,
 close/fsync/manifest, verify; seconds).
 Wall time includes Python start-up and imports (about 3 s here).
-The machine is shared and noisy: compare ratios within one run, not absolute numbers across runs.
+The machine is shared and noisy: compare ratios within one run, not absolute numbers across runs. On a VM that
+hands freed memory back to its host (virtio-balloon free page reporting, as the development VM does), a page the
+kernel has not reused recently costs a host fault: a run writing into memory just freed by the previous one is
+several times faster than one that is not (`cp` of 2 GiB: 1.6 s against 8.2 s). Each rep deletes its output just
+before the next, so use --reps 3 (the default): with --reps 1 each step runs on whatever the previous one left.
 """
 from __future__ import annotations
 
@@ -126,7 +132,15 @@ def _median(rows: list[dict], key: str):
     return values[len(values) // 2] if values else None
 
 
-def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | None = None) -> list[dict]:
+def drop_caches() -> None:
+    """Write everything back, then have the kernel drop its clean page cache (root only): the next run reads its
+    source from the disk, as a conversion of a checkpoint that is not in memory does (--cold)."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | None = None,
+               cold: bool = False) -> list[dict]:
     root = work / name
     t0 = time.perf_counter()
     subprocess.run([sys.executable, __file__, "--generate", str(root / "hf"), name, dtype], check=True)
@@ -157,6 +171,8 @@ def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | N
         for _ in range(reps):
             shutil.rmtree(out, ignore_errors=True)
             os.sync()  # each run starts with nothing of the previous one still being written back
+            if cold:
+                drop_caches()
             runs.append(measure(cmd))
         r = {"size": name, "params": params, "step": label, "gib": folder_bytes(out) / 2**30, "reps": len(runs)}
         for key in ("wall_s", "cpu_s", "load", "peak_rss_mib", "peak_anon_mib", "stream_s", "copied_gib",
@@ -196,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="runs of each step; the median is reported (default 3)")
     ap.add_argument("--steps", default=None, help="comma-separated conversions to run (default all), e.g. "
                     "hf->tp2pp2,tp2pp2->tp4pp1,tp4pp1->hf: the three the issue's targets name")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before every run (root): each reads "
+                    "its source from the disk, cp included; the default reads sources the previous step just wrote")
     ap.add_argument("--generate", nargs=3, metavar=("FOLDER", "SIZE", "DTYPE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.generate:
@@ -210,9 +228,12 @@ def main(argv=None) -> int:
     only = [s.strip() for s in args.steps.split(",")] if args.steps else None
     if only and set(only) - set(STEPS):  # e.g. a shell that took "->" for a redirection
         ap.error(f"unknown step(s) {sorted(set(only) - set(STEPS))}; choose from {', '.join(STEPS)} (quote them)")
-    print(f"bench/convert.py: {os.cpu_count()} CPUs; sizes {sizes}")
+    if args.cold and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        ap.error("--cold drops the page cache through /proc/sys/vm/drop_caches, which needs root")
+    print(f"bench/convert.py: {os.cpu_count()} CPUs; sizes {sizes}" + ("; page cache dropped before every run"
+                                                                      if args.cold else ""))
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="bench_convert_") as work:
-        rows = [r for s in sizes for r in bench_size(s, Path(work), dtype, args.reps, only)]
+        rows = [r for s in sizes for r in bench_size(s, Path(work), dtype, args.reps, only, args.cold)]
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
