@@ -48,7 +48,7 @@ GATHER_BELOW = 64 * 2**10
 1.1B) to the kernel from a read-only map of their source file, up to IOV_MAX of them in one pwritev, instead of one
 copy_file_range each. Still one copy, in the kernel, from the source's cached pages; about 2x less time for 1 KiB
 rows here (docs/performance.md), because the cost of so many small copies was the calls, not the bytes."""
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+_IOV_MAX = 1024  # Linux's IOV_MAX (UIO_MAXIOV): pwritev refuses more buffers than this in one call
 _copy_pool: ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()
 try:
@@ -389,10 +389,12 @@ def _gather(dst: int, copies: list[tuple[int, int, int, int]]) -> bool:
     source cannot be mapped (the caller then copies range by range). Each source's size is checked first: a map
     read past a file's end would fault, so a source truncated after it was opened is one line, as in copy_range."""
     maps: dict[int, tuple[mmap.mmap, int]] = {}
+    spans: dict[int, tuple[int, int]] = {}  # each source's lowest and highest byte copied
+    for fd, offset, _, n in copies:
+        lo, hi = spans.get(fd, (offset, offset + n))
+        spans[fd] = (min(lo, offset), max(hi, offset + n))
     try:
-        for fd in dict.fromkeys(c[0] for c in copies):
-            lo = min(c[1] for c in copies if c[0] == fd)
-            hi = max(c[1] + c[3] for c in copies if c[0] == fd)
+        for fd, (lo, hi) in spans.items():
             if os.fstat(fd).st_size < hi:
                 raise ToolkitError(f"the file being copied from ends before byte {hi}: it was truncated while "
                                    "converting; re-copy it")
@@ -422,17 +424,20 @@ def _gather(dst: int, copies: list[tuple[int, int, int, int]]) -> bool:
 def _pwritev_all(dst: int, batch: list[tuple[int, int, int, int]], maps: dict) -> None:
     """One batch of dst-contiguous copies: views of the mapped sources, written by pwritev (which releases the
     GIL) until every byte is written."""
-    views = [memoryview(maps[fd][0])[off - maps[fd][1]:off - maps[fd][1] + n] for fd, off, _, n in batch]
+    bases = {fd: (memoryview(m), start) for fd, (m, start) in maps.items()}
+    views = [bases[fd][0][off - bases[fd][1]:off - bases[fd][1] + n] for fd, off, _, n in batch]
     at, i = batch[0][2], 0
     while i < len(views):
         got = os.pwritev(dst, views[i:i + _IOV_MAX], at)
+        if got <= 0:
+            raise ToolkitError(f"writing at byte {at} of the output wrote nothing: the disk may be full")
         at += got
         while i < len(views) and got >= len(views[i]):  # a short write: go on from the first byte not written
             got -= len(views[i])
             i += 1
         if got:
             views[i] = views[i][got:]
-    del views
+    del views, bases
 
 
 def _in_pool(jobs: list) -> list:
