@@ -5,7 +5,7 @@ Layout of <checkpoint dir>:
                             per-rank files, toolkit/megatron/checkpoint.py), plus
     toolkit_rank00000.pt    this rank's RNG states and data position (read as weights only)
     toolkit_meta.json       written last, by rank 0, after every rank hashed and flushed its files: step, layout,
-                            recipe, and the manifest (every file with its size and SHA-256,
+                            recipe, and the manifest (every file with its size and XXH3-128,
                             toolkit/format/manifest.py)
   latest                    DeepSpeed's pointer (so DeepSpeed's zero_to_fp32 tooling works)
   latest_complete           the toolkit's pointer, replaced atomically only once a checkpoint is complete
