@@ -44,10 +44,9 @@ COPY_THREADS = max(1, int(os.environ.get("TOOLKIT_COPY_THREADS", "") or min(4, o
 copy of cached pages takes a core: one thread left a 2-core machine's second core idle (2.6 s against 1.3 s for
 2.7 GiB, both with start_writeback)."""
 GATHER_BELOW = 64 * 2**10
-"""write_ranges hands ranges averaging fewer bytes than this (a row-parallel shard is one range per row: 1-6 KiB at
-1.1B) to the kernel from a read-only map of their source file, up to IOV_MAX of them in one pwritev, instead of one
-copy_file_range each. Still one copy, in the kernel, from the source's cached pages; about 2x less time for 1 KiB
-rows here (docs/performance.md), because the cost of so many small copies was the calls, not the bytes."""
+"""write_ranges hands ranges averaging fewer bytes than this (a row-parallel shard: one range a row) to the kernel
+from read-only maps of their sources, up to _IOV_MAX in one pwritev, not one copy_file_range each: still one copy,
+in the kernel, with far fewer calls (docs/performance.md)."""
 _IOV_MAX = 1024  # Linux's IOV_MAX (UIO_MAXIOV): pwritev refuses more buffers than this in one call
 _copy_pool: ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()
@@ -228,8 +227,7 @@ class Writer:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-(8 + len(raw)) % _ALIGN)
         self._base, self._header, self._pending, self._size = 8 + len(raw), header, set(specs), 8 + len(raw) + offset
-        # what write_ranges copied in the kernel (copy_file_range; pwritev from a map), and through user space
-        self.kernel_bytes = self.gathered_bytes = self.user_bytes = 0
+        self.kernel_bytes = self.gathered_bytes = self.user_bytes = 0  # write_ranges': copy_file_range, pwritev, buffer
         self._order, self._next, self._frontier = list(specs), 0, self._base  # bytes [0, _frontier) are all written
         self._hash, self._hashed = None, 0
         self._f = self.path.open("w+b")  # read too: track_hash reads the written bytes back
@@ -384,10 +382,9 @@ def _run_copies(dst: int, copies: list[tuple[int, int, int, int]]) -> list[int]:
 
 
 def _gather(dst: int, copies: list[tuple[int, int, int, int]]) -> bool:
-    """Write (src fd, src offset, dst offset, count) copies into dst by pwritev from read-only maps of the source
-    files, up to _IOV_MAX ranges a call (batches on COPY_THREADS threads); False, with nothing written, where a
-    source cannot be mapped (the caller then copies range by range). Each source's size is checked first: a map
-    read past a file's end would fault, so a source truncated after it was opened is one line, as in copy_range."""
+    """Write (src fd, src offset, dst offset, count) copies into dst by pwritev from read-only maps of the sources,
+    in batches on the copy threads; False, with nothing written, where a source cannot be mapped. Sizes are checked
+    first: a map read past a file's end would fault, so a source truncated after it was opened is one line."""
     maps: dict[int, tuple[mmap.mmap, int]] = {}
     spans: dict[int, tuple[int, int]] = {}  # each source's lowest and highest byte copied
     for fd, offset, _, n in copies:
@@ -422,8 +419,7 @@ def _gather(dst: int, copies: list[tuple[int, int, int, int]]) -> bool:
 
 
 def _pwritev_all(dst: int, batch: list[tuple[int, int, int, int]], maps: dict) -> None:
-    """One batch of dst-contiguous copies: views of the mapped sources, written by pwritev (which releases the
-    GIL) until every byte is written."""
+    """One batch of dst-contiguous copies, written by pwritev (which releases the GIL) until every byte is."""
     bases = {fd: (memoryview(m), start) for fd, (m, start) in maps.items()}
     views = [bases[fd][0][off - bases[fd][1]:off - bases[fd][1] + n] for fd, off, _, n in batch]
     at, i = batch[0][2], 0
@@ -437,7 +433,6 @@ def _pwritev_all(dst: int, batch: list[tuple[int, int, int, int]], maps: dict) -
             i += 1
         if got:
             views[i] = views[i][got:]
-    del views, bases
 
 
 def _in_pool(jobs: list) -> list:
