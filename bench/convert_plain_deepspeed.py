@@ -19,7 +19,10 @@ sampled every 50 ms) is what the issue bounds:
   ds_to_universal  python -m deepspeed.checkpoint.ds_to_universal --input_folder TAG --output_folder OUT/TAG
                    (its default 4 extract / 2 merge worker processes), then sync
   toolkit universal  toolkit convert CKPT OUT --to universal --quiet
-and both pairs of outputs are compared tensor by tensor (they must be equal bit for bit; for the universal
+Each output is synced and then evicted from the page cache once timed (posix_fadvise DONTNEED; the checkpoint
+itself stays cached), so every step starts with the same free memory: otherwise the step after ds_to_universal.py
+would find 12 GiB of its output cached and the kernel would evict the checkpoint to make room (14 s instead of 9 s
+for the toolkit's universal conversion here). Both pairs of outputs are compared tensor by tensor (they must be equal bit for bit; for the universal
 checkpoints every zero/<param>/*.pt file), one tensor at a time; each pair is deleted once compared, so the disk
 holds the checkpoint and at most one pair (about 4x the checkpoint at the peak, ds_to_universal.py's temp folder
 included). The load average is printed with each step (the machine may be shared).
@@ -40,7 +43,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convert import REPO, folder_bytes, measure  # noqa: E402
+from convert import REPO, evict, folder_bytes, measure  # noqa: E402
 
 SIZES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -217,6 +220,7 @@ def main(argv=None) -> int:
             r = measure_tree(cmd)
             r.update(step=label, size=args.size, gib=folder_bytes(out) / 2**30, load_before=load)
             rows.append(r)
+            evict(out)  # its pages out of the cache: the next step gets the free memory this one had
             print(f"  {label:<17} {r['gib']:6.2f} GiB written  wall {r['wall_s']:6.1f} s  peak RSS "
                   f"{r['peak_rss_mib']:6.0f} MiB  peak anonymous {r['peak_anon_tree_mib']:6.0f} MiB  (load "
                   f"{load:.1f} before)", flush=True)

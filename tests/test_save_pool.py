@@ -123,3 +123,42 @@ def test_save_ranges_fills_a_torch_save_file_file_to_file_and_refuses_wrong_byte
     with pytest.raises(ToolkitError, match="reads back different from what was copied"):
         save_pool.save_ranges(torch.empty(6), tmp_path / "wrong.pt", wrong, pieces)
     ranges.close()
+
+
+def test_save_ranges_reuses_the_bytes_around_the_tensor_and_writes_what_torch_save_would(tmp_path, monkeypatch):
+    """After the first file of a (name, template), save_ranges writes the kept bytes around the copied tensor: no
+    torch.save. Each file is byte for byte the one written without that reuse; another template or name is saved on
+    its own; a template it cannot describe (a list) is never reused."""
+    from toolkit.checkpoint.pt_ranges import FileRanges, ranges_of
+    from toolkit.format import safe_load
+
+    torch.save({"a": torch.arange(40, dtype=torch.float32)}, tmp_path / "rank.pt")
+    mapped = safe_load.load(tmp_path / "rank.pt", mmap=True, deepspeed=True)
+    meta = safe_load.load(tmp_path / "rank.pt", deepspeed=True, map_location="meta")
+    source = FileRanges(tmp_path / "rank.pt", [mapped["a"]], [meta["a"]])
+    monkeypatch.setattr(save_pool, "_AROUND", {})
+    saves, real_save = [], torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: (saves.append(str(f)), real_save(obj, f, *a, **k)))
+    jobs = [("one/fp32.pt", lambda: torch.empty(6), 0), ("two/fp32.pt", lambda: torch.empty(6), 10),
+            ("three/fp32.pt", lambda: torch.empty(6), 20), ("one/exp_avg.pt", lambda: torch.empty(6), 30),
+            ("four/fp32.pt", lambda: torch.empty(5), 30),
+            ("one/step.pt", lambda: {"param": torch.empty(6), "extra": [1]}, 0),
+            ("two/step.pt", lambda: {"param": torch.empty(6), "extra": [1]}, 0)]
+    for name, template, start in jobs:
+        (tmp_path / "reused" / name).parent.mkdir(parents=True, exist_ok=True)
+        n = template()["param"].numel() if isinstance(template(), dict) else template().numel()
+        pieces = [mapped["a"][start:start + n]]
+        save_pool.save_ranges(template(), tmp_path / "reused" / name, ranges_of(pieces, [source]), pieces)
+    assert [s.split("reused/")[1] for s in saves] == ["one/fp32.pt", "one/exp_avg.pt", "four/fp32.pt",
+                                                      "one/step.pt", "two/step.pt"]
+    monkeypatch.setattr(save_pool, "_signature", lambda obj: None)
+    for name, template, start in jobs:
+        (tmp_path / "alone" / name).parent.mkdir(parents=True, exist_ok=True)
+        n = template()["param"].numel() if isinstance(template(), dict) else template().numel()
+        pieces = [mapped["a"][start:start + n]]
+        save_pool.save_ranges(template(), tmp_path / "alone" / name, ranges_of(pieces, [source]), pieces)
+        assert (tmp_path / "reused" / name).read_bytes() == (tmp_path / "alone" / name).read_bytes(), name
+        back = torch.load(tmp_path / "reused" / name, weights_only=True)
+        back = back["param"] if isinstance(back, dict) else back
+        assert torch.equal(back, torch.arange(start, start + n, dtype=torch.float32)), name
+    source.close()

@@ -5,6 +5,7 @@ Heavy imports (torch, deepspeed, megatron) happen inside the subcommands that ne
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -170,6 +171,8 @@ def cmd_inspect(args) -> int:
 def cmd_convert(args) -> int:
     from toolkit.checkpoint.convert import convert  # lazy: pulls in torch (seconds) for this command only
 
+    gc.freeze()  # the imports' objects (torch's: hundreds of thousands) out of the collector's sight: every full
+    # collection of a conversion (rank files unpickle many small objects) would walk them all again
     out = convert(args.src, args.dst, args.to, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, dtype=args.dtype,
                   vocab_size=args.vocab_size, fp32=args.fp32, weights_only=args.weights_only,
                   overwrite=args.overwrite, verify=not args.no_verify, dp=args.dp, progress=not args.quiet,

@@ -21,7 +21,7 @@ import torch
 
 from toolkit.errors import ToolkitError
 from toolkit.format import safe_load
-from toolkit.format.safetensors_stream import copy_range
+from toolkit.format.safetensors_stream import copy_range, pwrite_all
 
 THREADS = max(1, int(os.environ.get("TOOLKIT_SAVE_THREADS", "4") or 4))
 """Writer threads (TOOLKIT_SAVE_THREADS; 1 writes one file after the other, in order)."""
@@ -51,13 +51,27 @@ def _buffer() -> bytearray:
     return _LOCAL.buffer
 
 
-def save_ranges(template, file: Path, ranges: list[tuple[int, int, int]], pieces: list[torch.Tensor]) -> None:
-    """torch.save(template, file) with its one tensor's bytes left out (torch's skip_data: a hole in the file), then
-    those bytes copied into it file to file, in the kernel, from `ranges` ((fd, offset, count) in the source files,
-    whose tensors are `pieces`, in order), at the offset its map_location="meta" load gives (a file holding one
-    tensor of their size and dtype); read back and compared with `pieces` (the memory-mapped tensors themselves, not
-    the ranges) bit for bit. No tensor is copied in this process but through the read-back's 8 MiB buffer.
-    torch.load does not check the zip records' CRC-32, which skip_data leaves that of the hole."""
+_AROUND: dict = {}
+"""(file name, template signature) -> (the torch.save bytes before the tensor's, those after it)."""
+
+
+def _signature(obj):
+    """What torch.save's bytes of `obj` depend on (tensors by shape, dtype, strides and storage size), or None for
+    an object this does not describe (that file is then saved on its own)."""
+    if torch.is_tensor(obj):
+        return ("tensor", tuple(obj.shape), str(obj.dtype), obj.stride(), obj.storage_offset(),
+                obj.untyped_storage().nbytes())
+    if obj is None or type(obj) in (bool, int, float, str):
+        return (type(obj).__name__, obj)
+    if type(obj) is dict:
+        items = tuple((_signature(k), _signature(v)) for k, v in obj.items())
+        return None if any(a is None or b is None for a, b in items) else ("dict", items)
+    return None
+
+
+def _first(template, file: Path, pieces: list[torch.Tensor]) -> tuple[bytes, bytes]:
+    """torch.save(template, file) with the tensor's bytes skipped; checked by a map_location="meta" load to hold one
+    tensor of the pieces' size and dtype; returns the file's bytes before and after that tensor's."""
     with torch.serialization.skip_data():
         torch.save(template, file)
     meta = safe_load.load(file, deepspeed=True, map_location="meta")
@@ -66,25 +80,67 @@ def save_ranges(template, file: Path, ranges: list[tuple[int, int, int]], pieces
     if not isinstance(at, int) or flat.numel() != sum(p.numel() for p in pieces) or any(
             p.dtype != flat.dtype for p in pieces):
         raise ToolkitError(f"internal: {file} does not hold one tensor of its pieces' size and dtype")
-    fd, start = os.open(file, os.O_RDWR), at
+    n = flat.numel() * flat.element_size()
+    with open(file, "rb") as f:
+        head = f.read(at)
+        f.seek(at + n)
+        tail = f.read()
+    if len(head) != at:
+        raise ToolkitError(f"internal: {file} ends before its tensor's bytes")
+    return head, tail
+
+
+def save_ranges(template, file: Path, ranges: list[tuple[int, int, int]], pieces: list[torch.Tensor]) -> None:
+    """torch.save(template, file) with its one tensor's bytes left out (torch's skip_data: a hole in the file), then
+    those bytes copied into it file to file, in the kernel, from `ranges` ((fd, offset, count) in the source files,
+    whose tensors are `pieces`, in order), at the offset its map_location="meta" load gives (a file holding one
+    tensor of their size and dtype); read back and compared with `pieces` (the memory-mapped tensors themselves, not
+    the ranges) bit for bit. No tensor is copied in this process but through the read-back's 8 MiB buffer.
+    torch.load does not check the zip records' CRC-32, which skip_data leaves that of the hole.
+
+    torch.save's bytes depend only on the object and the file's name (the zip's folder), so the bytes around the
+    tensor are kept per (name, template) after the first such file: the next ones are written as those bytes, the
+    copied tensor bytes and the rest, in file order, with no torch.save and no load (most of the time they took)."""
+    key = _signature(template)
+    key = key and (file.name, key)
+    around = _AROUND.get(key) if key else None
+    if around is None:
+        around = _first(template, file, pieces)
+        if key:
+            _AROUND[key] = around
+    head, tail = around
+    fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
     try:
+        pwrite_all(fd, memoryview(head), 0)
+        at = start = len(head)
         for src, offset, n in ranges:
             copy_range(src, offset, fd, at, n)
             at += n
+        pwrite_all(fd, memoryview(tail), at)
+        os.ftruncate(fd, at + len(tail))
         at = start  # read back through a reused buffer, against the pieces' own (memory-mapped) bytes
         mine = _buffer()
         for piece in pieces:
-            want = memoryview(piece.reshape(-1).view(torch.uint8).numpy())
-            for done in range(0, len(want), _BLOCK):
-                k = min(_BLOCK, len(want) - done)
+            flat = piece.reshape(-1).view(torch.uint8)
+            for done in range(0, flat.numel(), _BLOCK):
+                k = min(_BLOCK, flat.numel() - done)
                 got = os.preadv(fd, [memoryview(mine)[:k]], at + done)
-                same = (mine if k == _BLOCK else mine[:k]) == want[done:done + k]  # a bytearray compares by memcmp
-                if got != k or not same:
+                if got != k or not _same(mine, flat.data_ptr() + done, k):
                     raise ToolkitError(f"verification failed: {file} reads back different from what was copied into "
                                        "it; nothing was written")
-            at += len(want)
+            at += flat.numel()
     finally:
         os.close(fd)
+
+
+_MEMCMP = ctypes.CDLL(None).memcmp
+_MEMCMP.argtypes, _MEMCMP.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), ctypes.c_int
+
+
+def _same(buffer: bytearray, address: int, n: int) -> bool:
+    """The first n bytes of buffer equal the n at address: libc's memcmp, in place (slicing the buffer would copy
+    it into freshly mapped memory for every block that is not a whole one) and without the GIL (ctypes drops it)."""
+    return _MEMCMP(ctypes.addressof(ctypes.c_char.from_buffer(buffer)), address, n) == 0
 
 
 def _return_freed_memory() -> None:

@@ -7,7 +7,7 @@ side hands out is hashed, and the output side's tensor of that name must hash th
 output are each read once for both checks. What that check does not read (the optimizer state) is hashed as it is
 read for writing (`Digests`) and read back through the output's reader, tensor by tensor, afterwards (`read_back`).
 
-Logits: transformers' own model class for the config is built on the meta device (no memory), and 16 fixed tokens
+Logits: transformers' own model class for the config is built on the meta device (no memory), and TOKENS fixed tokens
 run through it one module at a time: the embeddings, each decoder layer (`model.model.layers[i]`, with RoPE from
 `model.model.rotary_emb`), the final norm, the output layer. Each module gets its weights just before it runs
 (loaded with assign=True) and goes back to the meta device after, once with the source's weights (the reference)
