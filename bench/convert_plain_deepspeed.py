@@ -21,8 +21,10 @@ sampled every 50 ms) is what the issue bounds:
   toolkit universal  toolkit convert CKPT OUT --to universal --quiet
 Each output is synced and then evicted from the page cache once timed (posix_fadvise DONTNEED; the checkpoint
 itself stays cached), so every step starts with the same free memory: otherwise the step after ds_to_universal.py
-would find 12 GiB of its output cached and the kernel would evict the checkpoint to make room (14 s instead of 9 s
-for the toolkit's universal conversion here). Both pairs of outputs are compared tensor by tensor (they must be equal bit for bit; for the universal
+would find its 12 GiB of output cached and the kernel might evict the checkpoint to make room. On a VM that
+returns freed memory to its host (see bench/convert.py), every step here writes into fresh pages, cp included:
+the toolkit's universal conversion took 15 s in this script and 8-9 s alone right after deleting its last output,
+and cp of the 8.3 GiB 15-16 s against 7 s. Both pairs of outputs are compared tensor by tensor (they must be equal bit for bit; for the universal
 checkpoints every zero/<param>/*.pt file), one tensor at a time; each pair is deleted once compared, so the disk
 holds the checkpoint and at most one pair (about 4x the checkpoint at the peak, ds_to_universal.py's temp folder
 included). The load average is printed with each step (the machine may be shared).
