@@ -6,6 +6,7 @@ run.
     python bench/convert_plain_deepspeed.py --size 0.7b      # 0.74B (needs ~16 GB RAM to train the checkpoint)
     python bench/convert_plain_deepspeed.py --size tiny      # seconds; the test suite's smoke run
     python bench/convert_plain_deepspeed.py --checkpoint WORK/ckpt   # time a checkpoint an earlier run trained
+    python bench/convert_plain_deepspeed.py --size 0.7b --reps 3   # each step three times, medians
 
 The checkpoint is written by tests/plain_deepspeed_train.py (plain `deepspeed.initialize` + `engine.save_checkpoint`,
 no toolkit code; one training step). Then, each in a fresh process whose peak resident memory is read from the
@@ -180,6 +181,8 @@ def main(argv=None) -> int:
     ap.add_argument("--size", choices=list(SIZES), default="0.1b")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--reps", type=int, default=1, help="runs of each step, the median reported (default 1: "
+                    "ds_to_universal.py takes about a minute a run at 0.7b)")
     ap.add_argument("--checkpoint", default=None, help="time this checkpoint (a folder an earlier run of this "
                     "script trained, WORK/ckpt, with WORK/ckpt.config beside it) instead of training one")
     ap.add_argument("--compare", nargs=2, help=argparse.SUPPRESS)
@@ -217,13 +220,19 @@ def main(argv=None) -> int:
                  "toolkit universal": ("ds_to_universal", "--compare-universal", tag.name, "ds_to_universal.py")}
         outs = {label: out for label, _, out in steps}
         for label, cmd, out in steps:
-            os.sync()
-            load = os.getloadavg()[0]
-            r = measure_tree(cmd)
-            r.update(step=label, size=args.size, gib=folder_bytes(out) / 2**30, load_before=load)
+            load, runs = os.getloadavg()[0], []
+            for _ in range(args.reps):  # each run right after deleting the last one's output, as bench/convert.py
+                shutil.rmtree(out, ignore_errors=True)
+                os.sync()
+                runs.append(measure_tree(cmd))
+            r = sorted(runs, key=lambda x: x["wall_s"])[len(runs) // 2]  # the median run (by wall time)
+            r.update(step=label, size=args.size, gib=folder_bytes(out) / 2**30, load_before=load,
+                     walls=[x["wall_s"] for x in runs])
             rows.append(r)
             evict(out)  # its pages out of the cache: the next step gets the free memory this one had
-            print(f"  {label:<17} {r['gib']:6.2f} GiB written  wall {r['wall_s']:6.1f} s  peak RSS "
+            print(f"  {label:<17} {r['gib']:6.2f} GiB written  wall {r['wall_s']:6.1f} s"
+                  + (f" (median of {', '.join(f'{w:.1f}' for w in r['walls'])})" if len(runs) > 1 else "")
+                  + f"  peak RSS "
                   f"{r['peak_rss_mib']:6.0f} MiB  peak anonymous {r['peak_anon_tree_mib']:6.0f} MiB  (load "
                   f"{load:.1f} before)", flush=True)
             if label == "cp":
