@@ -25,6 +25,9 @@ hands freed memory back to its host (virtio-balloon free page reporting, as the 
 kernel has not reused recently costs a host fault: a run writing into memory just freed by the previous one is
 several times faster than one that is not (`cp` of 2 GiB: 1.6 s against 8.2 s). Each rep deletes its output just
 before the next, so use --reps 3 (the default): with --reps 1 each step runs on whatever the previous one left.
+Before each run every folder but the run's source is evicted from the page cache (posix_fadvise DONTNEED): each
+run, cp's too, reads a cached source and has the same memory free to write into. Without that, at 3B the outputs
+of earlier steps filled the page cache and the kernel evicted some steps' sources to make room.
 """
 from __future__ import annotations
 
@@ -172,20 +175,24 @@ def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | N
              ("megatron_lm->hf", "mlm", "back2", ["--to", "hf", "--vocab-size", str(SIZES[name]["vocab_size"])])]
     assert tuple(s[0] for s in steps) == STEPS
     steps = [s for s in steps if not only or s[0] in only]
-    plan = [("cp", None, ["bash", "-c", cp.format(out=root / "copy")], root / "copy")]
+    plan = [("cp", "hf", ["bash", "-c", cp.format(out=root / "copy")], root / "copy")]
     for mode, flag in (("no-verify", ["--no-verify"]), ("verify", [])):
         for label, src, dst, args in steps:
-            plan.append((f"{label} {mode}", dst, [*convert, *flag, str(root / src), str(root / dst), *args],
+            plan.append((f"{label} {mode}", src, [*convert, *flag, str(root / src), str(root / dst), *args],
                          root / dst))
-    plan.append(("cp (again)", None, ["bash", "-c", cp.format(out=root / "copy")], root / "copy"))
+    plan.append(("cp (again)", "hf", ["bash", "-c", cp.format(out=root / "copy")], root / "copy"))
     rows = []
-    for label, _, cmd, out in plan:
+    for label, src, cmd, out in plan:
         runs = []
         for _ in range(reps):
             shutil.rmtree(out, ignore_errors=True)
             os.sync()  # each run starts with nothing of the previous one still being written back
             if cold:
                 drop_caches()
+            else:  # only its source stays cached: every run, cp's too, has the same memory free to write into
+                for other in root.iterdir():
+                    if other.is_dir() and other.name != src:
+                        evict(other)
             runs.append(measure(cmd))
         r = {"size": name, "params": params, "step": label, "gib": folder_bytes(out) / 2**30, "reps": len(runs)}
         for key in ("wall_s", "cpu_s", "load", "peak_rss_mib", "peak_anon_mib", "stream_s", "copied_gib",

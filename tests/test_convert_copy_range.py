@@ -218,3 +218,45 @@ def test_small_ranges_from_a_source_truncated_after_it_was_opened_fail_in_one_li
         with pytest.raises(ToolkitError, match="truncated while converting"):
             late.write_ranges("t", good)
         late._f.close()
+
+
+@pytest.mark.parametrize("kernel", ["copy_file_range", "EXDEV"])
+@pytest.mark.parametrize("src", ["hf", "tp2pp2"])
+def test_torch_dist_items_copied_file_to_file_hold_what_the_streaming_path_writes(ref, tmp_path, monkeypatch, src,
+                                                                                  kernel):
+    """--to torch_dist: each item of the .distcp whose bytes are source byte ranges is torch.save's bytes around the
+    tensor with the tensor copied in. The metadata (every chunk) equals the streaming path's, every item loads as
+    the same tensor, most bytes go file to file, and a kernel that refuses the copy sends them through a buffer."""
+    import pickle
+
+    def items(root: Path) -> tuple[dict, dict]:
+        tag = next(root.glob("iter_*"))
+        meta = pickle.loads((tag / ".metadata").read_bytes())
+        data = (tag / "__0_0.distcp").read_bytes()
+        return meta.state_dict_metadata, {
+            (i.fqn, tuple(i.offset or ())): torch.load(__import__("io").BytesIO(data[s.offset:s.offset + s.length]),
+                                                       weights_only=True)
+            for i, s in meta.storage_data.items()}
+
+    opts = dict(to="torch_dist", tp=2, pp=2)
+    enabled, byte_ranges.ENABLED = byte_ranges.ENABLED, False
+    try:
+        convert(ref / src, tmp_path / "streamed", **opts, **_quiet())
+    finally:
+        byte_ranges.ENABLED = enabled
+    copied = []
+    real_copy = st.copy_range
+    monkeypatch.setattr(st, "copy_range", lambda *a: copied.append((a[-1], real_copy(*a))) or copied[-1][1])
+    if kernel == "EXDEV":
+        monkeypatch.setattr(os, "copy_file_range", _refuse(errno.EXDEV))
+    monkeypatch.setattr(byte_ranges, "MIN_RANGE", 0)
+    convert(ref / src, tmp_path / "copied", **opts, **_quiet())
+    (want_meta, want), (got_meta, got) = items(tmp_path / "streamed"), items(tmp_path / "copied")
+    assert got_meta == want_meta
+    assert got.keys() == want.keys()
+    for key, tensor in want.items():
+        if torch.is_tensor(tensor):
+            assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+    size = (next((tmp_path / "copied").glob("iter_*")) / "__0_0.distcp").stat().st_size
+    assert sum(n for n, _ in copied) > size / 2, f"only {sum(n for n, _ in copied)} of {size} bytes were ranges"
+    assert sum(k for _, k in copied) == (sum(n for n, _ in copied) if kernel == "copy_file_range" else 0)

@@ -173,10 +173,13 @@ def cmd_convert(args) -> int:
 
     gc.freeze()  # the imports' objects (torch's: hundreds of thousands) out of the collector's sight: every full
     # collection of a conversion (rank files unpickle many small objects) would walk them all again
-    out = convert(args.src, args.dst, args.to, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, dtype=args.dtype,
-                  vocab_size=args.vocab_size, fp32=args.fp32, weights_only=args.weights_only,
-                  overwrite=args.overwrite, verify=not args.no_verify, dp=args.dp, progress=not args.quiet,
-                  config=args.config, verbose=args.verbose)
+    try:
+        out = convert(args.src, args.dst, args.to, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
+                      dtype=args.dtype, vocab_size=args.vocab_size, fp32=args.fp32, weights_only=args.weights_only,
+                      overwrite=args.overwrite, verify=not args.no_verify, dp=args.dp, progress=not args.quiet,
+                      config=args.config, verbose=args.verbose)
+    finally:
+        gc.unfreeze()  # collectable again (main() also runs inside other processes, e.g. the tests')
     print(f"wrote {out}")
     return 0
 

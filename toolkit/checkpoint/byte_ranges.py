@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 
 import torch
 
@@ -33,6 +34,14 @@ MIN_RANGE = 512
 row-parallel shards (1-6 KiB at 1.1B) are above it: copying them one range per row took less CPU time than the
 streaming path here (2.5 vs 5 s of system time for HF -> TP2 x PP2 at 1.1B)."""
 _SHIFT = 40  # address = (input index + 1) << _SHIFT | block index; 0 is a padding block
+_PLANNING = threading.local()
+
+
+def addressing() -> bool:
+    """True while plan() runs a target's writes() on address tensors: a target that casts what it writes (torch_dist:
+    the optimizer state to fp32) must not cast them (plan() itself refuses a parameter whose declared dtype is not
+    the source's)."""
+    return getattr(_PLANNING, "on", False)
 
 
 def plan(source, target, entry, field: str, cast: torch.dtype | None, weight: str = "weight"):
@@ -71,9 +80,12 @@ def plan(source, target, entry, field: str, cast: torch.dtype | None, weight: st
     unit = units.pop()
     try:
         with views():
+            _PLANNING.on = True
             pieces = target.writes(entry, field, merge(addresses))
     except ToolkitError:  # a rule that compares values (replicated copies must agree): the streaming path checks it
         return None
+    finally:
+        _PLANNING.on = False
     out, total, count = [], 0, 0
     for writer, key, piece in pieces:
         _, declared_dtype, size = writer.declared(key)

@@ -10,7 +10,10 @@ TP x PP x VPP at load time; the TP x PP x VPP given only fixes the vocabulary pa
 from __future__ import annotations
 
 import argparse
+import functools
+import io
 import json
+import math
 import os
 import pickle
 from pathlib import Path
@@ -18,13 +21,15 @@ from pathlib import Path
 import torch
 
 from toolkit.checkpoint import torch_dist
+from toolkit.checkpoint.byte_ranges import addressing
 from toolkit.checkpoint.megatron_flat import SAVED_AS
 from toolkit.checkpoint.megatron_lm_optim import optimizer_plan
 from toolkit.checkpoint.megatron_lm_write import model_args
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries, raise_problems
 from toolkit.families.mapping import TE_NORM_NAMES, check_dims
-from toolkit.format.safetensors_stream import start_writeback
+from toolkit.format import safetensors_stream as st
+from toolkit.format.safetensors_stream import pwrite_all, start_writeback
 
 WEIGHT = "weight"
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -43,19 +48,55 @@ def sharded_key(local_name: str) -> str:
 class _ItemFile:
     """The one .distcp file: each item is a torch.save of one chunk, appended straight into the file (a standalone
     zip, as torch's own FileSystemWriter writes it); its byte range is recorded, and the kernel is asked to start
-    writing it to disk at once."""
+    writing it to disk at once. An item whose bytes are byte ranges of the source files (byte_ranges.plan) is
+    written as the bytes torch.save puts around such a tensor (skip_data, kept per shape and dtype) with the tensor's
+    bytes copied file to file in between (write_ranges). As in save_pool.save_ranges, those items' zip records carry
+    the CRC-32 of the skipped bytes, which torch.load (and so dist_checkpointing.load) does not check."""
 
     def __init__(self, path: Path):
         self.path, self.f = path, open(path, "wb")
         self.where: dict = {}
+        self._declared: dict = {}  # chunk index -> (shape, dtype) of the tensor it will hold
+        self.kernel_bytes = self.user_bytes = 0
+
+    def declare(self, index, shape: tuple, dtype: torch.dtype) -> None:
+        self._declared[index] = (tuple(shape), dtype)
+
+    def declared(self, index) -> tuple[tuple, torch.dtype, int]:
+        shape, dtype = self._declared[index]
+        return shape, dtype, math.prod(shape) * dtype.itemsize
 
     def write(self, index, tensor_or_bytes) -> int:
-        from torch.distributed.checkpoint.filesystem import _StorageInfo  # lazy: torch_dist outputs only
-
         start = self.f.tell()
         torch.save(tensor_or_bytes if isinstance(tensor_or_bytes, torch.Tensor) else [tensor_or_bytes], self.f)
         self.f.flush()
-        size = self.f.tell() - start
+        return self._record(index, start, self.f.tell() - start)
+
+    def write_ranges(self, index, ranges: list) -> int:
+        shape, dtype, size = self.declared(index)
+        head, tail = _around(shape, dtype)
+        if sum(n for _, _, n in ranges) != size:
+            raise ToolkitError(f"internal: {index.fqn} takes {size} bytes, the ranges to copy hold "
+                               f"{sum(n for _, _, n in ranges)}")
+        self.f.flush()
+        fd, start = self.f.fileno(), self.f.tell()
+        pwrite_all(fd, memoryview(head), start)
+        at = start + len(head)
+        for src, offset, n in ranges:
+            if src is None:  # padding rows: zeros
+                pwrite_all(fd, memoryview(bytes(n)), at)
+                self.user_bytes += n
+            else:
+                kernel = st.copy_range(src, offset, fd, at, n)
+                self.kernel_bytes, self.user_bytes = self.kernel_bytes + kernel, self.user_bytes + n - kernel
+            at += n
+        pwrite_all(fd, memoryview(tail), at)
+        self.f.seek(at + len(tail))
+        return self._record(index, start, at + len(tail) - start)
+
+    def _record(self, index, start: int, size: int) -> int:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo  # lazy: torch_dist outputs only
+
         self.where[index] = _StorageInfo(self.path.name, start, size)
         start_writeback(self.f.fileno(), start, size)
         return size
@@ -64,6 +105,22 @@ class _ItemFile:
         self.f.flush()
         os.fsync(self.f.fileno())  # on disk before the output folder is renamed into place
         self.f.close()
+
+
+@functools.lru_cache(maxsize=256)
+def _around(shape: tuple, dtype: torch.dtype) -> tuple[bytes, bytes]:
+    """The bytes torch.save writes to a file object before and after the data of a contiguous tensor of this shape
+    and dtype (its data skipped; the offset from a map_location="meta" load)."""
+    buf = io.BytesIO()
+    with torch.serialization.skip_data():
+        torch.save(torch.empty(shape, dtype=dtype), buf)
+    raw = buf.getvalue()
+    at = getattr(torch.load(io.BytesIO(raw), map_location="meta", weights_only=True).untyped_storage(),
+                 "_checkpoint_offset", None)
+    size = math.prod(shape) * dtype.itemsize
+    if not isinstance(at, int) or at + size > len(raw):
+        raise ToolkitError(f"internal: no data offset in torch.save's bytes of a {shape} {dtype} tensor")
+    return raw[:at], raw[at + size:]
 
 
 def compact(piece: torch.Tensor) -> torch.Tensor:
@@ -95,6 +152,8 @@ class TorchDistTarget:
     optimizer's as `optimizer.state.{exp_avg,exp_avg_sq[,fp32_param]}.<key>` (its sharded_state_dict; fp32_param for
     a 16-bit model), and in common.pt the optimizer's param groups with the step and the scheduler's state."""
 
+    raw_bytes = True  # items whose bytes are source byte ranges are copied in (byte_ranges.plan, write_ranges)
+
     def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None,
                  weights_only: bool = False):
         import torch.distributed.checkpoint.metadata as md  # lazy: torch_dist outputs only
@@ -113,6 +172,7 @@ class TorchDistTarget:
         self._distributed = bool(self._optim) and self._optim["distributed"]
         self.fields = (WEIGHT, *(self._optim["fields"] if self._optim else ()))
         self._items = _ItemFile(self.tag_dir / "__0_0.distcp")
+        self.writers = [self._items]  # what --verbose counts the bytes copied file to file of
         self._md = md
         self._meta: dict = {}
         self._global: dict[tuple, tuple[str, tuple]] = {}  # hf_names -> (sharded key, index on its leading axes)
@@ -152,10 +212,19 @@ class TorchDistTarget:
             names = [optimizer_key(field, k, self._distributed) for k in keys]
         out = []
         for k in names:
-            full = full.to(self._meta[k].properties.dtype)  # the weights in the output dtype, the optimizer in fp32
-            offsets, piece = (*index, *(0,) * full.dim()), full.reshape((1,) * len(index) + tuple(full.shape))
-            self._meta[k].chunks.append(self._md.ChunkStorageMetadata(torch.Size(offsets), piece.shape))
-            out.append((self._items, self._md.MetadataIndex(k, torch.Size(offsets)), compact(piece)))
+            dtype = self._meta[k].properties.dtype  # the weights in the output dtype, the optimizer in fp32
+            if not addressing():  # byte_ranges.plan's address tensors stand for bytes: it checks the dtypes agree
+                full = full.to(dtype)
+            # the chunk's shape from the entry (an address tensor's columns count blocks, not elements)
+            shape = torch.Size((1,) * len(index) + tuple(entry.rule.shard_shape(entry.hf_shapes, 1)))
+            offsets, piece = (*index, *(0,) * (len(shape) - len(index))), full.reshape((1,) * len(index) + full.shape)
+            if not addressing() and piece.shape != shape:
+                raise ToolkitError(f"internal: {k} is {tuple(piece.shape)}, its entry says {tuple(shape)}")
+            at, chunks = self._md.MetadataIndex(k, torch.Size(offsets)), self._meta[k].chunks
+            if all(c.offsets != at.offset for c in chunks):  # once: byte_ranges.plan asks first, and on None the
+                chunks.append(self._md.ChunkStorageMetadata(at.offset, shape))  # streaming path asks again
+            self._items.declare(at, tuple(shape), dtype)
+            out.append((self._items, at, compact(piece)))
         return out
 
     def close(self) -> None:
