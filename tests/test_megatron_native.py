@@ -148,6 +148,13 @@ def test_real_legacy_checkpoint_converts_bit_exact(native, tmp_path):
     back = convert(native["legacy"], tmp_path / "m", "megatron", tp=2, pp=1, vocab_size=VOCAB, progress=False,
                    log=lambda *_: None)
     _equal_to(convert_to_hf(back, tmp_path / "hf2"), native["tied"])
+    from toolkit.checkpoint.megatron_sources import MegatronLMSource
+
+    source = MegatronLMSource(native["legacy"], VOCAB)  # the weights' offsets are found in the real rank files,
+    try:  # so those conversions copied them file to file (tests/test_convert_copy_range.py: the same bytes)
+        assert all(source.spans(names) is not None for names in source._entries)
+    finally:
+        source.close()
 
 
 @pytest.mark.slow

@@ -75,10 +75,16 @@ def read(path: Path, mmap: bool = False) -> tuple[argparse.Namespace, dict, int,
         state = safe_load(rank_file(it_dir, t, p, pp, e, ep), mmap)
         iteration = state.get("iteration", iteration)
         optimizers[rank_key(p, t, e, ep)] = {k: state.get(k) for k in ("optimizer", "opt_param_scheduler")}
-        keys = ["model"] if vpp == 1 else [f"model{c}" for c in range(vpp)]
-        shards[rank_key(p, t, e, ep)] = [{local_spec_name(k): v for k, v in state[key].items()
-                                          if not k.endswith("_extra_state") and v is not None} for key in keys]
+        shards[rank_key(p, t, e, ep)] = model_chunks(state, vpp)
     return args, shards, iteration, optimizers
+
+
+def model_chunks(state: dict, vpp: int) -> list[dict]:
+    """A rank file's model chunks (`model`, or `model0..N` with virtual pipeline chunks) as {local-spec name: tensor},
+    without the `_extra_state` objects."""
+    keys = ["model"] if vpp == 1 else [f"model{c}" for c in range(vpp)]
+    return [{local_spec_name(k): v for k, v in state[key].items() if not k.endswith("_extra_state") and v is not None}
+            for key in keys]
 
 
 LLAMA_ARGS = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "add_bias_linear": False,

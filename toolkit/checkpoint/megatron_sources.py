@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from toolkit.checkpoint import megatron_flat, megatron_lm, megatron_plain, torch_dist, torch_dist_optim
+from toolkit.checkpoint.pt_ranges import FileRanges
 from toolkit.checkpoint.source_base import WEIGHT, Source, _ShardedSource
 from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import check_megatron_shards, iter_entries, raise_problems, rank_key
@@ -31,6 +32,7 @@ class MegatronLMSource(_ShardedSource):
     def __init__(self, path: Path, vocab_size: int | None, weights_only: bool = False):
 
         args, self._shards, self.step, states = megatron_lm.read(path, mmap=True)
+        self._it_dir, self._files = megatron_lm.iteration_dir(path), {}
         self.args = args  # Megatron-LM's, for the plain optimizer's param groups (megatron_plain.wd_mult)
         optimizers = {k: v["optimizer"] for k, v in states.items()}
         self.scheduler = next(iter(states.values()))["opt_param_scheduler"]  # Megatron-LM's, layout-independent
@@ -80,8 +82,67 @@ class MegatronLMSource(_ShardedSource):
         chunk, name, _ = split_key(key)
         return self._shards[rank_key(p, t, e, self.ep)][chunk][name]
 
+    def spans(self, hf_names: Sequence[str], field: str = WEIGHT):
+        """The weights' bytes in the rank files (pt_ranges: the storages' offsets from a map_location="meta" load,
+        checked against the mapped bytes), so that a conversion copies them file to file; None for the optimizer
+        state, or where the offsets are not found or do not check out (then the weights go through memory)."""
+        if field != WEIGHT:
+            return None
+        entry = self._entries[tuple(hf_names)]
+        key = chunk_key(entry.chunk, entry.megatron_name)
+        inputs = []
+        for t in range(self.layout[0]):
+            rank = rank_key(entry.pp_rank, t, entry.ep_rank or 0, self.ep)
+            if rank not in self._files:
+                tp, pp, vpp = self.layout
+                path = megatron_lm.rank_file(self._it_dir, t, entry.pp_rank, pp, entry.ep_rank or 0, self.ep)
+                self._files[rank] = _RankFile(path, self._shards[rank], vpp)
+            if self._files[rank].span(key) is None:
+                return None
+            inputs.append((self._files[rank], key))
+        return inputs, lambda shards: list(entry.to_hf(shards).values())
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.ranges.close()
+        self._files = {}
+
     def dtype(self) -> torch.dtype:
         return self._get(0, 0, chunk_key(0, "embedding.word_embeddings.weight")).dtype
+
+
+class _RankFile:
+    """byte_ranges' reader interface (dtype, shape, nbytes, span) over one Megatron-LM rank file's memory-mapped
+    weights, keyed as the toolkit's chunk keys; span() is None for a tensor whose bytes were not found."""
+
+    def __init__(self, path: Path, chunks: list[dict], vpp: int):
+        self._chunks, self._spans = chunks, {}
+        try:
+            metas = megatron_lm.model_chunks(megatron_lm.load_weights_only(path, map_location="meta"), vpp)
+            pairs = [(t, m[n]) for c, m in zip(chunks, metas) for n, t in c.items()
+                     if torch.is_tensor(t) and torch.is_tensor(m.get(n))]
+            self.ranges = FileRanges(path, [t for t, _ in pairs], [m for _, m in pairs])
+        except (ToolkitError, KeyError, TypeError):  # no offsets: this rank's weights go through memory
+            self.ranges = FileRanges(path, [], [None])
+
+    def _tensor(self, key: str) -> torch.Tensor:
+        chunk, name, _ = split_key(key)
+        return self._chunks[chunk][name]
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._tensor(key).dtype
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._tensor(key).shape)
+
+    def nbytes(self, key: str) -> int:
+        t = self._tensor(key)
+        return t.numel() * t.element_size()
+
+    def span(self, key: str) -> tuple[int, int, int] | None:
+        if key not in self._spans:  # byte_ranges asks once per range it makes (once per row of a row-parallel split)
+            self._spans[key] = self.ranges.range(self._tensor(key))
+        return self._spans[key]
 
 
 class TorchDistSource(Source):
