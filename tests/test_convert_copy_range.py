@@ -264,3 +264,22 @@ def test_torch_dist_items_copied_file_to_file_hold_what_the_streaming_path_write
     size = (next((tmp_path / "copied").glob("iter_*")) / "__0_0.distcp").stat().st_size
     assert sum(n for n, _ in copied) > size / 2, f"only {sum(n for n, _ in copied)} of {size} bytes were ranges"
     assert sum(k for _, k in copied) == (sum(n for n, _ in copied) if kernel == "copy_file_range" else 0)
+
+
+def test_torch_save_bytes_around_a_large_tensor_take_no_memory_and_leave_no_file(tmp_path):
+    """The bytes torch.save writes around a tensor's data are made from a save into a scratch file with a hole
+    (an in-memory buffer would hold the tensor's size: 250 MiB here), which is then removed."""
+    import subprocess
+    import sys
+
+    code = ("import resource, sys, torch; from pathlib import Path; "
+            "from toolkit.checkpoint.torch_dist_write import _around; "
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+            "head, tail = _around(Path(sys.argv[1]), (1, 32000, 4096), torch.bfloat16); "
+            "grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before; "
+            "assert 0 < len(head) < 4096 and 0 < len(tail) < 4096, (len(head), len(tail)); print(grew // 1024)")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.split()[-1]) < 32, f"RSS grew {proc.stdout.split()[-1]} MiB"
+    assert list(tmp_path.iterdir()) == []

@@ -10,8 +10,6 @@ TP x PP x VPP at load time; the TP x PP x VPP given only fixes the vocabulary pa
 from __future__ import annotations
 
 import argparse
-import functools
-import io
 import json
 import math
 import os
@@ -74,7 +72,7 @@ class _ItemFile:
 
     def write_ranges(self, index, ranges: list) -> int:
         shape, dtype, size = self.declared(index)
-        head, tail = _around(shape, dtype)
+        head, tail = _around(self.path.parent, shape, dtype)
         if sum(n for _, _, n in ranges) != size:
             raise ToolkitError(f"internal: {index.fqn} takes {size} bytes, the ranges to copy hold "
                                f"{sum(n for _, _, n in ranges)}")
@@ -107,20 +105,32 @@ class _ItemFile:
         self.f.close()
 
 
-@functools.lru_cache(maxsize=256)
-def _around(shape: tuple, dtype: torch.dtype) -> tuple[bytes, bytes]:
+_AROUND: dict = {}
+"""(shape, dtype) -> the bytes torch.save writes to a file object before and after such a tensor's data."""
+
+
+def _around(folder: Path, shape: tuple, dtype: torch.dtype) -> tuple[bytes, bytes]:
     """The bytes torch.save writes to a file object before and after the data of a contiguous tensor of this shape
-    and dtype (its data skipped; the offset from a map_location="meta" load)."""
-    buf = io.BytesIO()
-    with torch.serialization.skip_data():
-        torch.save(torch.empty(shape, dtype=dtype), buf)
-    raw = buf.getvalue()
-    at = getattr(torch.load(io.BytesIO(raw), map_location="meta", weights_only=True).untyped_storage(),
-                 "_checkpoint_offset", None)
-    size = math.prod(shape) * dtype.itemsize
-    if not isinstance(at, int) or at + size > len(raw):
-        raise ToolkitError(f"internal: no data offset in torch.save's bytes of a {shape} {dtype} tensor")
-    return raw[:at], raw[at + size:]
+    and dtype, kept per shape and dtype (_AROUND). Made by a skip_data save into a scratch
+    file in `folder` (a hole where the data goes: an in-memory buffer would hold the tensor's size in zeros) and a
+    map_location="meta" load of it, which gives the data's offset."""
+    if (shape, dtype) not in _AROUND:
+        scratch = folder / ".torch_save_bytes.tmp"
+        try:
+            with open(scratch, "w+b") as f:
+                with torch.serialization.skip_data():
+                    torch.save(torch.empty(shape, dtype=dtype), f)
+                f.seek(0)
+                at = getattr(torch.load(f, map_location="meta", weights_only=True).untyped_storage(),
+                             "_checkpoint_offset", None)
+                length, size = f.seek(0, os.SEEK_END), math.prod(shape) * dtype.itemsize
+                if not isinstance(at, int) or at + size > length:
+                    raise ToolkitError(f"internal: no data offset in torch.save's bytes of a {shape} {dtype} tensor")
+                _AROUND[(shape, dtype)] = (os.pread(f.fileno(), at, 0), os.pread(f.fileno(), length - at - size,
+                                                                                at + size))
+        finally:
+            scratch.unlink(missing_ok=True)
+    return _AROUND[(shape, dtype)]
 
 
 def compact(piece: torch.Tensor) -> torch.Tensor:
