@@ -34,6 +34,29 @@ def tensors(obj, path: tuple = ()) -> Iterator[tuple[tuple, torch.Tensor]]:
             yield from tensors(v, (*path, i))
 
 
+def bytes_around(template, file: Path, through_object: bool = False) -> tuple[bytes, bytes, torch.Tensor | None]:
+    """(the bytes torch.save writes before the data of `template`'s one tensor, those after it, that tensor as a
+    map_location="meta" load gives it back; None when it holds not exactly one). `template` is saved under skip_data
+    into `file` (a hole where the data goes: no memory, unlike an in-memory buffer), by its path (the zip's folder is
+    then the file's name, as in a universal checkpoint's files) or through a file object (the folder is "archive",
+    as in a torch DCP item)."""
+    with torch.serialization.skip_data():
+        if through_object:
+            with open(file, "wb") as f:
+                torch.save(template, f)
+        else:
+            torch.save(template, file)
+    found = [t for _, t in tensors(safe_load.load(file, deepspeed=False, map_location="meta"))]
+    at = getattr(found[0].untyped_storage(), "_checkpoint_offset", None) if len(found) == 1 else None
+    if not isinstance(at, int):
+        return b"", b"", None
+    with open(file, "rb") as f:
+        head = f.read(at)
+        f.seek(at + found[0].numel() * found[0].element_size())
+        tail = f.read()
+    return head, tail, found[0] if len(head) == at else None
+
+
 def _key(t: torch.Tensor) -> tuple[int, int]:
     s = t.untyped_storage()
     return s.data_ptr(), s.nbytes()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.checkpoint.pt_skeleton import bytes_around
 from toolkit.errors import ToolkitError
 from toolkit.format import safe_load
 from toolkit.format.safetensors_stream import copy_range, pwrite_all
@@ -70,23 +71,11 @@ def _signature(obj):
 
 
 def _first(template, file: Path, pieces: list[torch.Tensor]) -> tuple[bytes, bytes]:
-    """torch.save(template, file) with the tensor's bytes skipped; checked by a map_location="meta" load to hold one
-    tensor of the pieces' size and dtype; returns the file's bytes before and after that tensor's."""
-    with torch.serialization.skip_data():
-        torch.save(template, file)
-    meta = safe_load.load(file, deepspeed=True, map_location="meta")
-    flat = meta if torch.is_tensor(meta) else meta.get("param") if isinstance(meta, dict) else None
-    at = getattr(flat.untyped_storage(), "_checkpoint_offset", None) if torch.is_tensor(flat) else None
-    if not isinstance(at, int) or flat.numel() != sum(p.numel() for p in pieces) or any(
-            p.dtype != flat.dtype for p in pieces):
+    """torch.save(template, file) with the tensor's bytes skipped, checked to hold one tensor of the pieces' size and
+    dtype; returns the file's bytes before and after that tensor's (pt_skeleton.bytes_around)."""
+    head, tail, flat = bytes_around(template, file)
+    if flat is None or flat.numel() != sum(p.numel() for p in pieces) or any(p.dtype != flat.dtype for p in pieces):
         raise ToolkitError(f"internal: {file} does not hold one tensor of its pieces' size and dtype")
-    n = flat.numel() * flat.element_size()
-    with open(file, "rb") as f:
-        head = f.read(at)
-        f.seek(at + n)
-        tail = f.read()
-    if len(head) != at:
-        raise ToolkitError(f"internal: {file} ends before its tensor's bytes")
     return head, tail
 
 

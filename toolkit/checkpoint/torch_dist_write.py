@@ -23,6 +23,7 @@ from toolkit.checkpoint.byte_ranges import addressing
 from toolkit.checkpoint.megatron_flat import SAVED_AS
 from toolkit.checkpoint.megatron_lm_optim import optimizer_plan
 from toolkit.checkpoint.megatron_lm_write import model_args
+from toolkit.checkpoint.pt_skeleton import bytes_around
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries, raise_problems
 from toolkit.families.mapping import TE_NORM_NAMES, check_dims
@@ -111,25 +112,16 @@ _AROUND: dict = {}
 
 def _around(folder: Path, shape: tuple, dtype: torch.dtype) -> tuple[bytes, bytes]:
     """The bytes torch.save writes to a file object before and after the data of a contiguous tensor of this shape
-    and dtype, kept per shape and dtype (_AROUND). Made by a skip_data save into a scratch
-    file in `folder` (a hole where the data goes: an in-memory buffer would hold the tensor's size in zeros) and a
-    map_location="meta" load of it, which gives the data's offset."""
+    and dtype, kept per shape and dtype (_AROUND); made in a scratch file in `folder` (pt_skeleton.bytes_around)."""
     if (shape, dtype) not in _AROUND:
         scratch = folder / ".torch_save_bytes.tmp"
         try:
-            with open(scratch, "w+b") as f:
-                with torch.serialization.skip_data():
-                    torch.save(torch.empty(shape, dtype=dtype), f)
-                f.seek(0)
-                at = getattr(torch.load(f, map_location="meta", weights_only=True).untyped_storage(),
-                             "_checkpoint_offset", None)
-                length, size = f.seek(0, os.SEEK_END), math.prod(shape) * dtype.itemsize
-                if not isinstance(at, int) or at + size > length:
-                    raise ToolkitError(f"internal: no data offset in torch.save's bytes of a {shape} {dtype} tensor")
-                _AROUND[(shape, dtype)] = (os.pread(f.fileno(), at, 0), os.pread(f.fileno(), length - at - size,
-                                                                                at + size))
+            head, tail, meta = bytes_around(torch.empty(shape, dtype=dtype), scratch, through_object=True)
         finally:
             scratch.unlink(missing_ok=True)
+        if meta is None or tuple(meta.shape) != tuple(shape):
+            raise ToolkitError(f"internal: no data offset in torch.save's bytes of a {shape} {dtype} tensor")
+        _AROUND[(shape, dtype)] = (head, tail)
     return _AROUND[(shape, dtype)]
 
 
