@@ -18,9 +18,11 @@ import torch
 from toolkit.checkpoint import byte_ranges
 from toolkit.checkpoint import convert as convert_mod
 from toolkit.checkpoint.convert import convert
+from toolkit.checkpoint.pt_skeleton import Skeleton
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
 from toolkit.families.registry import dims_from_hf
+from toolkit.format import file_copy as fc
 from toolkit.format import safetensors_stream as st
 from toolkit.format.names import model_file, optim_file
 
@@ -30,9 +32,15 @@ STEPS = {"hf->tp2pp2": ("hf", "tp2pp2", dict(to="megatron", tp=2, pp=2)),
          "tp2pp2+optim->tp4": ("tp2pp2_optim", "tp4", dict(to="megatron", tp=4)),
          "tp4->hf": ("tp4", "back", dict(to="hf")),
          "hf->hf": ("hf", "hf_copy", dict(to="hf")),
-         "megatron_lm->hf": ("mlm", "back_mlm", dict(to="hf", vocab_size=500))}
-# (Megatron-LM legacy TP2 x PP2 rank files, written by the toolkit's legacy writer in the fixture: their weights'
-# offsets come from a map_location="meta" load of the pickles, megatron_sources._RankFile)
+         "megatron_lm->hf": ("mlm", "back_mlm", dict(to="hf", vocab_size=500)),
+         "hf->megatron_lm": ("hf", "mlm_copy", dict(to="megatron_lm", tp=2, pp=2)),
+         "megatron_lm->megatron_lm": ("mlm", "mlm_tp1", dict(to="megatron_lm", tp=1, pp=2, vocab_size=500)),
+         "torch_dist->hf": ("td", "td_hf", dict(to="hf", vocab_size=500)),
+         "torch_dist->megatron_lm": ("td", "td_mlm", dict(to="megatron_lm", tp=2, pp=1, vocab_size=500))}
+# (Megatron-LM legacy TP2 x PP2 rank files and a torch_dist TP2 x PP2 checkpoint, written by the toolkit in the
+# fixture: the legacy weights' offsets come from a map_location="meta" load of the pickles, megatron_sources._RankFile;
+# the torch_dist chunks' from one of each chunk's record, torch_dist.Reader.locate. Megatron-LM legacy outputs are
+# written into their rank files' skeletons, pt_skeleton.Skeleton.write_ranges.)
 
 
 def _write_hf(folder: Path) -> None:
@@ -70,6 +78,7 @@ def ref(tmp_path_factory) -> Path:
     enabled, byte_ranges.ENABLED = byte_ranges.ENABLED, False
     try:
         convert(root / "hf", root / "mlm", to="megatron_lm", tp=2, pp=2, **_quiet())
+        convert(root / "hf", root / "td", to="torch_dist", tp=2, pp=2, **_quiet())
         for src, dst, opts in STEPS.values():
             convert(root / src, root / dst, **opts, **_quiet())
             if dst == "tp2pp2":
@@ -98,21 +107,21 @@ def _refuse(code: int):
 @pytest.mark.parametrize("step", list(STEPS))
 def test_copied_ranges_write_what_the_streaming_path_writes(ref, tmp_path, monkeypatch, step, kernel):
     """The first five: every range by copy_file_range (or the buffer it falls back to); the last three: every
-    tensor of more than one range by pwritev from a map of its sources (st.GATHER_BELOW), also when the kernel
+    tensor of more than one range by pwritev from a map of its sources (fc.GATHER_BELOW), also when the kernel
     writes less than asked each time, or when a source cannot be mapped (then range by range, as before)."""
     src, dst, opts = STEPS[step]
     real = os.copy_file_range
     gathered = []
-    monkeypatch.setattr(st, "GATHER_BELOW", 2**62 if kernel.startswith("pwritev") else 0)
+    monkeypatch.setattr(fc, "GATHER_BELOW", 2**62 if kernel.startswith("pwritev") else 0)
     several = []  # the bytes of every tensor written from more than one range (merges, splits)
-    real_write_ranges = st.Writer.write_ranges
-    monkeypatch.setattr(st.Writer, "write_ranges", lambda w, name, ranges: (
-        several.append(sum(n for fd, _, n in ranges if fd is not None))
-        if sum(fd is not None for fd, _, _ in ranges) > 1 else None)
-        or real_write_ranges(w, name, ranges))
+    for writer in (st.Writer, Skeleton):
+        monkeypatch.setattr(writer, "write_ranges", lambda w, name, ranges, real=writer.write_ranges: (
+            several.append(sum(n for fd, _, n in ranges if fd is not None))
+            if sum(fd is not None for fd, _, _ in ranges) > 1 else None)
+            or real(w, name, ranges))
     if kernel.startswith("pwritev"):
-        real_gather = st._gather
-        monkeypatch.setattr(st, "_gather", lambda dst, copies: real_gather(dst, copies) and
+        real_gather = fc._gather
+        monkeypatch.setattr(fc, "_gather", lambda dst, copies: real_gather(dst, copies) and
                             not gathered.append(sum(c[-1] for c in copies)))
     if kernel == "pwritev, short writes":  # at most 7 bytes of the first view a call: the rest is written after
         real_pwritev = os.pwritev
@@ -120,7 +129,7 @@ def test_copied_ranges_write_what_the_streaming_path_writes(ref, tmp_path, monke
     elif kernel == "pwritev, no map":
         def no_map(*_a, **_k):
             raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))
-        monkeypatch.setattr(st.mmap, "mmap", no_map)
+        monkeypatch.setattr(fc.mmap, "mmap", no_map)
     if kernel in ("EXDEV", "ENOSYS"):
         monkeypatch.setattr(os, "copy_file_range", _refuse(getattr(errno, kernel)))
     elif kernel == "missing":
@@ -135,13 +144,13 @@ def test_copied_ranges_write_what_the_streaming_path_writes(ref, tmp_path, monke
             return real(src_fd, dst_fd, max(1, n // 2), src_off, dst_off)
         monkeypatch.setattr(os, "copy_file_range", halfway)
     copied = []
-    real_copy = st.copy_range
-    monkeypatch.setattr(st, "copy_range", lambda *a: copied.append((a[-1], real_copy(*a))) or copied[-1][1])
+    real_copy = fc.copy_range
+    monkeypatch.setattr(fc, "copy_range", lambda *a: copied.append((a[-1], real_copy(*a))) or copied[-1][1])
     monkeypatch.setattr(byte_ranges, "MIN_RANGE", 0)  # every parameter the ranges can express goes file to file
     convert(ref / src, tmp_path / dst, **opts, **_quiet())
     _same_files(tmp_path / dst, ref / dst)
     total, kernel_bytes = sum(n for n, _ in copied) + sum(gathered), sum(k for _, k in copied) + sum(gathered)
-    written = sum(p.stat().st_size for p in (tmp_path / dst).rglob("*.safetensors"))
+    written = sum(p.stat().st_size for p in (tmp_path / dst).rglob("*") if p.suffix in (".safetensors", ".pt"))
     assert total > written / 2, f"only {total} of {written} bytes were copied as ranges"
     if kernel in ("pwritev from a map", "pwritev, short writes"):
         assert sum(gathered) == sum(several), f"only {sum(gathered)} of {sum(several)} bytes went by pwritev"
@@ -190,8 +199,8 @@ def test_read_back_catches_a_range_copied_from_the_wrong_place(ref, tmp_path, mo
     lines = []
     convert(ref / "tp2pp2", tmp_path / "good", "megatron", tp=4, progress=False, log=lines.append)
     assert any("read back bit-exactly" in line for line in lines), lines
-    real_copy = st.copy_range
-    monkeypatch.setattr(st, "copy_range", lambda s, off, d, doff, n: real_copy(s, off - 2, d, doff, n))
+    real_copy = fc.copy_range
+    monkeypatch.setattr(fc, "copy_range", lambda s, off, d, doff, n: real_copy(s, off - 2, d, doff, n))
     with pytest.raises(ToolkitError, match="reads back different from what was written"):
         convert(ref / "tp2pp2", tmp_path / "bad", "megatron", tp=4, progress=False, log=lines.append)
     assert not (tmp_path / "bad").exists()
@@ -249,8 +258,11 @@ def test_torch_dist_items_copied_file_to_file_hold_what_the_streaming_path_write
     finally:
         byte_ranges.ENABLED = enabled
     copied = []
-    real_copy = st.copy_range
-    monkeypatch.setattr(st, "copy_range", lambda *a: copied.append((a[-1], real_copy(*a))) or copied[-1][1])
+    real_copy = fc.copy_range
+    monkeypatch.setattr(fc, "copy_range", lambda *a: copied.append((a[-1], real_copy(*a))) or copied[-1][1])
+    real_gather, gathered = fc._gather, []  # row-parallel shards of tp2pp2: small ranges, by pwritev from a map
+    monkeypatch.setattr(fc, "_gather", lambda dst, copies: real_gather(dst, copies) and
+                        not gathered.append(sum(c[-1] for c in copies)))
     if kernel == "EXDEV":
         monkeypatch.setattr(os, "copy_file_range", _refuse(errno.EXDEV))
     monkeypatch.setattr(byte_ranges, "MIN_RANGE", 0)
@@ -262,7 +274,9 @@ def test_torch_dist_items_copied_file_to_file_hold_what_the_streaming_path_write
         if torch.is_tensor(tensor):
             assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
     size = (next((tmp_path / "copied").glob("iter_*")) / "__0_0.distcp").stat().st_size
-    assert sum(n for n, _ in copied) > size / 2, f"only {sum(n for n, _ in copied)} of {size} bytes were ranges"
+    ranges = sum(n for n, _ in copied) + sum(gathered)
+    assert ranges > size / 2, f"only {ranges} of {size} bytes were ranges"
+    assert gathered or src != "tp2pp2"  # its row-parallel shards go by pwritev
     assert sum(k for _, k in copied) == (sum(n for n, _ in copied) if kernel == "copy_file_range" else 0)
 
 

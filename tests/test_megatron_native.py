@@ -197,6 +197,26 @@ def test_torch_dist_converts_bit_exact_to_hf_and_any_layout(native, tmp_path):
     _equal_to(convert_to_hf(native["torch_dist"], tmp_path / "hf", vocab_size=VOCAB), native["untied"])
     m = convert(it, tmp_path / "m", "megatron", tp=1, pp=2, vocab_size=VOCAB, progress=False, log=lambda *_: None)
     _equal_to(convert_to_hf(m, tmp_path / "hf2"), native["untied"])
+    lm = convert(it, tmp_path / "lm", "megatron_lm", tp=1, pp=2, vocab_size=VOCAB, progress=False,
+                 log=lambda *_: None)
+    _equal_to(convert_to_hf(lm, tmp_path / "hf3", vocab_size=VOCAB), native["untied"])
+    from toolkit.checkpoint.megatron_sources import TorchDistSource
+
+    source = TorchDistSource(it, VOCAB)  # every weight's bytes are located in the real .distcp files (so those
+    try:  # conversions copied them file to file): the bytes there, merged, are the weights read through memory
+        most = 0
+        for names in source._entries:
+            inputs, merge = source.spans(names)
+            most = max(most, len(inputs))
+            located = []
+            for reader, key in inputs:
+                fd, at, n = reader.span(key)
+                located.append(torch.frombuffer(bytearray(os.pread(fd, n, at)), dtype=reader.dtype(key))
+                               .reshape(reader.shape(key)))
+            assert all(torch.equal(a, b) for a, b in zip(merge(located), source.read(names), strict=True)), names
+        assert most >= 2  # TP2 shards: a parameter from several chunks
+    finally:
+        source.close()
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Files written before their bytes: a torch.save skeleton filled in place (toolkit/checkpoint/pt_skeleton.py, how
 Megatron-LM legacy rank files are written in bounded memory), and the safetensors writer's parallel file-to-file
-copies (safetensors_stream._run_copies). Tiny tensors; well under a second."""
+copies (file_copy._run_copies). Tiny tensors; well under a second."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from toolkit.checkpoint.pt_skeleton import Skeleton
-from toolkit.format import safetensors_stream as st
+from toolkit.format import file_copy as fc
 
 
 def test_a_skeleton_filled_in_place_loads_as_the_object_saved_whole(tmp_path):
@@ -51,8 +51,8 @@ def test_parallel_copies_write_every_range_and_raise_a_failure_after_all_finish(
     src = tmp_path / "src.bin"
     data = os.urandom(4096)
     src.write_bytes(data)
-    monkeypatch.setattr(st, "_COPY_CHUNK", 64)
-    monkeypatch.setattr(st, "COPY_THREADS", 3)
+    monkeypatch.setattr(fc, "_COPY_CHUNK", 64)
+    monkeypatch.setattr(fc, "COPY_THREADS", 3)
     ranges = [(1000, 300), (0, 1000), (3000, 1096), (1300, 1700)]
     fd = os.open(src, os.O_RDONLY)
     out = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT)
@@ -61,19 +61,19 @@ def test_parallel_copies_write_every_range_and_raise_a_failure_after_all_finish(
         for off, n in ranges:
             copies += [(fd, off + d, at + d, min(64, n - d)) for d in range(0, n, 64)]
             at += n
-        assert sum(st._run_copies(out, copies)) == 4096
+        assert sum(fc._run_copies(out, copies)) == 4096
         assert os.pread(out, 4096, 0) == b"".join(data[o:o + n] for o, n in ranges)
 
-        real, calls = st.copy_range, []
+        real, calls = fc.copy_range, []
 
         def failing(s, so, d, do, n):
             calls.append(so)
             if so == 640:
                 raise OSError(errno.EIO, "Input/output error")
             return real(s, so, d, do, n)
-        monkeypatch.setattr(st, "copy_range", failing)
+        monkeypatch.setattr(fc, "copy_range", failing)
         with pytest.raises(OSError, match="Input/output"):
-            st._run_copies(out, copies)
+            fc._run_copies(out, copies)
         assert len(calls) > 1 and 640 in calls
     finally:
         os.close(fd)

@@ -86,8 +86,13 @@ def plan(source, target, entry, field: str, cast: torch.dtype | None, weight: st
         return None
     finally:
         _PLANNING.on = False
+    if pieces is None:  # the target takes this field through memory (megatron_lm_write: the optimizer's buffers)
+        return None
     out, total, count = [], 0, 0
     for writer, key, piece in pieces:
+        if piece is None:  # a write of the target's own, in order with the others (megatron_lm_write: a stage's end)
+            out.append((writer, key, piece))
+            continue
         _, declared_dtype, size = writer.declared(key)
         ranges = _ranges(piece, inputs, unit)
         if declared_dtype != dtype or sum(n for _, _, n in ranges) != size:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.checkpoint.byte_ranges import addressing
 from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, registration_order
 from toolkit.checkpoint.megatron_lm import rank_dir
 from toolkit.checkpoint.megatron_lm_optim import optimizer_writer
@@ -96,6 +97,8 @@ class MegatronLMTarget:
     """A Megatron-LM legacy checkpoint root; see the module docstring. The distributed optimizer's state too
     (`distrib_optim.pt`, toolkit/checkpoint/megatron_lm_optim.py) when the source carries a Megatron optimizer's."""
 
+    raw_bytes = True  # weights whose bytes are source byte ranges are copied in (byte_ranges.plan, write_ranges)
+
     def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None, ep: int = 1,
                  weights_only: bool = False):
         self.root, self.source, self.layout, self.ep = root, source, (tp, pp, vpp), ep
@@ -107,9 +110,11 @@ class MegatronLMTarget:
         self.out_dtype = dtype or source.dtype()
         entries = list(iter_entries(self.dims, pp, vpp, ep))
         self._stages = {p: [e for e in entries if e.pp_rank == p] for p in range(pp)}
-        self._left = {p: len(self._stages[p]) for p in range(pp)}
+        self._count = {p: len(self._stages[p]) for p in range(pp)}
+        self._seen: dict[int, set] = {p: set() for p in range(pp)}  # the stage's parameters written (hf_names)
         self._files: dict[tuple, Skeleton] = {}  # the open rank files, by rank_key
-        self._slots: dict[tuple, torch.Tensor] = {}  # (rank_key, chunk, name): its unwritten tensor in the file
+        self.writers: list[Skeleton] = []  # every rank file, for the copy statistics
+        self._slots: dict[int, dict] = {}  # stage -> (rank_key, chunk, name) -> its unwritten tensor in the file
         self.total = sum(torch.Size(e.rule.shard_shape(e.hf_shapes, tp)).numel() * len(holders(e, ep))
                          for e in entries) * tp * self.out_dtype.itemsize
         self._args = model_args(self.dims, source.config, tp, pp, vpp, source.divisible_by, self.out_dtype, "torch",
@@ -121,26 +126,33 @@ class MegatronLMTarget:
         if self.optim:
             self.total += self.optim.total
 
-    def writes(self, entry, field: str, hf_tensors: list[torch.Tensor]) -> list:
+    def writes(self, entry, field: str, hf_tensors: list[torch.Tensor]) -> list | None:
         """(rank file, its tensor, TP shard) for each rank file holding this parameter (every expert-parallel rank
         holding it), for convert's write-behind thread, which writes them in order; its optimizer fields go into the
-        optimizer's buffers here. After a stage's last parameter, the stage is finished in the same order."""
-        tp, p = self.layout[0], entry.pp_rank
+        optimizer's buffers here. After a stage's last parameter, the stage is finished in the same order.
+
+        byte_ranges.plan calls this on address tensors first (addressing()), and this may then be called again with
+        the tensors: so nothing is written or counted twice (a stage is opened once, its end is reached when every
+        parameter has been seen), and a field the optimizer's buffers take (the weights of an fp32 model are its
+        main weights) gives None there, as it must come through memory."""
+        tp, p, planning = self.layout[0], entry.pp_rank, addressing()
+        if planning and self.optim and (field != WEIGHT or not self.optim.has_master):
+            return None
         if p in self._stages:
             self._open_stage(p)
         pieces = entry.to_megatron(hf_tensors, tp)
-        if self.optim:
+        if self.optim and not planning:
             self.optim.put(entry, field, pieces)
         writes = []
         if field == WEIGHT:
             for t, piece in enumerate(pieces):
                 for e in holders(entry, self.ep):
                     key = rank_key(p, t, e, self.ep)
-                    slot = self._slots.pop((key, entry.chunk, entry.megatron_name))
-                    writes.append((self._files[key], slot, piece.to(self.out_dtype)))
+                    slot = self._slots[p][(key, entry.chunk, entry.megatron_name)]
+                    writes.append((self._files[key], slot, piece if planning else piece.to(self.out_dtype)))
         if field == self.fields[-1]:
-            self._left[p] -= 1
-            if self._left[p] == 0:
+            self._seen[p].add(tuple(entry.hf_names))
+            if len(self._seen[p]) == self._count[p]:
                 writes.append((_StageEnd(self, p), None, None))
         return writes
 
@@ -152,11 +164,11 @@ class MegatronLMTarget:
         for t, e in ((t, e) for t in range(tp) for e in range(self.ep)):
             key = rank_key(p, t, e, self.ep)
             chunks: list[dict] = [{} for _ in range(vpp)]
-            slots = []
+            slots, stage_slots = [], self._slots.setdefault(p, {})
             for entry in (x for x in entries if e in holders(x, self.ep)):
                 chunk = chunks[entry.chunk]
                 slot = torch.empty(entry.rule.shard_shape(entry.hf_shapes, tp), dtype=self.out_dtype)  # not touched
-                chunk[entry.megatron_name] = self._slots[(key, entry.chunk, entry.megatron_name)] = slot
+                chunk[entry.megatron_name] = stage_slots[(key, entry.chunk, entry.megatron_name)] = slot
                 slots.append(slot)
                 linear = _LINEAR.match(entry.megatron_name)
                 if linear:
@@ -171,9 +183,11 @@ class MegatronLMTarget:
             self._files[key] = Skeleton(folder / "model_optim_rng.pt", {
                 "args": self._args, "checkpoint_version": 3.0, "iteration": self.step,
                 "num_floating_point_operations_so_far": 0, **models, **extra}, slots)
+            self.writers.append(self._files[key])
 
     def _finish_stage(self, p: int) -> None:
         tp, pp, _ = self.layout
+        del self._slots[p]
         for t, e in ((t, e) for t in range(tp) for e in range(self.ep)):
             self._files.pop(rank_key(p, t, e, self.ep)).finish()
             if self.optim and e == 0:

@@ -2,6 +2,7 @@
 distributed optimizer's distrib_optim.pt) and Megatron-Core's torch_dist."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -154,6 +155,7 @@ class TorchDistSource(Source):
 
     def __init__(self, it_dir: Path, vocab_size: int | None, weights_only: bool = False):
         self._r = torch_dist.Reader(it_dir)
+        self._slices = _ChunkSlices(self._r)
         args = self._r.common.get("args")
         if args is None or not hasattr(args, "padded_vocab_size"):
             raise ToolkitError(f"{it_dir / 'common.pt'} holds no Megatron-LM args (with padded_vocab_size), so the "
@@ -214,5 +216,68 @@ class TorchDistSource(Source):
         tensor = self._r.get(fqn, index)
         return list(entry.to_hf([tensor if field == WEIGHT else tensor.float()]).values())
 
+    def spans(self, hf_names: Sequence[str], field: str = WEIGHT):
+        """The weights' bytes in the .distcp files, so that a conversion copies them file to file: the chunks that
+        hold the parameter (its layer's slice of them), when they tile it along one axis (TP shards: rows or
+        columns; fc1's gate and up blocks) and each is located (torch_dist.Reader.locate); None for the optimizer
+        state and otherwise (then the weights go through memory)."""
+        if field != WEIGHT:
+            return None
+        entry = self._entries[tuple(hf_names)]
+        name, index = torch_dist.sharded_name(entry.megatron_name)
+        fqn = self._r.names[name]
+        pieces = self._r.chunks(fqn, index)
+        dim = _tiling_axis(pieces, self._r.shape(fqn)[len(index):])
+        if dim is None:
+            return None
+        inputs = [(self._slices, (fqn, chunk, index, sizes)) for _, sizes, chunk in
+                  sorted(pieces, key=lambda p: p[0][dim] if p[0] else 0)]
+        if any(self._slices.span(key) is None for _, key in inputs):
+            return None
+        return inputs, lambda slices: list(entry.to_hf([torch.cat(slices, dim) if len(slices) > 1 else slices[0]])
+                                           .values())
+
+    def close(self) -> None:
+        self._r.close()
+
     def dtype(self) -> torch.dtype:
         return self._r.dtype(self._r.names["embedding.word_embeddings.weight"])
+
+
+def _tiling_axis(pieces: list, shape: tuple[int, ...]) -> int | None:
+    """The axis along which these (offsets, sizes, _) pieces tile a tensor of `shape` end to end, each whole on every
+    other axis (0 for a single piece that is the whole tensor); None when they do not."""
+    for dim in range(max(1, len(shape))):
+        if not shape or any(o[e] or s[e] != shape[e] for o, s, _ in pieces for e in range(len(shape)) if e != dim):
+            continue
+        at = 0
+        for o, s, _ in sorted(pieces, key=lambda p: p[0][dim]):
+            if o[dim] != at:
+                break
+            at += s[dim]
+        else:
+            if at == shape[dim]:
+                return dim
+    return None
+
+
+class _ChunkSlices:
+    """byte_ranges' reader interface (dtype, shape, nbytes, span) over a torch_dist checkpoint's chunks, keyed
+    (sharded key, chunk offsets, leading index, shape of the chunk's slice at that index)."""
+
+    def __init__(self, reader: torch_dist.Reader):
+        self._r, self._spans = reader, {}
+
+    def dtype(self, key: tuple) -> torch.dtype:
+        return self._r.dtype(key[0])
+
+    def shape(self, key: tuple) -> tuple[int, ...]:
+        return key[3]
+
+    def nbytes(self, key: tuple) -> int:
+        return math.prod(key[3]) * self._r.dtype(key[0]).itemsize
+
+    def span(self, key: tuple) -> tuple[int, int, int] | None:
+        if key not in self._spans:  # byte_ranges asks once per range it makes (once per row of a row-parallel split)
+            self._spans[key] = self._r.locate(key[0], key[1], key[2])
+        return self._spans[key]

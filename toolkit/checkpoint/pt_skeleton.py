@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from toolkit.format import safe_load
-from toolkit.format.safetensors_stream import pwrite_all, start_writeback
+from toolkit.format.file_copy import copy_ranges, pwrite_all, start_writeback
 
 
 def tensors(obj, path: tuple = ()) -> Iterator[tuple[tuple, torch.Tensor]]:
@@ -83,19 +83,43 @@ class Skeleton:
         self._later = {_key(t) for t in later if t.untyped_storage().nbytes()}
         self._put: set[tuple[int, int]] = set()
         self._fd = os.open(self.path, os.O_RDWR)
+        self.kernel_bytes = self.gathered_bytes = self.user_bytes = 0  # how write_ranges' bytes went
 
     def write(self, tensor: torch.Tensor, data: torch.Tensor) -> int:
         """put(tensor, data); returns the byte count (a write of convert's write-behind thread: `w.write(k, t)`)."""
         self.put(tensor, data)
         return data.numel() * data.element_size()
 
+    def declared(self, tensor: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, int]:
+        """(shape, dtype, byte count) of a tensor of obj whose bytes come later (byte_ranges.plan asks)."""
+        return tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size()
+
+    def write_ranges(self, tensor: torch.Tensor, ranges: list[tuple[int | None, int, int]]) -> int:
+        """The bytes of `tensor` of obj (a whole storage) copied into the file from byte ranges of other files
+        ((fd, offset, count), None for zeros: file_copy.copy_ranges), in order; returns the byte count."""
+        key, size = self._whole(tensor), tensor.numel() * tensor.element_size()
+        if sum(n for _, _, n in ranges) != size:
+            raise RuntimeError(f"internal: {size} bytes for a tensor of {self.path}, {sum(n for _, _, n in ranges)} "
+                               "in the ranges")
+        kernel, gathered, user = copy_ranges(self._fd, self._offset[key], ranges)
+        self.kernel_bytes, self.gathered_bytes = self.kernel_bytes + kernel, self.gathered_bytes + gathered
+        self.user_bytes += user
+        start_writeback(self._fd, self._offset[key], size)
+        self._put.add(key)
+        return size
+
+    def _whole(self, tensor: torch.Tensor) -> tuple[int, int]:
+        if tensor.storage_offset() or tensor.numel() * tensor.element_size() != tensor.untyped_storage().nbytes():
+            raise RuntimeError(f"internal: a {tuple(tensor.shape)} {tensor.dtype} tensor of {self.path} is not a "
+                               "whole storage")
+        return _key(tensor)
+
     def put(self, tensor: torch.Tensor, data: torch.Tensor) -> None:
         """The bytes of `data` (same shape and dtype) where `tensor` of obj (a whole storage) lies in the file."""
-        if data.shape != tensor.shape or data.dtype != tensor.dtype or tensor.storage_offset() or \
-                tensor.numel() * tensor.element_size() != tensor.untyped_storage().nbytes():
+        if data.shape != tensor.shape or data.dtype != tensor.dtype:
             raise RuntimeError(f"internal: {tuple(data.shape)} {data.dtype} put for a {tuple(tensor.shape)} "
                                f"{tensor.dtype} tensor of {self.path}")
-        key = _key(tensor)
+        key = self._whole(tensor)
         raw = data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         pwrite_all(self._fd, memoryview(raw), self._offset[key])
         start_writeback(self._fd, self._offset[key], raw.size)

@@ -22,7 +22,7 @@ import torch
 from toolkit.checkpoint.pt_skeleton import bytes_around
 from toolkit.errors import ToolkitError
 from toolkit.format import safe_load
-from toolkit.format.safetensors_stream import copy_range, pwrite_all
+from toolkit.format.file_copy import copy_range, pwrite_all
 
 THREADS = max(1, int(os.environ.get("TOOLKIT_SAVE_THREADS", "4") or 4))
 """Writer threads (TOOLKIT_SAVE_THREADS; 1 writes one file after the other, in order)."""

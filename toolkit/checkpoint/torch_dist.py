@@ -66,6 +66,8 @@ class Reader:
         self._tensors = {fqn: m for fqn, m in self.metadata.state_dict_metadata.items()
                          if hasattr(m, "chunks") and hasattr(m, "size")}
         self._where = {}
+        self._fds: dict[str, int] = {}  # .distcp file -> open descriptor, for locate()
+        self._located: dict[tuple, tuple | None] = {}  # (fqn, chunk offsets) -> (fd, byte offset, meta tensor)
         for index, info in self.metadata.storage_data.items():
             self._where[(index.fqn, tuple(index.offset) if index.offset is not None else None)] = info
         # local-spec name (layers without their index) -> sharded key
@@ -150,6 +152,56 @@ class Reader:
             raise ToolkitError(f"{self.dir / '.metadata'} disagrees with itself: the chunks of {fqn} cover {covered} "
                                f"of its values {start}..{end}; re-copy the checkpoint")
         return out
+
+    def chunks(self, fqn: str, index: tuple[int, ...] = ()) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple]]:
+        """(offsets, sizes, chunk offsets) of the saved chunks that hold fqn's slice at `index` on the leading axes,
+        offsets and sizes of that slice without those axes; the last item names the chunk for locate()."""
+        n = len(index)
+        return [(tuple(c.offsets[n:]), tuple(c.sizes[n:]), tuple(c.offsets)) for c in self._tensors[fqn].chunks
+                if all(c.offsets[d] <= index[d] < c.offsets[d] + c.sizes[d] for d in range(n))]
+
+    def locate(self, fqn: str, offsets: tuple, index: tuple[int, ...] = ()) -> tuple[int, int, int] | None:
+        """(open file descriptor, byte offset, byte count) of the raw bytes of the chunk of fqn saved at `offsets`,
+        or of only its slice at `index` on the leading axes (contiguous: the chunk is row-major), for copying them
+        file to file (toolkit/checkpoint/byte_ranges.py); None where they cannot be located. The offset is the one
+        torch.load itself reads the chunk's storage from: a map_location="meta" load of the chunk's torch.save record
+        gives it from the zip's local header (only the pickle is read, weights-only with the allow-list), and the
+        chunk's shape and dtype must be the metadata's, its bytes inside the chunk's record."""
+        key = (fqn, tuple(offsets))
+        if key not in self._located:
+            self._located[key] = self._find(fqn, key)
+        found = self._located[key]
+        if found is None:
+            return None
+        fd, at, meta = found
+        skip = sum((i - o) * s for i, o, s in zip(index, offsets, meta.stride()))
+        count = meta[tuple(i - o for i, o in zip(index, offsets))].numel() if index else meta.numel()
+        return fd, at + skip * meta.element_size(), count * meta.element_size()
+
+    def _find(self, fqn: str, key: tuple):
+        info, want = self._where.get(key), self._tensors[fqn]
+        if info is None:
+            return None
+        if info.relative_path not in self._fds:
+            self._fds[info.relative_path] = os.open(self.dir / info.relative_path, os.O_RDONLY)
+        fd = self._fds[info.relative_path]
+        where = f"{self.dir / info.relative_path} (bytes {info.offset}..{info.offset + info.length}, {fqn})"
+        try:
+            meta = safe_load.load_buffer(_Slice(fd, info.offset, info.length), where, map_location="meta")
+        except ToolkitError:
+            return None  # read through memory, where the same load reports what is wrong with the chunk
+        at = getattr(meta.untyped_storage(), "_checkpoint_offset", None) if torch.is_tensor(meta) else None
+        sizes = next((tuple(c.sizes) for c in want.chunks if tuple(c.offsets) == key[1]), None)
+        if not isinstance(at, int) or tuple(meta.shape) != sizes or meta.dtype != want.properties.dtype \
+                or not meta.is_contiguous() or at < 0 or \
+                at + (meta.storage_offset() + meta.numel()) * meta.element_size() > info.length:
+            return None
+        return fd, info.offset + at + meta.storage_offset() * meta.element_size(), meta
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds, self._located = {}, {}
 
     def objects(self) -> list[str]:
         """The names of the saved objects (Megatron's ShardedObjects: bytes, not tensors)."""

@@ -27,8 +27,7 @@ from toolkit.checkpoint.pt_skeleton import bytes_around
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries, raise_problems
 from toolkit.families.mapping import TE_NORM_NAMES, check_dims
-from toolkit.format import safetensors_stream as st
-from toolkit.format.safetensors_stream import pwrite_all, start_writeback
+from toolkit.format.file_copy import copy_ranges, pwrite_all, start_writeback
 
 WEIGHT = "weight"
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -56,7 +55,7 @@ class _ItemFile:
         self.path, self.f = path, open(path, "wb")
         self.where: dict = {}
         self._declared: dict = {}  # chunk index -> (shape, dtype) of the tensor it will hold
-        self.kernel_bytes = self.user_bytes = 0
+        self.kernel_bytes = self.gathered_bytes = self.user_bytes = 0
 
     def declare(self, index, shape: tuple, dtype: torch.dtype) -> None:
         self._declared[index] = (tuple(shape), dtype)
@@ -80,15 +79,10 @@ class _ItemFile:
         self.f.flush()
         fd, start = self.f.fileno(), self.f.tell()
         pwrite_all(fd, memoryview(head), start)
-        at = start + len(head)
-        for src, offset, n in ranges:
-            if src is None:  # padding rows: zeros
-                pwrite_all(fd, memoryview(bytes(n)), at)
-                self.user_bytes += n
-            else:
-                kernel = st.copy_range(src, offset, fd, at, n)
-                self.kernel_bytes, self.user_bytes = self.kernel_bytes + kernel, self.user_bytes + n - kernel
-            at += n
+        kernel, gathered, user = copy_ranges(fd, start + len(head), ranges)
+        self.kernel_bytes, self.gathered_bytes = self.kernel_bytes + kernel, self.gathered_bytes + gathered
+        self.user_bytes += user
+        at = start + len(head) + size
         pwrite_all(fd, memoryview(tail), at)
         self.f.seek(at + len(tail))
         return self._record(index, start, at + len(tail) - start)

@@ -181,13 +181,14 @@ def weights_only_everywhere(folder: Path, names: list[str] | None = None):
             os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = old
 
 
-def load_buffer(data, where: str):
+def load_buffer(data, where: str, map_location="cpu"):
     """torch.load of a torch.save file in memory (bytes) or in a file-like object (one tensor item of a torch DCP
-    `.distcp` file) as weights only, with the allow-list; `where` names the item in errors."""
+    `.distcp` file) as weights only, with the allow-list; `where` names the item in errors. With map_location="meta"
+    only the pickle is read, and each storage records its offset in the file (`_checkpoint_offset`)."""
     try:
         with torch.serialization.safe_globals(allowed(False)):
             return torch.load(io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data, weights_only=True,
-                              map_location="cpu")
+                              map_location=map_location)
     except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ... here
         raise refusal(where, e) from None
 
