@@ -6,7 +6,10 @@ it: each rank's model_optim_rng.pt into its GPTModel chunks (strict=True) and `o
 equal the live optimizer state the source checkpoint was saved from (LIVE, megatron_native_writer.py), every
 parameter's Adam step must be the source's, and the scheduler state must load into Megatron-Core's scheduler.
 
-    torchrun --nproc_per_node 2 tests/megatron_legacy_optim_probe.py ROOT,HF,LIVE,PRECISION,TPxPPxVPP [...]
+    torchrun --nproc_per_node 2 tests/megatron_legacy_optim_probe.py ROOT,HF,LIVE,PRECISION,TPxPPxVPP[,SCHED] [...]
+
+SCHED "checkpoint": the scheduler is built as `--use-checkpoint-opt_param-scheduler` builds it (a checkpoint written
+from a toolkit run, whose schedule is the recipe's, not Megatron-LM's arguments here).
 
 A ROOT holding iter_*/metadata.json is a torch_dist checkpoint instead, loaded through Megatron-Core's
 dist_checkpointing.load (check_torch_dist).
@@ -46,7 +49,8 @@ def _stepped(hf: str, tp: int, pp: int, vpp: int, precision: str, distributed: b
     return wrapped, optimizer, layout
 
 
-def _compare(wrapped, optimizer, live: str, scheduler_state: dict, distributed: bool = True) -> None:
+def _compare(wrapped, optimizer, live: str, scheduler_state: dict, distributed: bool = True,
+             from_checkpoint: bool = False) -> None:
     """The loaded state by name equals the live one's, with the step; the scheduler state loads."""
     from safetensors.torch import load_file
 
@@ -57,12 +61,12 @@ def _compare(wrapped, optimizer, live: str, scheduler_state: dict, distributed: 
         assert torch.equal(got[k][:rows], v[:rows]), k
     steps = {float(s["step"]) for o in optimizer.chained_optimizers for s in o.optimizer.state.values()}
     assert steps == {2.0}, steps
-    scheduler = scheduler_for(optimizer)
+    scheduler = scheduler_for(optimizer, from_checkpoint)
     scheduler.load_state_dict(scheduler_state)  # as Megatron-LM's load_checkpoint does
     assert scheduler.num_steps == 4, scheduler.num_steps  # 2 iterations of 2 samples
 
 
-def check(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: int) -> None:
+def check(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: int, sched: bool = False) -> None:
     from megatron.core import parallel_state as ps
 
     distributed = any(Path(root).glob("iter_*/mp_rank_*/distrib_optim.pt"))
@@ -75,7 +79,7 @@ def check(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: 
         w.module.load_state_dict(state["model" if vpp == 1 else f"model{i}"], strict=True)
     optimizer.load_state_dict(state["optimizer"])  # the step, from the param groups
     if not distributed:  # the plain optimizer's state_dict holds everything, by position
-        _compare(wrapped, optimizer, live, state["opt_param_scheduler"], False)
+        _compare(wrapped, optimizer, live, state["opt_param_scheduler"], False, sched)
         dist.barrier()
         if dist.get_rank() == 0:
             print(f"loaded legacy plain optim {Path(root).name} {tp}x{pp}x{vpp}", flush=True)
@@ -91,14 +95,15 @@ def check(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: 
     for st, aside in zip(inner, steps_aside):
         for q, step in aside.items():
             st[q]["step"] = step
-    _compare(wrapped, optimizer, live, state["opt_param_scheduler"])
+    _compare(wrapped, optimizer, live, state["opt_param_scheduler"], True, sched)
     dist.barrier()
     if dist.get_rank() == 0:
         print(f"loaded legacy optim {Path(root).name} {tp}x{pp}x{vpp}", flush=True)
     ps.destroy_model_parallel()
 
 
-def check_torch_dist(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: int) -> None:
+def check_torch_dist(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: int,
+                     sched: bool = False) -> None:
     """The same for a torch_dist checkpoint: Megatron-Core's dist_checkpointing.load of the model's and the
     optimizer's sharded state dicts (the distributed optimizer's fully_reshardable, or the plain one's) at this layout, then the chunks' load_state_dict
     (strict) and the optimizer's (toolkit/megatron/torch_dist_ckpt.load: the toolkit's own resume, which sets
@@ -117,7 +122,7 @@ def check_torch_dist(root: str, hf: str, live: str, precision: str, tp: int, pp:
         wrapped, optimizer, layout = _stepped(hf, tp, pp, vpp, precision, distributed)
         torch_dist_ckpt.load(SimpleNamespace(chunks=wrapped, optimizer=optimizer,
                                              layout_meta={"zero_stage": int(distributed)}), it_dir)
-    _compare(wrapped, optimizer, live, common["opt_param_scheduler"], distributed)
+    _compare(wrapped, optimizer, live, common["opt_param_scheduler"], distributed, sched)
     dist.barrier()
     if dist.get_rank() == 0:
         print(f"loaded torch_dist optim {Path(root).name} {tp}x{pp}x{vpp}", flush=True)
@@ -127,9 +132,10 @@ def check_torch_dist(root: str, hf: str, live: str, precision: str, tp: int, pp:
 def main(*specs: str) -> None:
     init_distributed(with_deepspeed=False)
     for spec in specs:
-        root, hf, live, precision, lay = spec.split(",")
+        root, hf, live, precision, lay, *sched = spec.split(",")
         torch_dist = any(Path(root).glob("iter_*/metadata.json"))
-        (check_torch_dist if torch_dist else check)(root, hf, live, precision, *(int(x) for x in lay.split("x")))
+        (check_torch_dist if torch_dist else check)(root, hf, live, precision, *(int(x) for x in lay.split("x")),
+                                                    sched == ["checkpoint"])
     dist.barrier()
 
 

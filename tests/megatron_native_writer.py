@@ -196,14 +196,16 @@ def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: s
     ps.destroy_model_parallel()
 
 
-def scheduler_for(optimizer):
+def scheduler_for(optimizer, from_checkpoint: bool = False):
     """Megatron-Core's learning-rate and weight-decay scheduler, as Megatron-LM's get_optimizer_param_scheduler
-    builds it (cosine decay after a warmup)."""
+    builds it (cosine decay after a warmup); from_checkpoint: as `--use-checkpoint-opt_param-scheduler` builds it
+    (what it loads replaces these values)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     return OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=3e-3, min_lr=3e-4, lr_warmup_steps=2,
                                    lr_decay_steps=200, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
-                                   wd_incr_steps=200, wd_incr_style="constant")
+                                   wd_incr_steps=200, wd_incr_style="constant",
+                                   use_checkpoint_opt_param_scheduler=from_checkpoint)
 
 
 def legacy_optim(hf: str, out: Path, tp: int, precision: str, pp: int = 1, vpp: int = 1, extra: tuple = (),

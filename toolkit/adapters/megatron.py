@@ -106,6 +106,25 @@ def to_optimizer_config_kwargs(r: Recipe, layout: Layout) -> dict:
             "use_distributed_optimizer": layout.zero_stage == 1}
 
 
+def scheduler_state(r: Recipe, step: int) -> dict | None:
+    """Megatron-LM's OptimizerParamScheduler state (its state_dict()) that continues the recipe's schedule after
+    `step` optimizer steps, for a Megatron-LM checkpoint written from a toolkit one; None without a global batch size.
+
+    Megatron-LM counts samples (its iterations times the global batch size, B). After the warm-up W its learning rate
+    at n samples is min + (max - min) * shape((n / B - W) / (D / B - W)) with D the decay samples, which is the
+    toolkit's (toolkit/train/schedule.py lr_multiplier) at step n / B when D / B = W + max(1, steps - 1 - W). In the
+    warm-up they differ by one step: Megatron-LM's k-th iteration runs at (k - 1) / W of the peak, the toolkit's at
+    k / W. The weight decay is constant."""
+    t, s = r.training, r.training.schedule
+    batch = t.global_batch_size
+    if not batch:
+        return None
+    return {"max_lr": t.optimizer.lr, "lr_warmup_steps": s.warmup_steps * batch, "num_steps": step * batch,
+            "lr_decay_style": s.decay, "lr_decay_steps": (s.warmup_steps + max(1, t.steps - 1 - s.warmup_steps)) * batch,
+            "min_lr": s.min_lr, "start_wd": t.optimizer.weight_decay, "end_wd": t.optimizer.weight_decay,
+            "wd_incr_style": "constant", "wd_incr_steps": t.steps * batch}
+
+
 def check_megatron(r: Recipe, te_available: bool) -> list[Problem]:
     """What the Megatron backend needs beyond the shared rules (run before any process starts)."""
     p, out = r.parallel, []

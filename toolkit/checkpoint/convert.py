@@ -45,7 +45,8 @@ from toolkit.families.registry import family_of_config
 from toolkit.families.rules import views
 from toolkit.format import manifest, paths, safe_load
 from toolkit.format import safetensors_stream as st
-from toolkit.format.names import META, POINTER, SCHEMA_VERSION, chunk_key, model_file, optim_file, tag_for
+from toolkit.format.names import (META, OPTIM_GROUPS, OPTIM_SCHEDULER, POINTER, SCHEMA_VERSION, chunk_key, model_file,
+                                  optim_file, plain_group, tag_for)
 from toolkit.recipe.loader import REPO_ROOT
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -187,7 +188,11 @@ class MegatronTarget:
         self.tag_dir = root / tag_for(self.step)
         self.tag_dir.mkdir(parents=True)
         out_dtype = dtype or source.dtype()
-        optim_meta = getattr(source, "optimizer_meta", {})
+        optim_meta = dict(getattr(source, "optimizer_meta", None) or {})
+        if source.optimizer_groups is not None:  # Megatron's, kept for a Megatron-LM or torch_dist target later
+            optim_meta.setdefault(OPTIM_GROUPS, json.dumps([[plain_group(g) for g in source.optimizer_groups]]))
+        if isinstance(source.scheduler, dict):
+            optim_meta.setdefault(OPTIM_SCHEDULER, json.dumps(plain_group(source.scheduler)))
         self.writers: dict[tuple, st.Writer] = {}
         self.total = 0
         for rank, shapes in meta_shards(self.dims, tp, pp, vpp, ep).items():

@@ -42,15 +42,16 @@ def optimizer_plan(target, source) -> tuple[dict | None, str | None]:
     distributed one: the target's is too), "args" (the source's Megatron-LM args, which fix the plain optimizer's
     param groups)}, None); (None, why not) when the source has state that cannot be written; (None, None) when it has
     none. Written from a source that carries Megatron's param groups and scheduler state, which Megatron-LM's load
-    needs."""
+    needs (a toolkit source makes its scheduler state from the recipe: sources.ToolkitMegatronSource)."""
     have = {f for f in source.fields if f != WEIGHT}
     if not {"exp_avg", "exp_avg_sq"} <= have:
         return None, None
     if getattr(target, "ep", 1) > 1 or target.dims.experts:
         return None, "the optimizer state of a mixture of experts is not written: weights only"
     if source.optimizer_groups is None or source.scheduler is None:
-        return None, ("the source carries no Megatron optimizer param groups and scheduler state (Megatron-LM "
-                      "legacy and torch_dist checkpoints do), which Megatron-LM's load needs: weights only")
+        return None, ("the source carries no Megatron optimizer param groups and scheduler state, which Megatron-LM's "
+                      "load needs (Megatron-LM's checkpoints do, and the toolkit's since 2026-12-05, with their "
+                      "recipe): weights only")
     if target.out_dtype != source.dtype():
         return None, f"not written at another dtype than the source's ({source.dtype()}): weights only"
     if not source.optimizer_distributed:  # the plain optimizer's positions follow from its standard groups

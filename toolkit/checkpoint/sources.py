@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.adapters.megatron import scheduler_state
 from toolkit.checkpoint import megatron_flat, megatron_lm, torch_dist
 from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
 from toolkit.checkpoint.deepspeed_plain import is_plain
@@ -27,7 +28,8 @@ from toolkit.families.mapping import Dims, check_dims
 from toolkit.families.registry import family_of_config
 from toolkit.format import manifest, paths
 from toolkit.format import safetensors_stream as st
-from toolkit.format.names import META, POINTER, chunk_key, model_file, optim_file, rank_tag
+from toolkit.format.names import (META, OPTIM_GROUPS, OPTIM_SCHEDULER, POINTER, chunk_key, model_file, optim_file,
+                                  rank_tag)
 from toolkit.model import to_hf_config
 from toolkit.recipe.schema import Recipe
 
@@ -153,6 +155,28 @@ class ToolkitMegatronSource(_ShardedSource):
         self._check()
         if not weights_only and not self._optims and lay.get("zero_stage") == 1 and meta.get("recipe"):
             self._distributed_optimizer(ranks)
+        if self.fields != (WEIGHT,):
+            self._megatron_optimizer()
+
+    def _megatron_optimizer(self) -> None:
+        """Megatron's param groups and scheduler state, which a Megatron-LM or torch_dist target needs to write the
+        optimizer state: the groups as the training run saved them (OPTIM_GROUPS beside the plain optimizer's state;
+        the distributed optimizer's optim_*.pt), the scheduler's kept from a Megatron source (OPTIM_SCHEDULER) or
+        made from the recipe's schedule (adapters.megatron.scheduler_state). Missing or unreadable: left None, and
+        such a target writes the weights only, saying why."""
+        saved = self.optimizer_meta or {}
+        try:
+            if self.optimizer_groups is None and saved.get(OPTIM_GROUPS):
+                inner = json.loads(saved[OPTIM_GROUPS])
+                if len(inner) == 1:  # one optimizer (a chained one, as a mixture of experts has, is not written)
+                    self.optimizer_groups = [{**g, **({"betas": tuple(g["betas"])} if "betas" in g else {})}
+                                             for g in inner[0]]
+            if saved.get(OPTIM_SCHEDULER):
+                self.scheduler = json.loads(saved[OPTIM_SCHEDULER])
+            elif self.meta.get("recipe") and self.step is not None:
+                self.scheduler = scheduler_state(Recipe.model_validate(self.meta["recipe"]), int(self.step))
+        except (ValueError, TypeError, KeyError):
+            self.optimizer_groups = self.scheduler = None
 
     def _distributed_optimizer(self, ranks: list) -> None:
         """The distributed optimizer's state of a training checkpoint: Megatron's own save_parameter_state files
@@ -339,6 +363,8 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
         if backend == "megatron" and meta.get("checkpoint_format") == "torch_dist":  # checkpoint.format: torch_dist
             source = TorchDistSource(src, vocab_size or meta["recipe"]["model"]["vocab_size"], weights_only)
             source.meta, source.tag_dir = meta, src  # the run's recipe and per-rank state travel, as from a toolkit one
+            if source.scheduler is None and source.fields != (WEIGHT,) and meta.get("recipe") and meta.get("step"):
+                source.scheduler = scheduler_state(Recipe.model_validate(meta["recipe"]), int(meta["step"]))
         elif backend == "megatron":
             source = ToolkitMegatronSource(src, meta, weights_only)
         elif backend == "deepspeed":

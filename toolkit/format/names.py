@@ -32,6 +32,26 @@ OPTIM_FIELDS = ("exp_avg", "exp_avg_sq")
 """Adam's moments, stored per parameter under these field names."""
 MASTER = "master"
 """The fp32 main weights of a model trained in 16-bit, stored under this field name."""
+OPTIM_GROUPS = "param_groups"
+"""Optimizer file metadata: JSON, for each inner optimizer, its param groups without their params (plain_group):
+Megatron-Core's hyperparameters and weight-decay multipliers, which a Megatron-LM or torch_dist checkpoint written
+from this one needs (toolkit/checkpoint/sources.py)."""
+OPTIM_SCHEDULER = "opt_param_scheduler"
+"""Optimizer file metadata: JSON, Megatron-LM's scheduler state, kept from a Megatron-LM or torch_dist source."""
+
+
+def plain_group(group: dict) -> dict:
+    """A param group's JSON-able entries (numbers, strings, booleans, None, lists of numbers; a one-element tensor as
+    its number), without its params."""
+    out = {}
+    for k, v in group.items():
+        if hasattr(v, "item") and not isinstance(v, (bool, int, float)):
+            v = v.item() if getattr(v, "numel", lambda: 0)() == 1 else None
+        v = list(v) if isinstance(v, tuple) else v
+        if k != "params" and (v is None or isinstance(v, (bool, int, float, str)) or (
+                isinstance(v, list) and all(isinstance(x, (int, float)) for x in v))):
+            out[k] = v
+    return out
 
 
 def tag_for(step: int) -> str:

@@ -25,7 +25,8 @@ from toolkit.errors import ToolkitError
 from toolkit.families.mapping import local_spec_name
 from toolkit.format import safe_load
 from toolkit.format import safetensors_stream as st
-from toolkit.format.names import MASTER, OPTIM_FIELDS, chunk_key, model_file, optim_file, split_key
+from toolkit.format.names import (MASTER, OPTIM_FIELDS, OPTIM_GROUPS, chunk_key, model_file, optim_file, plain_group,
+                                  split_key)
 from toolkit.megatron.runtime import chunk_state, load_chunk_state
 
 
@@ -74,7 +75,7 @@ def _scaler_states(optimizer) -> list[dict]:
 
 
 def optimizer_tensors(backend) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The non-distributed optimizer's state by name, and metadata (step, grad scalers)."""
+    """The non-distributed optimizer's state by name, and metadata (step, grad scalers, param groups)."""
     tensors, steps = {}, set()
     for key, model_p, main, opt in named_optimizer_params(backend):
         state = opt.state.get(main, {})
@@ -87,8 +88,11 @@ def optimizer_tensors(backend) -> tuple[dict[str, torch.Tensor], dict[str, str]]
         steps.add(_step_of(opt, main))
     if len(steps) > 1:
         raise ToolkitError(f"optimizer parameters are at different steps {sorted(steps)}; cannot save one step")
-    meta = {"step": str(steps.pop() if steps else 0), "grad_scalers": json.dumps(_scaler_states(backend.optimizer))}
+    meta = {"step": str(steps.pop() if steps else 0), "grad_scalers": json.dumps(_scaler_states(backend.optimizer)),
+            OPTIM_GROUPS: json.dumps([[plain_group(g) for g in o.optimizer.param_groups]
+                                      for o in _inner_optimizers(backend.optimizer)])}
     return tensors, meta
+
 
 
 def load_optimizer_tensors(backend, tensors: dict[str, torch.Tensor], meta: dict[str, str], where: Path) -> None:

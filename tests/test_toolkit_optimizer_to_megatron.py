@@ -1,0 +1,79 @@
+"""A toolkit run's optimizer state written into Megatron-LM's formats (`--to megatron_lm`, `--to torch_dist`): the
+param groups the run saved, the state by name, and a scheduler state made from the recipe's schedule. Megatron-Core's
+own optimizers load it with every moment and main weight equal to the run's, by name, and Megatron-Core's own
+OptimizerParamScheduler continues the recipe's learning rate from it."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import REPO, UNINTERRUPTED, launch, run_ranks
+from safetensors.torch import load_file, save_file
+
+from toolkit.adapters.megatron import scheduler_state
+from toolkit.checkpoint.convert import convert
+from toolkit.recipe.loader import load_recipe
+from toolkit.train.schedule import lr_multiplier
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])
+def test_scheduler_state_continues_the_recipes_learning_rate_in_megatron_core(decay):
+    """Loaded into Megatron-Core's OptimizerParamScheduler (as `--use-checkpoint-opt_param-scheduler` loads it) after
+    each step of a 12-step run, the scheduler sets the learning rate the toolkit's next step would use (the same
+    after the warm-up, one step behind in it: Megatron-LM's first iteration runs at lr 0) and the recipe's weight
+    decay, times each group's wd_mult."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    r = load_recipe("tiny_zero0", ["training.steps=12", "training.schedule.warmup_steps=3",
+                                   "training.global_batch_size=4", "training.micro_batch_size=2",
+                                   f"training.schedule.decay={decay}"])
+    t = r.training
+    for step in range(t.steps):
+        weights, norms = torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))
+        opt = torch.optim.AdamW([{"params": [weights], "wd_mult": 1.0}, {"params": [norms], "wd_mult": 0.0}])
+        sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1.0, min_lr=0.0, lr_warmup_steps=1,
+                                        lr_decay_steps=2, lr_decay_style="linear", start_wd=0.5, end_wd=0.5,
+                                        wd_incr_steps=1, wd_incr_style="constant",
+                                        use_checkpoint_opt_param_scheduler=True)
+        sched.load_state_dict(scheduler_state(r, step))
+        want = t.optimizer.lr * lr_multiplier(step, 3, t.steps, decay, t.schedule.min_lr / t.optimizer.lr)
+        if step < 3:
+            want = t.optimizer.lr * step / 3
+        assert opt.param_groups[0]["lr"] == pytest.approx(want, rel=1e-12), step
+        sched.step(increment=0)  # the loaded weight decay applies from the next step() (Megatron-Core sets it after)
+        assert [g["weight_decay"] for g in opt.param_groups] == [t.optimizer.weight_decay, 0.0]
+        assert opt.param_groups[0]["lr"] == pytest.approx(want, rel=1e-12), step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe,fmt", [("tiny_tp2", "toolkit"), ("tiny_tp2", "torch_dist"),
+                                        ("tiny_dp2_distopt", "toolkit")])
+def test_toolkit_run_optimizer_state_loads_in_megatron_core(recipe, fmt, tmp_path):
+    """Two bf16 steps of the Megatron backend (TP2 with the plain optimizer, saved in the toolkit's format and in
+    checkpoint.format: torch_dist; DP2 with the distributed one), then
+    --to megatron_lm at TP1 x PP2 and --to torch_dist: Megatron-Core's own optimizer loads each (the legacy files as
+    Megatron-LM's load_checkpoint does, at the layout written; torch_dist through dist_checkpointing.load at TP2)
+    with every Adam moment and fp32 main weight equal to the run's (its state converted to TP1, by name), the step
+    kept, and the scheduler at the run's 2 steps of 2 samples (tests/megatron_legacy_optim_probe.py)."""
+    launch(recipe, ["training.steps=2", "training.global_batch_size=2", "training.micro_batch_size=1",
+                    "training.precision=bf16", f"checkpoint.format={fmt}", *UNINTERRUPTED], nproc=2,
+           out_dir=tmp_path / "run")
+    ckpt, quiet = tmp_path / "run" / "checkpoints", dict(progress=False, log=lambda *_: None)
+    hf = convert(ckpt, tmp_path / "hf", "hf", **quiet)
+    tp1 = convert(ckpt, tmp_path / "tp1", "megatron", tp=1, **quiet)
+    live = tmp_path / "live.safetensors"  # the run's state by local-spec name at TP1 (chunk0.NAME:FIELD -> NAME:FIELD)
+    save_file({k.split(".", 1)[1]: v for k, v in load_file(tp1 / "step_00000002" / "optim_tp00_pp000.safetensors")
+               .items()}, live)
+    lines = []
+    lm = convert(ckpt, tmp_path / "lm", "megatron_lm", tp=1, pp=2, progress=False, log=lines.append)
+    td = convert(ckpt, tmp_path / "td", "torch_dist", tp=1, pp=2, progress=False, log=lines.append)
+    assert not any("weights only" in line for line in lines), lines
+    distributed = recipe == "tiny_dp2_distopt"
+    assert bool(list(lm.rglob("distrib_optim.pt"))) == distributed
+    specs = [f"{lm},{hf},{live},bf16,1x2x1,checkpoint", f"{td},{hf},{live},bf16,2x1x1,checkpoint"]
+    proc = run_ranks([str(REPO / "tests" / "megatron_legacy_optim_probe.py"), *specs], 2, dict(os.environ),
+                     timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert f"loaded {'legacy' if distributed else 'legacy plain'} optim lm 1x2x1" in proc.stdout, proc.stdout[-2000:]
+    assert "loaded torch_dist optim td 2x1x1" in proc.stdout, proc.stdout[-2000:]
