@@ -182,8 +182,9 @@ class _Named:
 
     def get(self, names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
-        for group in dict.fromkeys(self.entry_of.get(n, (n,)) for n in names):
-            out.update(zip(group, self.source.read(list(group))))
+        with views():  # no compact copy (a torch_dist source's TP = 1 merges): hashed and loaded at once, then freed
+            for group in dict.fromkeys(self.entry_of.get(n, (n,)) for n in names):
+                out.update(zip(group, self.source.read(list(group))))
         if self.hashed is not None:
             for n in names:
                 self.hashed.check(n, out[n], self.output)

@@ -63,6 +63,13 @@ def _own(t: Tensor) -> Tensor:
     return t.clone(memory_format=_torch().contiguous_format) if _COMPACT.get() else t
 
 
+def _cat(parts: Sequence[Tensor], dim: int) -> Tensor:
+    """torch.cat of a merge's shards; of one shard (a TP = 1 source: torch_dist, a TP1 layout) that shard itself
+    (owned, _own, unless views() are allowed), not a copy of it."""
+    parts = list(parts)
+    return _own(parts[0]) if len(parts) == 1 else _torch().cat(parts, dim)
+
+
 def _split_dim(full: Tensor, tp: int, dim: int, what: str) -> list[Tensor]:
     if tp < 1 or full.shape[dim] % tp:
         raise ToolkitError(f"{what}: cannot split dim {dim} of a tensor of shape {tuple(full.shape)} into tp = {tp} "
@@ -104,7 +111,7 @@ class ColumnParallel:
         return _divided(tuple(hf_shapes[0]), 0, tp, "column-parallel weight")
 
     def merge(self, shards: Sequence[Tensor]) -> Tensor:
-        return _torch().cat(list(shards), 0)
+        return _cat(shards, 0)
 
 
 @dataclass(frozen=True)
@@ -120,7 +127,7 @@ class RowParallel:
         return _divided(tuple(hf_shapes[0]), 1, tp, "row-parallel weight")
 
     def merge(self, shards: Sequence[Tensor]) -> Tensor:
-        return _torch().cat(list(shards), 1)
+        return _cat(shards, 1)
 
 
 @dataclass(frozen=True)
@@ -143,7 +150,7 @@ class VocabParallel:
         return _divided((self.padded_vocab, *hf_shapes[0][1:]), 0, tp, "vocab-parallel weight")
 
     def merge(self, shards: Sequence[Tensor]) -> Tensor:
-        full = _torch().cat(list(shards), 0)
+        full = _cat(shards, 0)
         if full.shape[0] != self.padded_vocab:
             raise ToolkitError(f"vocab-parallel shards add up to {full.shape[0]} rows, expected padded vocab "
                                f"{self.padded_vocab}: the checkpoint was saved with another vocab padding "
@@ -191,7 +198,7 @@ class QKV:
 
     def merge(self, shards: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         self._check(len(shards))
-        full = _torch().cat(list(shards), 0)
+        full = _cat(shards, 0)
         g, d, per_group = self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
         if full.shape[0] != (per_group + 2) * g * d:
             raise ToolkitError(f"linear_qkv shards add up to {full.shape[0]} rows, expected "
@@ -221,4 +228,4 @@ class GatedMLP:
             raise ToolkitError(f"linear_fc1 shards have {[s.shape[0] for s in shards]} rows; each must hold equal "
                                "gate and up halves: this is not a gated-MLP (SwiGLU) checkpoint")
         halves = [_torch().chunk(shard, 2, 0) for shard in shards]
-        return _torch().cat([h[0] for h in halves], 0), _torch().cat([h[1] for h in halves], 0)
+        return _cat([h[0] for h in halves], 0), _cat([h[1] for h in halves], 0)
