@@ -52,6 +52,8 @@ SIZES = {  # Llama-shaped configs; parameter counts are printed by the run
                num_key_value_heads=4, vocab_size=32000),  # TinyLlama-1.1B's shape
     "3b": dict(hidden_size=3200, intermediate_size=8640, num_hidden_layers=26, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=32000),  # OpenLLaMA-3B's shape with GQA 32/8: 3.0B
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=32, vocab_size=32000),  # Llama-2-7B's shape: 6.7B, 12.6 GiB in bf16
 }
 
 
