@@ -111,7 +111,7 @@ class MegatronLMTarget:
         entries = list(iter_entries(self.dims, pp, vpp, ep))
         self._stages = {p: [e for e in entries if e.pp_rank == p] for p in range(pp)}
         self._count = {p: len(self._stages[p]) for p in range(pp)}
-        self._seen: dict[int, set] = {p: set() for p in range(pp)}  # the stage's parameters written (hf_names)
+        self._seen: dict[int, set] = {p: set() for p in range(pp)}  # the stage's parameters written
         self._files: dict[tuple, Skeleton] = {}  # the open rank files, by rank_key
         self.writers: list[Skeleton] = []  # every rank file, for the copy statistics
         self._slots: dict[int, dict] = {}  # stage -> (rank_key, chunk, name) -> its unwritten tensor in the file
@@ -151,7 +151,7 @@ class MegatronLMTarget:
                     slot = self._slots[p][(key, entry.chunk, entry.megatron_name)]
                     writes.append((self._files[key], slot, piece if planning else piece.to(self.out_dtype)))
         if field == self.fields[-1]:
-            self._seen[p].add(tuple(entry.hf_names))
+            self._seen[p].add((entry.chunk, entry.megatron_name, entry.ep_rank))
             if len(self._seen[p]) == self._count[p]:
                 writes.append((_StageEnd(self, p), None, None))
         return writes

@@ -94,7 +94,6 @@ def optimizer_tensors(backend) -> tuple[dict[str, torch.Tensor], dict[str, str]]
     return tensors, meta
 
 
-
 def load_optimizer_tensors(backend, tensors: dict[str, torch.Tensor], meta: dict[str, str], where: Path) -> None:
     """Put name-keyed optimizer state (from optimizer_tensors, or a conversion) into the live optimizer."""
     params = named_optimizer_params(backend)
