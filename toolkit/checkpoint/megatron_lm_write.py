@@ -13,7 +13,8 @@ entries of model_optim_rng.pt: toolkit/checkpoint/megatron_lm_optim.py), and Meg
 
 Memory: a rank file is a single pickle of its whole pipeline stage, so it is written before its weights are known:
 torch.save of the stage's state dict with unwritten tensors (toolkit/checkpoint/pt_skeleton.py), when the stage's
-first parameter comes; each weight's bytes are then written into it as the parameter is converted, and the file is
+first parameter comes; each weight's bytes are then written into it as the parameter is converted (copied in from
+the source's files where they are byte ranges of them: byte_ranges.plan, Skeleton.write_ranges), and the file is
 finished once its stage is complete. No stage is ever held in memory: a conversion holds the parameter in hand.
 """
 from __future__ import annotations
