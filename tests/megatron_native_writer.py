@@ -163,7 +163,7 @@ def _save_live(out: Path, live: dict) -> None:
 
 
 def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: str, pp: int = 1, vpp: int = 1,
-                     extra: tuple = ()) -> None:
+                     extra: tuple = (), args_for=megatron_lm_args) -> None:
     """_trained, then dist_checkpointing.save of {args, iteration, model, optimizer} as Megatron-LM's
     save_checkpoint builds it, into each folder of `outs` ({folder: metadata["distrib_optim_sharding_type"] or None}).
     Beside each, live.safetensors: Megatron's own state by name ("<name>:exp_avg", ":exp_avg_sq", ":master"), gathered
@@ -179,7 +179,7 @@ def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: s
         meta = {"chained_optim_avoid_prefix": True, **({"distrib_optim_sharding_type": sharding} if sharding else {})}
         model = {f"model{i}" if vpp > 1 else "model": w.module.sharded_state_dict(metadata=meta)
                  for i, w in enumerate(wrapped)}
-        args = megatron_lm_args(r, layout)
+        args = args_for(r, layout)
         args.ckpt_format, args.use_distributed_optimizer = "torch_dist", zero_stage == 1
         state = {"args": args, "checkpoint_version": 3.0, "iteration": 2, "num_floating_point_operations_so_far": 0,
                  **model, "optimizer": optimizer.sharded_state_dict(model, metadata=meta),
@@ -209,13 +209,15 @@ def scheduler_for(optimizer, from_checkpoint: bool = False):
 
 
 def legacy_optim(hf: str, out: Path, tp: int, precision: str, pp: int = 1, vpp: int = 1, extra: tuple = (),
-                 distributed: bool = True) -> None:
+                 distributed: bool = True, args_for=megatron_lm_args) -> None:
     """_trained with the distributed optimizer (or the plain one), then the legacy layout as Megatron-LM's
     save_checkpoint writes it (`--ckpt-format torch`): on each model-parallel rank of the first DP rank,
     model_optim_rng.pt with args (with the arguments that fix the buckets: use_distributed_optimizer,
     overlap_grad_reduce, ddp_bucket_size, data_parallel_size), iteration, model[0..], and optimizer.state_dict(); beside
     it distrib_optim.pt, written by the distributed optimizer's own save_parameter_state (gathered over DP).
-    live.safetensors as for torch_dist_optim."""
+    With expert parallelism, each expert-parallel rank's folder (mp_rank_TT[_PPP]_EEE) is written by the first rank of
+    its expert-data-parallel group, as Megatron-LM does; its distrib_optim.pt holds the chained optimizers' two
+    states. live.safetensors as for torch_dist_optim; args_for(recipe, layout) gives the args."""
     from megatron.core import parallel_state as ps
 
     from toolkit.adapters import megatron as mcfg
@@ -224,14 +226,16 @@ def legacy_optim(hf: str, out: Path, tp: int, precision: str, pp: int = 1, vpp: 
     scheduler = scheduler_for(optimizer)
     for _ in range(2):  # Megatron-LM steps it by the global batch size each iteration
         scheduler.step(increment=r.training.global_batch_size)
-    args = megatron_lm_args(r, layout)
+    args = args_for(r, layout)
     ddp = mcfg.to_ddp_config_kwargs(r, layout)
     args.use_distributed_optimizer, args.overlap_grad_reduce = distributed, ddp["overlap_grad_reduce"]
     args.ddp_bucket_size, args.data_parallel_size = r.parallel.megatron.bucket_size, layout.dp
     args.overlap_param_gather_with_optimizer_step = False
     t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    folder = out / "iter_0000002" / (f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}")
-    first = ps.get_data_parallel_rank() == 0
+    ep = ps.get_expert_model_parallel_world_size()
+    folder = out / "iter_0000002" / ((f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}")
+                                     + (f"_{ps.get_expert_model_parallel_rank():03d}" if ep > 1 else ""))
+    first = (ps.get_expert_data_parallel_rank() if ep > 1 else ps.get_data_parallel_rank()) == 0
     if first:
         folder.mkdir(parents=True, exist_ok=True)
         state = {"args": args, "checkpoint_version": 3.0, "iteration": 2, "num_floating_point_operations_so_far": 0,
@@ -253,7 +257,8 @@ def _live_state(wrapped: list, optimizer, distributed: bool) -> dict:
     """{local-spec name at TP1 x PP1:field: full tensor} of the live optimizer's Adam moments and fp32 mains: TP shards
     gathered along each parameter's partition_dim (which the state shares with the parameter) into Megatron's TP1
     layout, every pipeline stage's chunks under their global layer numbers (the tied output layer's copy of the
-    embeddings left out, as a one-stage model has none)."""
+    embeddings left out, as a one-stage model has none), and every expert-parallel rank's routed experts under their
+    global indices."""
     from megatron.core import parallel_state as ps
 
     names = {}
@@ -264,6 +269,10 @@ def _live_state(wrapped: list, optimizer, distributed: bool) -> dict:
             parts = n.split(".")
             if n.startswith("decoder.layers."):  # the chunk's local layer index -> the global one (1-based there)
                 parts[2] = str(w.module.decoder.layers[int(parts[2])].layer_number - 1)
+            if "local_experts" in parts:  # the expert-parallel rank's local expert index -> the global one
+                i = parts.index("local_experts") + 1
+                per_rank = w.module.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+                parts[i] = str(int(parts[i]) + per_rank * ps.get_expert_model_parallel_rank())
             names[q] = ".".join(parts)
     out = {}
     for o in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -302,6 +311,10 @@ def _live_state(wrapped: list, optimizer, distributed: bool) -> dict:
         stages = [None] * ps.get_pipeline_model_parallel_world_size()
         dist.all_gather_object(stages, full, group=ps.get_pipeline_model_parallel_group())
         full = {k: v for stage in stages for k, v in stage.items()}
+    if ps.get_expert_model_parallel_world_size() > 1:  # every expert-parallel rank's experts, on every rank
+        ranks = [None] * ps.get_expert_model_parallel_world_size()
+        dist.all_gather_object(ranks, full, group=ps.get_expert_model_parallel_group())
+        full = {k: v for rank in ranks for k, v in rank.items()}
     return full
 
 

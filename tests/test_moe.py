@@ -3,7 +3,8 @@ own Qwen3MoeConfig; nothing downloaded). Logits at TP1 (fast), TP2, PP2 and EP2 
 families in tests/test_families.py's shared launches; here: the map by name (a gate/up swap fails fast), layout
 rules, HF <-> Megatron EP2 conversion bit-exact, and EP2 training against the single-process loop; Megatron-Core's
 torch_dist format with experts (read, written, loaded by Megatron-Core at EP2 and EP1; an EP2 run with the distributed
-optimizer saved in it resumes at TP2 x EP2); Megatron-LM's MoE arguments."""
+optimizer saved in it resumes at TP2 x EP2); Megatron-LM's MoE arguments. Checkpoints written by Megatron-Core's own
+code at EP2 and the distributed optimizer's flat state of a mixture of experts: tests/test_moe_native.py."""
 from __future__ import annotations
 
 import argparse
@@ -296,38 +297,6 @@ def test_resharding_load_refuses_to_cross_ep_1_and_ep_above_1_in_one_line(tmp_pa
     assert "--to megatron --ep 1 --tp 1 --pp 1 --vpp 1" in str(e.value)
     with pytest.raises(ToolkitError, match=r"saved at parallel.ep 1, this run has ep 2"):
         _check_reshard(tmp_path, {**saved, "ep": 1}, saved)
-
-
-@pytest.mark.slow
-def test_megatron_lm_moe_checkpoints_both_ways_against_megatron_core(moe, tmp_path):
-    """One 2-rank launch (tests/megatron_moe_writer.py) with real GPTModels at EP2:
-    - a Megatron-LM legacy checkpoint written from Megatron-Core's own state dicts at EP2 (mp_rank_00_000 and
-      mp_rank_00_001, each its own 2 experts, args with Megatron-LM's MoE arguments) converts to Hugging Face bit for
-      bit, and to the legacy layout at TP2 x EP2 and back;
-    - what `toolkit convert --to torch_dist` writes loads with Megatron-Core's dist_checkpointing.load at EP2 and at
-      EP1 x DP2, and what `--to megatron_lm --ep 2` writes loads into EP2 GPTModels with strict=True, every weight
-      equal to what the HF mapping gives."""
-    folder, model, disk = moe
-    quiet = {"progress": False, "log": lambda *_: None}
-    td = convert(folder, tmp_path / "td", "torch_dist", **quiet)
-    lm = convert(folder, tmp_path / "lm", "megatron_lm", ep=2, **quiet)
-    assert sorted(p.name for p in (lm / "iter_0000000").iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
-    proc = run_ranks(["tests/megatron_moe_writer.py", str(folder), str(tmp_path / "native"),
-                      str(td / "iter_0000000"), str(lm)], 2, dict(os.environ))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    for line in ("loaded 1x1x1x2", "loaded 1x1x1", "loaded legacy 1x1x1x2"):
-        assert line in proc.stdout.splitlines(), (line, proc.stdout[-2000:])
-    report = inspect(tmp_path / "native" / "legacy")
-    assert report["complete"] and report["layout"] == {"tp": 1, "pp": 1, "vpp": 1, "ep": 2}, report
-    assert report["architecture"]["num_experts"] == 4
-    vocab = model.config.vocab_size
-    back = convert(tmp_path / "native" / "legacy", tmp_path / "back", "hf", vocab_size=vocab, **quiet)
-    got = load_file(str(back / "model.safetensors"))
-    assert set(got) == set(disk) and all(torch.equal(got[k], disk[k]) for k in disk)
-    wide = convert(tmp_path / "native" / "legacy", tmp_path / "wide", "megatron_lm", tp=2, ep=2, vocab_size=vocab,
-                   **quiet)
-    again = load_file(str(convert(wide, tmp_path / "again", "hf", vocab_size=vocab, **quiet) / "model.safetensors"))
-    assert all(torch.equal(again[k], disk[k]) for k in disk)
 
 
 @pytest.mark.slow

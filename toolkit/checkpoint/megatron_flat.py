@@ -134,16 +134,29 @@ def chunk_entries(dims, pp: int, vpp: int) -> dict[tuple[int, int], dict[str, En
     return chunks
 
 
+def buffer_entries(dims, pp: int, vpp: int, ep: int = 1) -> dict[tuple[int, int, int | None], dict[str, Entry]]:
+    """{(pipeline stage, chunk, buffer): {local-spec name: entry}} of each of Megatron's buffers: buffer None is the
+    dense one; with expert parallelism (ep > 1) the routed experts' parameters are not in it (DDP puts the parameters
+    whose `allreduce` is False, the experts' at ep > 1, in buffers of their own, reduced over the expert-data-parallel
+    group) but in buffer e of expert-parallel rank e, under their local names there."""
+    chunks: dict[tuple[int, int, int | None], dict[str, Entry]] = {}
+    for e in iter_entries(dims, pp, vpp, ep):
+        group = e.ep_rank if ep > 1 else None
+        chunks.setdefault((e.pp_rank, e.chunk, group), {})[e.megatron_name] = e
+    return chunks
+
+
 def coalesced(dims, named: dict[str, Entry], order: tuple[str, ...], layout: tuple[int, int, int], p: int, c: int,
-              size: int | None) -> tuple[int, dict[str, tuple[int, int]] | None]:
+              size: int | None, dense: bool = True) -> tuple[int, dict[str, tuple[int, int]] | None]:
     """(length, {name: (start, end)}) of one chunk's parameters in distrib_optim.pt's coalesced buffer (the buckets
     without their end padding, one after the other), given Megatron's registration order and the first chunk's
-    bucket size; (0, None) when the parameters do not fill the buckets (cannot happen for sizes from bucket_sizes)."""
+    bucket size; (0, None) when the parameters do not fill the buckets (cannot happen for sizes from bucket_sizes).
+    dense: the dense buffer, where the tied embedding's copies are cut off; an expert buffer has none."""
     tp, pp, vpp = layout
     shared = set()
-    if dims.tied and pp > 1 and (p, c) == (0, 0):
+    if dense and dims.tied and pp > 1 and (p, c) == (0, 0):
         shared.add("embedding.word_embeddings.weight")
-    if dims.tied and pp > 1 and (p, c) == (pp - 1, vpp - 1):
+    if dense and dims.tied and pp > 1 and (p, c) == (pp - 1, vpp - 1):
         shared.add("output_layer.weight")
     params = _params(named, order, tp)
     sizes = bucket_sizes(params, size if (p, c) == (0, 0) else None, shared)
@@ -161,7 +174,7 @@ class _Flat:
     what = "?"  # the buffers, for messages
     way_out = "convert with --weights-only"
 
-    def __init__(self, dims, layout: tuple[int, int, int]):
+    def __init__(self, dims, layout: tuple[int, int, int], ep: int = 1):
         self.note, self.problems, self.order = None, [], None
         self.groups: list[dict] | None = None  # Megatron's param groups (torch_dist_optim.param_groups)
         self.distributed = True
@@ -170,7 +183,7 @@ class _Flat:
         self._where: dict[tuple[str, int], tuple] = {}  # (entry, tp rank) -> (start, end, fetch(field, start, end))
         self._checked: set[tuple[str, ...]] = set()
         self._tp = layout[0]
-        self._entries = {e.hf_names: e for e in iter_entries(dims, *layout[1:]) if e.reads_back}
+        self._entries = {e.hf_names: e for e in iter_entries(dims, *layout[1:], ep) if e.reads_back}
 
     def read(self, hf_names, field: str, weights) -> list[torch.Tensor]:
         """A parameter's optimizer field as Hugging Face tensors, merged from its TP shards' buffer ranges. The first
@@ -197,42 +210,51 @@ class _Flat:
 
 
 class FlatState(_Flat):
-    """The dp_reshardable optimizer state of a torch_dist checkpoint, by parameter name."""
+    """The dp_reshardable optimizer state of a torch_dist checkpoint, by parameter name. With expert parallelism
+    (ep > 1) Megatron-Core chains two distributed optimizers: the dense one (`chained_0.`, dp_group_idx = tp_rank +
+    tp x pp_rank) and the experts' (`chained_1.`, dp_group_idx = the rank in the expert tensor x expert x pipeline
+    group, tp_rank + tp x ep_rank + tp x ep x pp_rank), whose buffers hold each expert-parallel rank's own experts."""
 
     what = "dp_reshardable optimizer buffers"
     way_out = "convert with --weights-only, or re-save it in Megatron-LM with --dist-ckpt-optim-fully-reshardable"
 
-    def __init__(self, reader, dims, layout: tuple[int, int, int], sixteen_bit: bool, scalers: list[dict]):
-        super().__init__(dims, layout)
+    def __init__(self, reader, dims, layout: tuple[int, int, int], sixteen_bit: bool, scalers: list[dict],
+                 ep: int = 1):
+        super().__init__(dims, layout, ep)
         self.reader, self.where = reader, reader.dir
         tp, pp, vpp = layout
-        buckets: dict[tuple[int, int], dict[int, dict[str, str]]] = {}
+        buckets: dict[tuple[str, int, int], dict[int, dict[str, str]]] = {}
         prefixes, dtypes = set(), set()
         for fqn in reader.tensor_names():
             m = _BUCKET.match(fqn)
             if m:
-                prefixes.add(m.group(1))
+                prefixes.add(m.group(1) or "")
                 dtypes.add(m.group(4))
-                buckets.setdefault((int(m.group(2)), int(m.group(3))), {}).setdefault(int(m.group(5)), {})[
-                    FIELDS[m.group(6)]] = fqn
-        if dims.experts or len(prefixes) > 1 or len(dtypes) > 1:
-            what = "of a mixture of experts" if dims.experts else "of several optimizers or dtypes"
-            self.note = (f"its distributed-optimizer state is saved as dp_reshardable flat buffers {what}, which is not "
-                         "converted: weights only. Re-save it in Megatron-LM with --dist-ckpt-optim-fully-reshardable "
-                         "to convert the optimizer state too")
+                buckets.setdefault((m.group(1) or "", int(m.group(2)), int(m.group(3))), {}).setdefault(
+                    int(m.group(5)), {})[FIELDS[m.group(6)]] = fqn
+        chained = ("chained_0.", "chained_1.") if ep > 1 else None
+        if len(dtypes) > 1 or (set(chained) != prefixes if chained else len(prefixes) > 1):
+            self.note = ("its distributed-optimizer state is saved as dp_reshardable flat buffers of "
+                         f"{len(prefixes)} chained optimizers or {len(dtypes)} dtypes, which is not converted: "
+                         "weights only. Re-save it in Megatron-LM with --dist-ckpt-optim-fully-reshardable to convert "
+                         "the optimizer state too")
             return
-        want = {(t + tp * p, c) for p in range(pp) for t in range(tp) for c in range(vpp)}
-        if set(buckets) != want:
-            self.problems.append(Problem("optimizer.distributed", f"holds buffers for (model-parallel rank, chunk) "
-                                         f"{sorted(buckets)[:4]}, but tp={tp} pp={pp} vpp={vpp} gives "
-                                         f"{sorted(want)[:4]}", "the optimizer state belongs to another layout: "
-                                         "re-save the checkpoint"))
+        dense = chained[0] if chained else next(iter(prefixes), "")
+        want = {(dense, t + tp * p, c): (p, t, c, None) for p in range(pp) for t in range(tp) for c in range(vpp)}
+        if chained:  # each expert-parallel rank's experts
+            want.update({(chained[1], t + tp * e + tp * ep * p, c): (p, t, c, e) for p in range(pp)
+                         for t in range(tp) for e in range(ep) for c in range(vpp)})
+        if set(buckets) != set(want):
+            self.problems.append(Problem("optimizer.distributed", f"holds buffers for (optimizer, model-parallel "
+                                         f"rank, chunk) {sorted(buckets)[:4]}, but tp={tp} pp={pp} vpp={vpp} ep={ep} "
+                                         f"gives {sorted(want)[:4]}", "the optimizer state belongs to another "
+                                         "layout: re-save the checkpoint"))
             return
-        chunks = chunk_entries(dims, pp, vpp)
+        chunks = buffer_entries(dims, pp, vpp, ep)
         orders = set()
-        for (g, c), found in sorted(buckets.items()):
-            p, t = divmod(g, tp)
-            where = f"optimizer.distributed.dp_group_idx_{g}.gbuf_idx_{c}"
+        for (prefix, g, c), found in sorted(buckets.items()):
+            p, t, _, group = want[(prefix, g, c)]
+            where = f"{prefix}optimizer.distributed.dp_group_idx_{g}.gbuf_idx_{c}"
             ks = sorted(found)
             if ks != list(range(len(ks))) or any(set(found[k]) != set(FIELDS.values()) for k in ks):
                 self.problems.append(Problem(where, f"has buckets {ks} with fields {[sorted(found[k]) for k in ks][:2]}",
@@ -242,22 +264,25 @@ class FlatState(_Flat):
             if any(reader.shape(found[k][f]) != (sizes[k],) for k in ks for f in FIELDS.values()):
                 self.problems.append(Problem(where, "has fields of different lengths", "re-copy the checkpoint"))
                 continue
-            named = chunks[(p, c)]
+            named = chunks[(p, c, group)]
             edges = [{x for b in reader.chunk_bounds(found[k]["master"]) for x in b} for k in ks]
             fits = {}
             for name, order in ORDERS.items():
                 placed = lay_out(_params(named, order, tp), sizes)
                 if placed and all(s in edges[k] and e in edges[k] for k, s, e in placed.values()):
                     fits[name] = placed
+            if group is not None and fits:  # an expert buffer is the same in both orders
+                fits = dict([next(iter(fits.items()))])
             if len(fits) != 1:
                 self.problems.append(Problem(
                     where, f"has buckets of {sizes} elements, which fit {'both' if fits else 'neither'} of Megatron's "
                     f"parameter orders (local and Transformer Engine layer specs) for pipeline stage {p}, chunk {c} of "
-                    "this model", "convert with --weights-only, or re-save it in Megatron-LM with "
-                    "--dist-ckpt-optim-fully-reshardable"))
+                    "this model" + ("" if group is None else f", expert-parallel rank {group} of {ep}"),
+                    self.way_out))
                 continue
             (order, placed), = fits.items()
-            orders.add(order)
+            if group is None:
+                orders.add(order)
             for n, (k, s, e) in placed.items():
                 self._where[(_at(named[n]), t)] = (s, e, _ranges(reader, found[k]))
         if len(orders) > 1:
@@ -265,6 +290,8 @@ class FlatState(_Flat):
                                          "re-copy the checkpoint"))
         self.order = orders.pop() if len(orders) == 1 else None
         steps = {float(s) for s in self._steps() if s is not None}
+        if chained:  # the two optimizers' param groups are not one Megatron optimizer's
+            self.groups = None
         if len(steps) != 1:
             self.problems.append(Problem("optimizer.distributed.*.optimizer", f"optimizer steps {sorted(steps)}, not "
                                          "one shared step", "convert a checkpoint saved by one Megatron optimizer"))
@@ -286,7 +313,7 @@ class FlatState(_Flat):
 
 
 def _at(entry: Entry) -> str:
-    return f"{entry.pp_rank}.{entry.chunk}.{entry.megatron_name}"
+    return f"{entry.pp_rank}.{entry.chunk}.{entry.ep_rank}.{entry.megatron_name}"
 
 
 def _params(named: dict[str, Entry], order: tuple[str, ...], tp: int) -> list[tuple[str, int]]:
@@ -315,19 +342,19 @@ class LegacyFlatState(_Flat):
     what = "distrib_optim.pt buffers"
 
     def __init__(self, it_dir, args, dims, layout: tuple[int, int, int], sixteen_bit: bool, optimizers: dict,
-                 weight, load, files: dict | None = None):
-        """optimizers: {(pp, tp): model_optim_rng.pt's "optimizer"}; weight(pp, tp, chunk, name): a saved weight
-        shard; load(path): a file's contents through the allow-list; files: {(pp, tp): its save_parameter_state
-        file}, Megatron-LM's mp_rank_*/distrib_optim.pt unless given (the toolkit's own: distopt_tpTT_ppPPP.pt)."""
-        super().__init__(dims, layout)
+                 weight, load, files: dict | None = None, ep: int = 1):
+        """optimizers: {rank: model_optim_rng.pt's "optimizer"}; weight(pp, tp, chunk, name): a saved weight shard
+        (of expert-parallel rank 0); load(path): a file's contents through the allow-list; files: {(pp, tp, ep rank):
+        its save_parameter_state file}, Megatron-LM's mp_rank_*/distrib_optim.pt unless given (the toolkit's own:
+        distopt_tpTT_ppPPP[_epEEE].pt). With expert parallelism (ep > 1) Megatron-Core chains two distributed
+        optimizers, the dense one and the experts' (over the expert-data-parallel group), and each file holds a list
+        of their two states: the dense state in expert-parallel rank 0's file (None in the others), and that rank's
+        experts' state."""
+        super().__init__(dims, layout, ep)
         self.where = it_dir
         tp, pp, vpp = layout
-        if dims.experts:
-            self.note = ("its distributed optimizer of a mixture of experts (an expert optimizer of its own) is not "
-                         "converted: weights only")
-            return
-        files = files or {(p, t): it_dir / rank_dir(t, p, pp) / "distrib_optim.pt" for p in range(pp)
-                          for t in range(tp)}
+        files = files or {(p, t, e): it_dir / rank_dir(t, p, pp, e, ep) / "distrib_optim.pt" for p in range(pp)
+                          for t in range(tp) for e in range(ep)}
         present = [f for f in files.values() if f.is_file()]
         paths.check_tree(it_dir, present, f"Megatron-LM checkpoint {it_dir}")  # no link out of the folder
         if not present:
@@ -344,54 +371,53 @@ class LegacyFlatState(_Flat):
                          "parameter: weights only")
             return
         size = bucket_size(args)
-        chunks = chunk_entries(dims, pp, vpp)
+        chunks = buffer_entries(dims, pp, vpp, ep)
         orders = set()
-        for (p, t), f in sorted(files.items()):
-            state = load(f)
-            state = state[0] if isinstance(state, list) and len(state) == 1 else state
+        for (p, t, e), f in sorted(files.items()):
             rel = str(f.relative_to(it_dir))
-            if not (isinstance(state, dict) and state.get("buckets_coalesced") is True):
-                self.problems.append(Problem(rel, "is not the coalesced per-chunk buffers Megatron-Core 0.16's "
-                                             "save_parameter_state writes (an older or a chained optimizer's file)",
-                                             "convert with --weights-only"))
-                continue
-            for c in range(vpp):
-                gbuf = state.get(c)
-                tensors = next(iter(gbuf.values())) if isinstance(gbuf, dict) and len(gbuf) == 1 else None
-                n = tensors.get("numel_unpadded") if isinstance(tensors, dict) else None
-                if not isinstance(n, int) or any(not torch.is_tensor(tensors.get(k)) or tensors[k].shape != (n,)
-                                                 for k in FIELDS):
-                    self.problems.append(Problem(f"{rel} [{c}]", "does not hold one buffer of param, exp_avg and "
-                                                 "exp_avg_sq of numel_unpadded elements",
-                                                 "re-copy the checkpoint, or convert with --weights-only"))
-                    continue
-                named = chunks[(p, c)]
-                fits = {}
-                for name, order in ORDERS.items():
-                    total, placed = coalesced(dims, named, order, layout, p, c, size)
-                    if placed and total == n:
-                        fits[name] = placed
-                if len({tuple(sorted(v.items())) for v in fits.values()}) > 1:  # told apart by the norms' mains
-                    fits = {o: pl for o, pl in fits.items() if all(
-                        torch.equal(tensors["param"][s:e].to(w.dtype), w.flatten())
-                        for m, (s, e) in pl.items() if m.endswith("layernorm.weight")
-                        for w in [weight(p, t, c, m)])}
-                    if not fits:
-                        self.problems.append(Problem(f"{rel} [{c}]", "its main weights do not line up with the saved "
-                                                     "weights (the norms') in either of Megatron's parameter orders",
-                                                     self.way_out))
+            for group, state, at in self._states(load(f), e, ep, rel):
+                for c in range(vpp):
+                    named = chunks.get((p, c, group), {})
+                    gbuf = state.get(c)
+                    tensors = next(iter(gbuf.values())) if isinstance(gbuf, dict) and len(gbuf) == 1 else None
+                    n = tensors.get("numel_unpadded") if isinstance(tensors, dict) else None
+                    if not named and gbuf is None:
+                        continue  # a chunk without experts has no expert buffer
+                    if not isinstance(n, int) or any(not torch.is_tensor(tensors.get(k)) or
+                                                     tensors[k].shape != (n,) for k in FIELDS):
+                        self.problems.append(Problem(f"{at} [{c}]", "does not hold one buffer of param, exp_avg and "
+                                                     "exp_avg_sq of numel_unpadded elements",
+                                                     "re-copy the checkpoint, or convert with --weights-only"))
                         continue
-                if not fits:
-                    self.problems.append(Problem(
-                        f"{rel} [{c}]", f"holds {n} elements, which no layout of Megatron's parameter orders (local "
-                        f"and Transformer Engine layer specs) gives for pipeline stage {p}, chunk {c} of this model "
-                        f"with buckets of {size or 'any'} elements", "convert with --weights-only"))
-                    continue
-                order, placed = next(iter(fits.items()))
-                orders.add(order)
-                fetch = (lambda ts: lambda field, s, e: ts[SAVED_AS[field]][s:e])(tensors)
-                for m, (s, e) in placed.items():
-                    self._where[(_at(named[m]), t)] = (s, e, fetch)
+                    fits = {}
+                    for name, order in ORDERS.items():
+                        total, placed = coalesced(dims, named, order, layout, p, c, size, group is None)
+                        if placed and total == n:
+                            fits[name] = placed
+                    decided = len({tuple(sorted(v.items())) for v in fits.values()}) > 1
+                    if decided:  # told apart by the norms' mains
+                        fits = {o: pl for o, pl in fits.items() if all(
+                            torch.equal(tensors["param"][s:e_].to(w.dtype), w.flatten())
+                            for m, (s, e_) in pl.items() if m.endswith("layernorm.weight")
+                            for w in [weight(p, t, c, m)])}
+                        if not fits:
+                            self.problems.append(Problem(f"{at} [{c}]", "its main weights do not line up with the "
+                                                         "saved weights (the norms') in either of Megatron's "
+                                                         "parameter orders", self.way_out))
+                            continue
+                    if not fits:
+                        self.problems.append(Problem(
+                            f"{at} [{c}]", f"holds {n} elements, which no layout of Megatron's parameter orders "
+                            f"(local and Transformer Engine layer specs) gives for pipeline stage {p}, chunk {c} of "
+                            f"this model{'' if group is None else f', expert-parallel rank {group} of {ep}'} with "
+                            f"buckets of {size or 'any'} elements", "convert with --weights-only"))
+                        continue
+                    order, placed = next(iter(fits.items()))
+                    if decided or group is None:  # an expert buffer is the same in both orders
+                        orders.add(order)
+                    fetch = (lambda ts: lambda field, s, e_: ts[SAVED_AS[field]][s:e_])(tensors)
+                    for m, (s, e_) in placed.items():
+                        self._where[(_at(named[m]), t)] = (s, e_, fetch)
         steps = {saved_step(x) for o in optimizers.values() for x in optimizer_parts(o)}
         if self.problems:
             return
@@ -403,3 +429,19 @@ class LegacyFlatState(_Flat):
         self.groups = param_groups(optimizer_parts(next(iter(optimizers.values()))))
         scalers = [saved_scaler(x) for x in optimizer_parts(next(iter(optimizers.values())))]
         self.meta = {"step": str(steps.pop() if len(steps) == 1 else 0), "grad_scalers": json.dumps(scalers)}
+
+    def _states(self, state, e: int, ep: int, rel: str) -> list[tuple[int | None, dict, str]]:
+        """(buffer, its save_parameter_state dict, where) of one file: the dense optimizer's (buffer None) and, with
+        expert parallelism, expert-parallel rank e's experts' (buffer e)."""
+        parts = state if isinstance(state, list) else [state]
+        want = 2 if ep > 1 else 1
+        dense = [(None, parts[0], rel)] if e == 0 or ep == 1 else []
+        out = dense + ([(e, parts[1], f"{rel} (the experts' optimizer)")] if ep > 1 and len(parts) == 2 else [])
+        if len(parts) != want or not all(isinstance(x, dict) and x.get("buckets_coalesced") is True
+                                         for _, x, _ in out):
+            self.problems.append(Problem(rel, "is not the coalesced per-chunk buffers Megatron-Core 0.16's "
+                                         "save_parameter_state writes" + (f" for its {want} chained optimizers (dense "
+                                         "and experts')" if ep > 1 else "") + " (an older or another optimizer's file)",
+                                         "convert with --weights-only"))
+            return []
+        return out

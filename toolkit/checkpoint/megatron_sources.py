@@ -64,8 +64,8 @@ class MegatronLMSource(_ShardedSource):
             else:  # distrib_optim.pt: flat buffers, the layout recomputed, then proved
                 self._optim = megatron_flat.LegacyFlatState(
                     megatron_lm.iteration_dir(path), args, self._dims, self.layout, self.dtype() != torch.float32,
-                    optimizers, lambda p, t, c, name: self._shards[rank_key(p, t, 0, 1)][c][name],
-                    lambda f: megatron_lm.safe_load(f, mmap=True))
+                    optimizers, lambda p, t, c, name: self._shards[rank_key(p, t, 0, self.ep)][c][name],
+                    lambda f: megatron_lm.safe_load(f, mmap=True), ep=self.ep)
             if self._optim is not None:
                 problems += self._optim.problems
                 self.optimizer_note = self._optim.note
@@ -200,7 +200,7 @@ class TorchDistSource(Source):
                                                           self.dtype() != torch.float32)
             if self._optim.sharding == {"dp_reshardable"}:  # flat buffers: the layout recomputed, then proved
                 self._optim = megatron_flat.FlatState(self._r, dims, self.layout, self.dtype() != torch.float32,
-                                                      self._optim.scalers)
+                                                      self._optim.scalers, megatron_lm.expert_parallel_size(args))
             problems += self._optim.problems
             self.fields, self.optimizer_meta = (WEIGHT, *self._optim.fields), self._optim.meta
             self.optimizer_note, self.optimizer_groups = self._optim.note, self._optim.groups

@@ -184,11 +184,9 @@ class ToolkitMegatronSource(_ShardedSource):
         toolkit/checkpoint/megatron_flat.py) and its state_dict (optim_*.pt: the param groups and step). The bucket
         cuts follow from the recipe's DDP settings and the run's data-parallel size."""
         tag_dir, where = self.tag_dir, f"checkpoint {self.tag_dir}"
-        if self._dims.experts:
-            self.optimizer_note = ("its distributed optimizer of a mixture of experts (an expert optimizer of its own) "
-                                   "is not converted: weights only")
-            return
-        files = {(p, t): paths.inside(tag_dir, f"distopt_{rank_tag(t, p)}.pt", where) for p, t, _ in ranks}
+        ep = self.ep
+        files = {(p, t, e): paths.inside(tag_dir, f"distopt_{rank_tag(t, p, e if ep > 1 else None)}.pt", where)
+                 for p, t, e in ranks}
         natives = {k: f.with_name(f"optim_{f.name.removeprefix('distopt_')}") for k, f in files.items()}
         if not any(f.is_file() for f in files.values()):
             self.optimizer_note = "it holds no distopt_*.pt files: weights only"
@@ -204,8 +202,8 @@ class ToolkitMegatronSource(_ShardedSource):
         self._flat = megatron_flat.LegacyFlatState(
             tag_dir, args, self._dims, self.layout, self.dtype() != torch.float32,
             {k: megatron_lm.safe_load(f, mmap=True) for k, f in natives.items()},
-            lambda p, t, c, name: self._models[rank_key(p, t, 0, 1)].get(chunk_key(c, name)),
-            lambda f: megatron_lm.safe_load(f, mmap=True), files)
+            lambda p, t, c, name: self._models[rank_key(p, t, 0, ep)].get(chunk_key(c, name)),
+            lambda f: megatron_lm.safe_load(f, mmap=True), files, ep)
         self._flat.what = "distopt_*.pt buffers"
         raise_problems(f"{tag_dir}: its distributed optimizer's state does not fit the model", self._flat.problems)
         self.optimizer_note = self._flat.note

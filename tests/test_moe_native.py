@@ -1,0 +1,140 @@
+"""A mixture of experts (Qwen3-MoE) in the checkpoints Megatron-Core's own code writes, from one 2-rank launch of
+tests/megatron_moe_writer.py with real GPTModels: weights at EP2 in Megatron-LM's legacy layout and torch_dist, both
+ways; and the distributed optimizer's flat state (Megatron-LM's distrib_optim.pt and its default torch_dist format,
+dp_reshardable) at EP1 and EP2, where Megatron-Core chains a second optimizer for the experts. The Megatron backend's
+own default format for that state (distopt_*.pt, the same save_parameter_state files) is checked on a real EP2 run."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from conftest import launch, run_ranks
+from safetensors.torch import load_file
+from test_moe import moe  # noqa: F401  (the module-scoped fixture: a tiny Qwen3-MoE as transformers saves it)
+
+from toolkit.checkpoint.convert import convert
+from toolkit.checkpoint.inspect import inspect
+from toolkit.errors import ToolkitError
+from toolkit.format import safetensors_stream as st
+
+VOCAB = 500
+QUIET = {"progress": False, "log": lambda *_: None}
+
+
+@pytest.fixture(scope="module")
+def native(moe, tmp_path_factory):  # noqa: F811
+    """The writer's launch: it writes OUT/legacy (weights at EP2), OUT/legacy_distopt_ep2, OUT/dp_reshardable_ep1 and
+    OUT/dp_reshardable_ep2 (the optimizer's flat state after two bf16 Adam steps, each with live.safetensors: the live
+    optimizer's state by name), then loads what `toolkit convert` wrote (--to torch_dist, --to megatron_lm --ep 2)
+    with Megatron-Core's own code."""
+    folder, _, _ = moe
+    root = tmp_path_factory.mktemp("moe_native")
+    td = convert(folder, root / "td", "torch_dist", **QUIET)
+    lm = convert(folder, root / "lm", "megatron_lm", ep=2, **QUIET)
+    proc = run_ranks(["tests/megatron_moe_writer.py", str(folder), str(root / "native"), str(td / "iter_0000000"),
+                      str(lm)], 2, dict(os.environ))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return {"root": root / "native", "stdout": proc.stdout, "lm": lm}
+
+
+@pytest.mark.slow
+def test_megatron_lm_moe_checkpoints_both_ways_against_megatron_core(moe, native, tmp_path):  # noqa: F811
+    """- a Megatron-LM legacy checkpoint written from Megatron-Core's own state dicts at EP2 (mp_rank_00_000 and
+      mp_rank_00_001, each its own 2 experts, args with Megatron-LM's MoE arguments) converts to Hugging Face bit for
+      bit, and to the legacy layout at TP2 x EP2 and back;
+    - what `toolkit convert --to torch_dist` writes loads with Megatron-Core's dist_checkpointing.load at EP2 and at
+      EP1 x DP2, and what `--to megatron_lm --ep 2` writes loads into EP2 GPTModels with strict=True, every weight
+      equal to what the HF mapping gives."""
+    _, _, disk = moe
+    assert sorted(p.name for p in (native["lm"] / "iter_0000000").iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    for line in ("loaded 1x1x1x2", "loaded 1x1x1", "loaded legacy 1x1x1x2"):
+        assert line in native["stdout"].splitlines(), (line, native["stdout"][-2000:])
+    legacy = native["root"] / "legacy"
+    report = inspect(legacy)
+    assert report["complete"] and report["layout"] == {"tp": 1, "pp": 1, "vpp": 1, "ep": 2}, report
+    assert report["architecture"]["num_experts"] == 4
+    back = convert(legacy, tmp_path / "back", "hf", vocab_size=VOCAB, **QUIET)
+    got = load_file(str(back / "model.safetensors"))
+    assert set(got) == set(disk) and all(torch.equal(got[k], disk[k]) for k in disk)
+    wide = convert(legacy, tmp_path / "wide", "megatron_lm", tp=2, ep=2, vocab_size=VOCAB, **QUIET)
+    again = load_file(str(convert(wide, tmp_path / "again", "hf", vocab_size=VOCAB, **QUIET) / "model.safetensors"))
+    assert all(torch.equal(again[k], disk[k]) for k in disk)
+
+
+def _by_name(tag) -> tuple[dict, dict]:
+    tensors, meta = st.load(tag / "optim_tp00_pp000.safetensors")
+    assert all(k.startswith("chunk0.") for k in tensors)
+    return {k.removeprefix("chunk0."): v for k, v in tensors.items()}, meta
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["legacy_distopt_ep2", "dp_reshardable_ep1", "dp_reshardable_ep2"])
+def test_moe_flat_distributed_optimizer_state_converts_by_name(kind, native, tmp_path):
+    """The distributed optimizer's flat buffers of a mixture of experts convert with the weights. At EP2 Megatron-Core
+    keeps the routed experts in buffers of their own with a second, chained optimizer (over the expert-data-parallel
+    group): Megatron-LM's distrib_optim.pt then holds the two optimizers' states (the dense one only in expert-parallel
+    rank 0's file), and its default torch_dist format their buffers under `chained_0.` and `chained_1.` with one
+    dp_group_idx per expert-parallel rank. At EP1 the experts share the dense buffers. Converted to EP1, every
+    parameter's exp_avg, exp_avg_sq and fp32 main weights equal the live optimizer's, by name, each expert's under its
+    global index, and the step is kept."""
+    got, meta = _by_name(convert(native["root"] / kind, tmp_path / "one", "megatron", ep=1, vocab_size=VOCAB,
+                                 **QUIET) / "step_00000002")
+    assert meta["step"] == "2"
+    live = load_file(str(native["root"] / kind / "live.safetensors"))
+    assert set(got) == set(live) and sum(".local_experts." in k for k in live) == 2 * 4 * 2 * 3
+    items = list(live.items())
+    for i, (k, want) in enumerate(items):
+        rows = VOCAB if k.startswith(("embedding.", "output_layer.")) else None  # vocabulary padding is dropped
+        assert torch.equal(got[k][:rows], want[:rows]), k
+        assert not any(want.shape == y.shape and torch.equal(want, y) for _, y in items[i + 1:]), k  # swaps would show
+
+
+@pytest.mark.slow
+def test_moe_flat_state_that_does_not_fit_is_refused_in_one_line(native, tmp_path):
+    """Where each expert-parallel rank's experts lie is proved, not assumed: with the two ranks' expert states swapped
+    in distrib_optim.pt (the buffers fit, the experts are another rank's) the first expert read fails the check of
+    its fp32 main weights against its saved weights; a file holding only the dense optimizer's state is refused by
+    name. Neither writes anything."""
+    src = tmp_path / "src"
+    shutil.copytree(native["root"] / "legacy_distopt_ep2", src)
+    files = [src / "iter_0000002" / f"mp_rank_00_00{e}" / "distrib_optim.pt" for e in (0, 1)]
+    states = [torch.load(f, weights_only=True) for f in files]
+    torch.save([states[0][0], states[1][1]], files[0])
+    torch.save([None, states[0][1]], files[1])
+    with pytest.raises(ToolkitError, match=r"do not line up with the weights at decoder\.layers\.\d\.mlp\.experts"):
+        convert(src, tmp_path / "out", "megatron", ep=1, vocab_size=VOCAB, **QUIET)
+    torch.save([states[0][0]], files[0])
+    with pytest.raises(ToolkitError, match=r"mp_rank_00_000/distrib_optim\.pt: is not the coalesced per-chunk buffers"
+                       r" .* for its 2 chained optimizers"):
+        convert(src, tmp_path / "out", "megatron", ep=1, vocab_size=VOCAB, **QUIET)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_moe_run_distributed_optimizer_state_in_the_default_format_converts_by_name(tmp_path):
+    """The Megatron backend's default format keeps an EP2 run's distributed-optimizer state as Megatron's own
+    save_parameter_state files (distopt_tp00_pp000_ep00E.pt: the dense optimizer's buffers in the first, each rank's
+    experts' in its own). Converted to EP1, and to TP2 x EP2, it equals, bit for bit, what the same run saved in the
+    torch_dist format gives (fully_reshardable, per parameter by name; a different reader): every exp_avg, exp_avg_sq
+    and fp32 main weight, experts included, and the step."""
+    sets = ["training.steps=2", "training.schedule.warmup_steps=1", "checkpoint.interval=2", "training.precision=bf16",
+            "parallel.zero_stage=1", "logging.sample_prompt=null"]
+    got = {}
+    for fmt, extra in (("default", ()), ("torch_dist", ("checkpoint.format=torch_dist",))):
+        launch("tiny_qwen3_moe", [*sets, *extra], nproc=2, out_dir=tmp_path / fmt)
+        tag = tmp_path / fmt / "checkpoints" / "step_00000002"
+        if fmt == "default":
+            assert {f"distopt_tp00_pp000_ep00{e}.pt" for e in (0, 1)} <= {p.name for p in tag.glob("*.pt")}
+        for name, layout in (("ep1", {"ep": 1}), ("tp2_ep2", {"tp": 2, "ep": 2})):
+            out = convert(tag, tmp_path / f"{fmt}_{name}", "megatron", **layout, **QUIET) / "step_00000002"
+            got[(fmt, name)] = {p.name: st.load(p) for p in out.glob("optim_*.safetensors")}
+    for name in ("ep1", "tp2_ep2"):
+        flat, by_name = got[("default", name)], got[("torch_dist", name)]
+        assert set(flat) == set(by_name) and len(flat) == (1 if name == "ep1" else 4)
+        for f, (tensors, meta) in by_name.items():
+            assert set(flat[f][0]) == set(tensors) and flat[f][1]["step"] == meta["step"] == "2"
+            assert any(".local_experts." in k for k in tensors)
+            for k in tensors:
+                assert torch.equal(flat[f][0][k], tensors[k]), (f, k)
