@@ -16,7 +16,8 @@ live.safetensors (the live optimizer's state by name, experts under their global
 OUT/legacy_distopt_ep2, Megatron-LM's legacy layout at EP2 (the dense optimizer over DP2, the experts' over their own
 expert-data-parallel group) with each rank's distrib_optim.pt from save_parameter_state; OUT/dp_reshardable_ep1,
 torch_dist at EP1 x DP2 in Megatron-LM's default dp_reshardable buffers (one optimizer: at ep 1 the experts share the
-dense buffers); OUT/dp_reshardable_ep2, the same at EP2 (two chained optimizers' buffers).
+dense buffers); OUT/dp_reshardable_ep2, the same at EP2 (two chained optimizers' buffers). OUT/legacy_plain_ep2: the
+plain optimizer's state at EP2 in each rank's model_optim_rng.pt (the two chained optimizers' state dicts).
 """
 import sys
 from pathlib import Path
@@ -64,6 +65,8 @@ def moe_args(r, layout):
 def main(hf: str, out: str, torch_dist_iter: str, legacy_root: str) -> None:
     init_distributed(with_deepspeed=False)
     legacy_optim(hf, Path(out) / "legacy_distopt_ep2", 1, "bf16", extra=("parallel.ep=2",), args_for=moe_args)
+    legacy_optim(hf, Path(out) / "legacy_plain_ep2", 1, "bf16", extra=("parallel.ep=2",), args_for=moe_args,
+                 distributed=False)
     for ep in (1, 2):
         torch_dist_optim(hf, {Path(out) / f"dp_reshardable_ep{ep}": "dp_reshardable"}, 1, 1, "bf16",
                          extra=(f"parallel.ep={ep}",), args_for=moe_args)

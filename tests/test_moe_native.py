@@ -26,8 +26,8 @@ QUIET = {"progress": False, "log": lambda *_: None}
 @pytest.fixture(scope="module")
 def native(moe, tmp_path_factory):  # noqa: F811
     """The writer's launch: it writes OUT/legacy (weights at EP2), OUT/legacy_distopt_ep2, OUT/dp_reshardable_ep1 and
-    OUT/dp_reshardable_ep2 (the optimizer's flat state after two bf16 Adam steps, each with live.safetensors: the live
-    optimizer's state by name), then loads what `toolkit convert` wrote (--to torch_dist, --to megatron_lm --ep 2)
+    OUT/dp_reshardable_ep2 (the distributed optimizer's flat state after two bf16 Adam steps) and OUT/legacy_plain_ep2
+    (the plain optimizer's), each with live.safetensors: the live optimizer's state by name, then loads what `toolkit convert` wrote (--to torch_dist, --to megatron_lm --ep 2)
     with Megatron-Core's own code."""
     folder, _, _ = moe
     root = tmp_path_factory.mktemp("moe_native")
@@ -70,15 +70,17 @@ def _by_name(tag) -> tuple[dict, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["legacy_distopt_ep2", "dp_reshardable_ep1", "dp_reshardable_ep2"])
-def test_moe_flat_distributed_optimizer_state_converts_by_name(kind, native, tmp_path):
-    """The distributed optimizer's flat buffers of a mixture of experts convert with the weights. At EP2 Megatron-Core
-    keeps the routed experts in buffers of their own with a second, chained optimizer (over the expert-data-parallel
-    group): Megatron-LM's distrib_optim.pt then holds the two optimizers' states (the dense one only in expert-parallel
-    rank 0's file), and its default torch_dist format their buffers under `chained_0.` and `chained_1.` with one
-    dp_group_idx per expert-parallel rank. At EP1 the experts share the dense buffers. Converted to EP1, every
-    parameter's exp_avg, exp_avg_sq and fp32 main weights equal the live optimizer's, by name, each expert's under its
-    global index, and the step is kept."""
+@pytest.mark.parametrize("kind", ["legacy_distopt_ep2", "dp_reshardable_ep1", "dp_reshardable_ep2",
+                                  "legacy_plain_ep2"])
+def test_moe_optimizer_state_converts_by_name(kind, native, tmp_path):
+    """A mixture of experts' optimizer state converts with the weights. At EP2 Megatron-Core gives the routed experts
+    a second, chained optimizer (over the expert-data-parallel group) and, with the distributed optimizer, buffers of
+    their own: Megatron-LM's distrib_optim.pt then holds the two optimizers' flat states (the dense one only in
+    expert-parallel rank 0's file), and its default torch_dist format their buffers under `chained_0.` and
+    `chained_1.` with one dp_group_idx per expert-parallel rank; the plain optimizer's model_optim_rng.pt holds the two
+    state dicts, keyed by position. At EP1 the experts share the dense buffers. Converted to EP1, every parameter's
+    exp_avg, exp_avg_sq and fp32 main weights equal the live optimizer's, by name, each expert's under its global
+    index, and the step is kept."""
     got, meta = _by_name(convert(native["root"] / kind, tmp_path / "one", "megatron", ep=1, vocab_size=VOCAB,
                                  **QUIET) / "step_00000002")
     assert meta["step"] == "2"
@@ -94,9 +96,9 @@ def test_moe_flat_distributed_optimizer_state_converts_by_name(kind, native, tmp
 @pytest.mark.slow
 def test_moe_flat_state_that_does_not_fit_is_refused_in_one_line(native, tmp_path):
     """Where each expert-parallel rank's experts lie is proved, not assumed: with the two ranks' expert states swapped
-    in distrib_optim.pt (the buffers fit, the experts are another rank's) the first expert read fails the check of
-    its fp32 main weights against its saved weights; a file holding only the dense optimizer's state is refused by
-    name. Neither writes anything."""
+    in distrib_optim.pt (the buffers fit, the experts are another rank's), and in model_optim_rng.pt (the plain
+    optimizer's), the first expert read fails the check of its fp32 main weights against its saved weights; a file
+    holding only the dense optimizer's state is refused by name. None writes anything."""
     src = tmp_path / "src"
     shutil.copytree(native["root"] / "legacy_distopt_ep2", src)
     files = [src / "iter_0000002" / f"mp_rank_00_00{e}" / "distrib_optim.pt" for e in (0, 1)]
@@ -109,6 +111,18 @@ def test_moe_flat_state_that_does_not_fit_is_refused_in_one_line(native, tmp_pat
     with pytest.raises(ToolkitError, match=r"mp_rank_00_000/distrib_optim\.pt: is not the coalesced per-chunk buffers"
                        r" .* for its 2 chained optimizers"):
         convert(src, tmp_path / "out", "megatron", ep=1, vocab_size=VOCAB, **QUIET)
+    plain = tmp_path / "plain"
+    shutil.copytree(native["root"] / "legacy_plain_ep2", plain)
+    files = [plain / "iter_0000002" / f"mp_rank_00_00{e}" / "model_optim_rng.pt" for e in (0, 1)]
+    states = [torch.load(f, weights_only=False) for f in files]  # files this test copied from the writer's
+    experts = [s["optimizer"][1] for s in states]
+    for s, other in zip(states, reversed(experts)):
+        s["optimizer"][1] = other
+    for f, s in zip(files, states):
+        torch.save(s, f)
+    with pytest.raises(ToolkitError, match=r"plain optimizer's state does not line up with the weights at "
+                       r"decoder\.layers\.\d\.mlp\.experts"):
+        convert(plain, tmp_path / "out", "megatron", ep=1, vocab_size=VOCAB, **QUIET)
     assert not (tmp_path / "out").exists()
 
 

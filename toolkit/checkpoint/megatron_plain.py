@@ -15,6 +15,11 @@ in the order named_parameters() does, so local and Transformer Engine files alik
 saved `wd_mult`, never by position. The layout is accepted when it is proved: every group holds exactly the parameters
 the rule gives it, each state tensor has its parameter's shape, and, as each parameter is read, its fp32 main weights
 rounded to the model's dtype equal its saved weights (16-bit models; an fp32 model's mains are its weights).
+
+A mixture of experts at expert parallelism > 1 has two chained optimizers, each with such a state dict: the dense
+parameters' and the routed experts' (Megatron-Core builds the experts' own optimizer, its groups marked
+`is_expert_parallel`), so `optimizer` is a list of the two, and each expert-parallel rank's file holds its own
+experts' state (local indices) and a copy of the dense state. At ep 1 the experts are in the one optimizer.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import json
 
 import torch
 
-from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, chunk_entries, registration_order
+from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, buffer_entries, chunk_entries, registration_order
 from toolkit.checkpoint.torch_dist_optim import optimizer_parts, param_groups, saved_scaler
 from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import iter_entries
@@ -61,77 +66,37 @@ class PlainLegacyState:
     `fields`, `meta`, `groups`, `note` and `problems` as toolkit/checkpoint/megatron_flat.py's states have them."""
 
     def __init__(self, it_dir, args, dims, layout: tuple[int, int, int], sixteen_bit: bool, optimizers: dict,
-                 order: dict):
-        """optimizers: {(pp, tp): model_optim_rng.pt's "optimizer"}; order: {(pp, tp): [[chunk's saved names in file
-        order] per chunk]}; each saved tensor's shape is read from the state itself."""
+                 order: dict, ep: int = 1):
+        """optimizers: {rank_key(pp, tp, ep rank, ep): model_optim_rng.pt's "optimizer"}; order: {the same key: [[chunk's
+        saved names in file order] per chunk]}; each saved tensor's shape is read from the state itself."""
         self.where, self.note, self.problems = it_dir, None, []
         self.fields: tuple[str, ...] = ()
         self.meta: dict[str, str] = {}
         self.groups: list[dict] | None = None
         self.distributed, self.order = False, None
         self._tp, self._sixteen = layout[0], sixteen_bit
-        self._entries = {e.hf_names: e for e in iter_entries(dims, *layout[1:]) if e.reads_back}
+        self._entries = {e.hf_names: e for e in iter_entries(dims, *layout[1:], ep) if e.reads_back}
         self._at: dict[tuple[str, int], tuple[dict, torch.Tensor | None]] = {}  # (entry, tp) -> (state, main)
         self._checked: set = set()
-        if dims.experts:
-            self.note = ("its optimizer state of a mixture of experts (an expert optimizer of its own) is not "
-                         "converted: weights only")
-            return
         if getattr(args, "decoupled_lr", None) is not None:
             self.note = "its optimizer has --decoupled-lr param groups, which are not converted: weights only"
             return
         tp, pp, vpp = layout
-        chunks = chunk_entries(dims, pp, vpp)
+        chunks = buffer_entries(dims, pp, vpp, ep)
         steps, groups = set(), None
-        for (p, t), saved in sorted(optimizers.items()):
-            rel = f"{it_dir.name}/mp_rank_{t:02d}{'' if pp == 1 else f'_{p:03d}'}/model_optim_rng.pt"
+        for key, saved in sorted(optimizers.items()):
+            p, t, e = key if ep > 1 else (*key, 0)
+            rel = (f"{it_dir.name}/mp_rank_{t:02d}{'' if pp == 1 else f'_{p:03d}'}{'' if ep == 1 else f'_{e:03d}'}"
+                   "/model_optim_rng.pt")
             parts = optimizer_parts(saved)
-            if len(parts) != 1:
+            if len(parts) != (2 if ep > 1 else 1):
                 self.note = f"its optimizer is {len(parts)} chained optimizers, which are not converted: weights only"
                 return
-            opt, mains = _inner(parts[0], sixteen_bit)
-            if opt is None:
-                self.problems.append(Problem(f"{rel} optimizer", "is not the state_dict of Megatron-Core's "
-                                             f"{'Float16Optimizer' if sixteen_bit else 'FP32Optimizer'}",
-                                             "convert with --weights-only"))
-                continue
-            named = {}  # this rank's parameters, in registration order: {(chunk, name): entry}
-            for c in range(vpp):
-                known = chunks[(p, c)]
-                for n in order[(p, t)][c]:
-                    if n in known:
-                        named[(c, n)] = known[n]
-            by_wd: dict[float, list] = {}
-            for (c, n), e in named.items():
-                shape = e.rule.shard_shape(e.hf_shapes, tp)
-                by_wd.setdefault(wd_mult(n, len(shape), args), []).append((c, n, e, tuple(shape)))
-            saved_wd = [g.get("wd_mult") if isinstance(g, dict) else None for g in opt["param_groups"]]
-            if sorted(map(str, saved_wd)) != sorted(map(str, by_wd)) or len(set(map(str, saved_wd))) != len(saved_wd):
-                self.problems.append(Problem(f"{rel} optimizer", f"has param groups with wd_mult {saved_wd}, but "
-                                             f"Megatron's standard groups of this model give {sorted(by_wd)}",
-                                             "convert with --weights-only"))
-                continue
-            for g, (wd, group) in enumerate(zip(saved_wd, opt["param_groups"])):
-                want, ids = by_wd[wd], group.get("params")
-                main_group = mains[g] if mains is not None and g < len(mains) else None
-                if not isinstance(ids, list) or len(ids) != len(want) or (
-                        mains is not None and (not isinstance(main_group, list) or len(main_group) != len(want))):
-                    self.problems.append(Problem(f"{rel} optimizer", f"param group {g} (wd_mult {wd}) holds "
-                                                 f"{len(ids) if isinstance(ids, list) else '?'} parameters, this model "
-                                                 f"{len(want)} on this rank", "convert with --weights-only"))
+            for part, buffer in zip(parts, (None, e)):  # the dense optimizer, then at ep > 1 the experts'
+                step = self._part(part, buffer, chunks, order[key], p, t, rel, args)
+                if step is None:
                     break
-                for i, (pid, (c, n, e, shape)) in enumerate(zip(ids, want)):
-                    st = opt["state"].get(pid) if isinstance(pid, int) else None
-                    main = main_group[i] if main_group is not None else None
-                    bad = not isinstance(st, dict) or any(not torch.is_tensor(st.get(f)) or tuple(st[f].shape) != shape
-                                                          for f in FIELDS)
-                    if bad or (main is not None and (not torch.is_tensor(main) or tuple(main.shape) != shape)):
-                        self.problems.append(Problem(f"{rel} optimizer", f"state {pid} is not shaped as {n} {shape}, "
-                                                     "the parameter its position gives", "convert with --weights-only"))
-                        break
-                    if e.reads_back:
-                        self._at[(_key(e), t)] = (st, main)
-            steps |= _step(opt)
+                steps |= step
             groups = groups or param_groups(parts)
         if self.problems:
             return
@@ -144,6 +109,56 @@ class PlainLegacyState:
         self.groups = groups
         scalers = [saved_scaler(x) for x in optimizer_parts(next(iter(optimizers.values())))]
         self.meta = {"step": str(int(steps.pop())), "grad_scalers": json.dumps(scalers)}
+
+    def _part(self, part: dict, buffer: int | None, chunks: dict, order: list, p: int, t: int, rel: str,
+              args) -> set | None:
+        """Place one saved optimizer's state (the dense one's, or expert-parallel rank `buffer`'s experts'); its Adam
+        steps, or None after a problem."""
+        tp, vpp, sixteen_bit = self._tp, len(order), self._sixteen
+        opt, mains = _inner(part, sixteen_bit)
+        if opt is None:
+            self.problems.append(Problem(f"{rel} optimizer", "is not the state_dict of Megatron-Core's "
+                                         f"{'Float16Optimizer' if sixteen_bit else 'FP32Optimizer'}",
+                                         "convert with --weights-only"))
+            return None
+        named = {}  # this rank's parameters, in registration order: {(chunk, name): entry}
+        for c in range(vpp):
+            known = chunks.get((p, c, buffer), {})
+            for n in order[c]:
+                if n in known:
+                    named[(c, n)] = known[n]
+        by_wd: dict[float, list] = {}
+        for (c, n), e in named.items():
+            shape = e.rule.shard_shape(e.hf_shapes, tp)
+            by_wd.setdefault(wd_mult(n, len(shape), args), []).append((c, n, e, tuple(shape)))
+        saved_wd = [g.get("wd_mult") if isinstance(g, dict) else None for g in opt["param_groups"]]
+        if sorted(map(str, saved_wd)) != sorted(map(str, by_wd)) or len(set(map(str, saved_wd))) != len(saved_wd):
+            self.problems.append(Problem(f"{rel} optimizer", f"has param groups with wd_mult {saved_wd}, but "
+                                         f"Megatron's standard groups of this model give {sorted(by_wd)}"
+                                         + ("" if buffer is None else " for its experts"),
+                                         "convert with --weights-only"))
+            return None
+        for g, (wd, group) in enumerate(zip(saved_wd, opt["param_groups"])):
+            want, ids = by_wd[wd], group.get("params")
+            main_group = mains[g] if mains is not None and g < len(mains) else None
+            if not isinstance(ids, list) or len(ids) != len(want) or (
+                    mains is not None and (not isinstance(main_group, list) or len(main_group) != len(want))):
+                self.problems.append(Problem(f"{rel} optimizer", f"param group {g} (wd_mult {wd}) holds "
+                                             f"{len(ids) if isinstance(ids, list) else '?'} parameters, this model "
+                                             f"{len(want)} on this rank", "convert with --weights-only"))
+                return None
+            for i, (pid, (c, n, e, shape)) in enumerate(zip(ids, want)):
+                st = opt["state"].get(pid) if isinstance(pid, int) else None
+                main = main_group[i] if main_group is not None else None
+                bad = not isinstance(st, dict) or any(not torch.is_tensor(st.get(f)) or tuple(st[f].shape) != shape
+                                                      for f in FIELDS)
+                if bad or (main is not None and (not torch.is_tensor(main) or tuple(main.shape) != shape)):
+                    self.problems.append(Problem(f"{rel} optimizer", f"state {pid} is not shaped as {n} {shape}, "
+                                                 "the parameter its position gives", "convert with --weights-only"))
+                    return None
+                if e.reads_back:
+                    self._at[(_key(e), t)] = (st, main)
+        return _step(opt)
 
     def read(self, hf_names, field: str, weights) -> list[torch.Tensor]:
         """A parameter's optimizer field as Hugging Face tensors, merged from its TP shards. The first time a
@@ -164,7 +179,7 @@ class PlainLegacyState:
 
 
 def _key(entry) -> str:
-    return f"{entry.pp_rank}.{entry.chunk}.{entry.megatron_name}"
+    return f"{entry.pp_rank}.{entry.chunk}.{entry.ep_rank}.{entry.megatron_name}"
 
 
 def wd_groups(dims, args) -> set[float]:

@@ -60,7 +60,7 @@ class MegatronLMSource(_ShardedSource):
             elif not getattr(args, "use_distributed_optimizer", False):  # by position in model_optim_rng.pt
                 self._optim = megatron_plain.PlainLegacyState(
                     megatron_lm.iteration_dir(path), args, self._dims, self.layout, self.dtype() != torch.float32,
-                    optimizers, {k: [list(c) for c in v] for k, v in self._shards.items()})
+                    optimizers, {k: [list(c) for c in v] for k, v in self._shards.items()}, self.ep)
             else:  # distrib_optim.pt: flat buffers, the layout recomputed, then proved
                 self._optim = megatron_flat.LegacyFlatState(
                     megatron_lm.iteration_dir(path), args, self._dims, self.layout, self.dtype() != torch.float32,
