@@ -6,7 +6,11 @@ it: each rank's model_optim_rng.pt into its GPTModel chunks (strict=True) and `o
 equal the live optimizer state the source checkpoint was saved from (LIVE, megatron_native_writer.py), every
 parameter's Adam step must be the source's, and the scheduler state must load into Megatron-Core's scheduler.
 
-    torchrun --nproc_per_node 2 tests/megatron_legacy_optim_probe.py ROOT,HF,LIVE,PRECISION,TPxPPxVPP[,SCHED] [...]
+    torchrun --nproc_per_node 2 tests/megatron_legacy_optim_probe.py ROOT,HF,LIVE,PRECISION,TPxPPxVPP[xEP][,SCHED] [...]
+
+EP > 1 (a mixture of experts): each rank reads its expert-parallel rank's folder (mp_rank_TT[_PPP]_EEE), and
+Megatron-Core's chained optimizers (the dense one and the experts') load the two state dicts and distrib_optim.pt
+states in it.
 
 SCHED "checkpoint": the scheduler is built as `--use-checkpoint-opt_param-scheduler` builds it (a checkpoint written
 from a toolkit run, whose schedule is the recipe's, not Megatron-LM's arguments here).
@@ -32,12 +36,12 @@ from toolkit.train.dist import init_distributed  # noqa: E402
 VOCAB = 500  # the models' true vocabulary: rows past it are padding
 
 
-def _stepped(hf: str, tp: int, pp: int, vpp: int, precision: str, distributed: bool = True):
+def _stepped(hf: str, tp: int, pp: int, vpp: int, precision: str, distributed: bool = True, ep: int = 1):
     """DDP chunks and Megatron-Core's distributed optimizer (or its plain one) at the layout, after one step (its
     state exists, as in a run that loads a checkpoint)."""
     from toolkit.megatron import runtime
 
-    r, layout, chunks = build(hf, tp, pp, vpp, (f"parallel.zero_stage={int(distributed)}",
+    r, layout, chunks = build(hf, tp, pp, vpp, (f"parallel.zero_stage={int(distributed)}", f"parallel.ep={ep}",
                                                 f"training.precision={precision}", "data.seq_len=16"))
     wrapped, optimizer = runtime.wrap_and_optimize(chunks, r, layout)
     ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(3))
@@ -66,13 +70,16 @@ def _compare(wrapped, optimizer, live: str, scheduler_state: dict, distributed: 
     assert scheduler.num_steps == 4, scheduler.num_steps  # 2 iterations of 2 samples
 
 
-def check(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: int, sched: bool = False) -> None:
+def check(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: int, ep: int = 1,
+          sched: bool = False) -> None:
     from megatron.core import parallel_state as ps
 
     distributed = any(Path(root).glob("iter_*/mp_rank_*/distrib_optim.pt"))
-    wrapped, optimizer, layout = _stepped(hf, tp, pp, vpp, precision, distributed)
-    t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    folder = next(Path(root).glob(f"iter_*/mp_rank_{t:02d}{'' if pp == 1 else f'_{p:03d}'}"))
+    wrapped, optimizer, layout = _stepped(hf, tp, pp, vpp, precision, distributed, ep)
+    t, p, e = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+               ps.get_expert_model_parallel_rank())
+    folder = next(Path(root).glob(f"iter_*/mp_rank_{t:02d}{'' if pp == 1 else f'_{p:03d}'}"
+                                  f"{'' if ep == 1 else f'_{e:03d}'}"))
     state = torch.load(folder / "model_optim_rng.pt", weights_only=False)  # the toolkit's own output
     assert state["args"].use_distributed_optimizer == distributed
     for i, w in enumerate(wrapped):
@@ -82,7 +89,8 @@ def check(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: 
         _compare(wrapped, optimizer, live, state["opt_param_scheduler"], False, sched)
         dist.barrier()
         if dist.get_rank() == 0:
-            print(f"loaded legacy plain optim {Path(root).name} {tp}x{pp}x{vpp}", flush=True)
+            print(f"loaded legacy plain optim {Path(root).name} {tp}x{pp}x{vpp}{'' if ep == 1 else f'x{ep}'}",
+                  flush=True)
         ps.destroy_model_parallel()
         return
     # Megatron-Core 0.16's load_parameter_state copies every key of a parameter's optimizer state from the file; torch's
@@ -98,11 +106,11 @@ def check(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: 
     _compare(wrapped, optimizer, live, state["opt_param_scheduler"], True, sched)
     dist.barrier()
     if dist.get_rank() == 0:
-        print(f"loaded legacy optim {Path(root).name} {tp}x{pp}x{vpp}", flush=True)
+        print(f"loaded legacy optim {Path(root).name} {tp}x{pp}x{vpp}{'' if ep == 1 else f'x{ep}'}", flush=True)
     ps.destroy_model_parallel()
 
 
-def check_torch_dist(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: int,
+def check_torch_dist(root: str, hf: str, live: str, precision: str, tp: int, pp: int, vpp: int, ep: int = 1,
                      sched: bool = False) -> None:
     """The same for a torch_dist checkpoint: Megatron-Core's dist_checkpointing.load of the model's and the
     optimizer's sharded state dicts (the distributed optimizer's fully_reshardable, or the plain one's) at this layout, then the chunks' load_state_dict
@@ -119,13 +127,13 @@ def check_torch_dist(root: str, hf: str, live: str, precision: str, tp: int, pp:
     with safe_load.weights_only_everywhere(it_dir):
         common = torch.load(it_dir / "common.pt")
         distributed = common["args"].use_distributed_optimizer
-        wrapped, optimizer, layout = _stepped(hf, tp, pp, vpp, precision, distributed)
+        wrapped, optimizer, layout = _stepped(hf, tp, pp, vpp, precision, distributed, ep)
         torch_dist_ckpt.load(SimpleNamespace(chunks=wrapped, optimizer=optimizer,
                                              layout_meta={"zero_stage": int(distributed)}), it_dir)
     _compare(wrapped, optimizer, live, common["opt_param_scheduler"], distributed, sched)
     dist.barrier()
     if dist.get_rank() == 0:
-        print(f"loaded torch_dist optim {Path(root).name} {tp}x{pp}x{vpp}", flush=True)
+        print(f"loaded torch_dist optim {Path(root).name} {tp}x{pp}x{vpp}{'' if ep == 1 else f'x{ep}'}", flush=True)
     ps.destroy_model_parallel()
 
 
@@ -134,7 +142,8 @@ def main(*specs: str) -> None:
     for spec in specs:
         root, hf, live, precision, lay, *sched = spec.split(",")
         torch_dist = any(Path(root).glob("iter_*/metadata.json"))
-        (check_torch_dist if torch_dist else check)(root, hf, live, precision, *(int(x) for x in lay.split("x")),
+        sizes = [int(x) for x in lay.split("x")]
+        (check_torch_dist if torch_dist else check)(root, hf, live, precision, *sizes, *[1] * (4 - len(sizes)),
                                                     sched == ["checkpoint"])
     dist.barrier()
 

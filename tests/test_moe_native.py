@@ -152,3 +152,28 @@ def test_moe_run_distributed_optimizer_state_in_the_default_format_converts_by_n
             assert any(".local_experts." in k for k in tensors)
             for k in tensors:
                 assert torch.equal(flat[f][0][k], tensors[k]), (f, k)
+
+
+@pytest.mark.slow
+def test_moe_optimizer_state_written_loads_in_megatron_core(moe, native, tmp_path):  # noqa: F811
+    """`--to megatron_lm` writes a mixture of experts' optimizer state at any EP, from Megatron-LM's files of either
+    optimizer and of either EP: at EP2 Megatron-Core's two chained optimizers (the dense one and the experts') load
+    each expert-parallel rank's model_optim_rng.pt state dicts (and distrib_optim.pt states), at EP1 x DP2 its single
+    one (tests/megatron_legacy_optim_probe.py), with every moment and fp32 main weight equal to the live optimizer's
+    the source was saved from, by name, the step kept and the scheduler loaded. From an EP1 source the experts'
+    param groups are made from the dense ones. `--to torch_dist --ep N` writes the state for a run at EP N:
+    dist_checkpointing.load and the optimizers' load_state_dict take it at that EP, equal to the live state too."""
+    folder = moe[0]
+    specs = []
+    for kind, eps in (("legacy_distopt_ep2", (2, 1)), ("legacy_plain_ep2", (2, 1)), ("dp_reshardable_ep1", (2,))):
+        for ep in eps:
+            for to in ("megatron_lm", "torch_dist"):
+                out = convert(native["root"] / kind, tmp_path / f"{kind}_{to}{ep}", to, ep=ep, vocab_size=VOCAB,
+                              **QUIET)
+                specs.append(f"{out},{folder},{native['root'] / kind / 'live.safetensors'},bf16,1x1x1x{ep}")
+    proc = run_ranks(["tests/megatron_legacy_optim_probe.py", *specs], 2, dict(os.environ), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    for spec in specs:
+        name, ep = spec.split(",")[0].rsplit("/", 1)[1], spec[-1]
+        kind = "torch_dist " if "torch_dist" in name else "legacy plain " if "plain" in name else "legacy "
+        assert f"loaded {kind}optim {name} 1x1x1{'x2' if ep == '2' else ''}" in proc.stdout, (name, proc.stdout[-2000:])

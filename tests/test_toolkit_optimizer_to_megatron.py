@@ -77,3 +77,39 @@ def test_toolkit_run_optimizer_state_loads_in_megatron_core(recipe, fmt, tmp_pat
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert f"loaded {'legacy' if distributed else 'legacy plain'} optim lm 1x2x1" in proc.stdout, proc.stdout[-2000:]
     assert "loaded torch_dist optim td 2x1x1" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_toolkit_moe_run_optimizer_state_loads_in_megatron_core(tmp_path):
+    """A mixture of experts at EP2 with the distributed optimizer (Megatron-Core chains the experts' own optimizer
+    after the dense one), two bf16 steps, then --to megatron_lm at EP2 and at EP1: Megatron-Core's own optimizers load
+    each (the two chained ones at EP2, from each expert-parallel rank's files; one at EP1 x DP2) with every Adam moment
+    and fp32 main weight equal to the run's by name, experts included, the step kept and the scheduler at the run's 2
+    steps of 2 samples. --to torch_dist --ep 2 and --ep 1 write its state for a run at that EP: Megatron-Core's
+    dist_checkpointing.load and the optimizers' load_state_dict take each at its EP, equal to the run's as well."""
+    launch("tiny_qwen3_moe", ["training.steps=2", "training.global_batch_size=2", "training.micro_batch_size=1",
+                              "training.precision=bf16", "parallel.zero_stage=1", *UNINTERRUPTED], nproc=2,
+           out_dir=tmp_path / "run")
+    ckpt, quiet = tmp_path / "run" / "checkpoints", dict(progress=False, log=lambda *_: None)
+    hf = convert(ckpt, tmp_path / "hf", "hf", **quiet)
+    ep1 = convert(ckpt, tmp_path / "ep1", "megatron", ep=1, **quiet)
+    live = tmp_path / "live.safetensors"  # the run's state by local-spec name at EP1 (experts by global index)
+    save_file({k.split(".", 1)[1]: v for k, v in load_file(ep1 / "step_00000002" / "optim_tp00_pp000.safetensors")
+               .items()}, live)
+    assert sum(".local_experts." in k for k in load_file(live)) == 2 * 4 * 2 * 3
+    lines = []
+    specs = []
+    for ep in (2, 1):
+        lm = convert(ckpt, tmp_path / f"lm{ep}", "megatron_lm", ep=ep, progress=False, log=lines.append)
+        assert len(list(lm.rglob("distrib_optim.pt"))) == ep
+        specs.append(f"{lm},{hf},{live},bf16,1x1x1x{ep},checkpoint")
+    for ep in (2, 1):
+        td = convert(ckpt, tmp_path / f"td{ep}", "torch_dist", ep=ep, progress=False, log=lines.append)
+        specs.append(f"{td},{hf},{live},bf16,1x1x1x{ep},checkpoint")
+    assert not any("weights only" in line for line in lines), lines
+    proc = run_ranks([str(REPO / "tests" / "megatron_legacy_optim_probe.py"), *specs], 2, dict(os.environ),
+                     timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    for line in ("loaded legacy optim lm2 1x1x1x2", "loaded legacy optim lm1 1x1x1", "loaded torch_dist optim td2 1x1x1x2",
+                 "loaded torch_dist optim td1 1x1x1"):
+        assert line in proc.stdout, (line, proc.stdout[-2000:])

@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=count("a pipeline-parallel size, e.g. 2", RANKS), default=1, help="pipeline-parallel size of a Megatron target (default 1)")
     p.add_argument("--vpp", type=count("virtual chunks per rank, e.g. 2", 1024), default=1, help="virtual pipeline chunks per rank (default 1)")
     p.add_argument("--ep", type=count("an expert-parallel size, e.g. 2", RANKS), default=1,
-                   help="expert-parallel size of a toolkit Megatron or Megatron-LM legacy target, mixture-of-experts models (default 1)")
+                   help="expert-parallel size of a toolkit Megatron or Megatron-LM legacy target, mixture-of-experts models; "
+                        "of a torch_dist target, the run's that loads its optimizer state (default 1)")
     p.add_argument("--dp", type=count("a data-parallel size, e.g. 4", RANKS), default=None, help="data-parallel size of a DeepSpeed target")
     p.add_argument("--vocab-size", type=count("the vocabulary size, e.g. 32000", 1 << 24), default=None, help="true vocabulary size (Megatron-LM sources)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="cast the weights")

@@ -285,18 +285,16 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
         raise ToolkitError(f"--to {to!r} is not one of hf, megatron, torch_dist, megatron_lm, deepspeed, universal")
     if to == "hf" and (tp, pp, vpp) != (1, 1, 1):
         raise ToolkitError("--tp/--pp/--vpp describe a Megatron target; a Hugging Face folder is not sharded")
-    if ep > 1 and to not in ("megatron", "megatron_lm"):
-        why = ("a torch_dist checkpoint has none (Megatron-Core reshards it onto any ep when it loads)"
-               if to == "torch_dist" else "a Hugging Face folder holds every expert in one model")
+    if ep > 1 and to == "hf":
         raise ToolkitError(f"--ep {ep}: expert-parallel files are written in the toolkit's Megatron layout and "
-                           f"Megatron-LM's legacy one; {why}: drop --ep")
+                           "Megatron-LM's legacy one; a Hugging Face folder holds every expert in one model: drop --ep")
     # a Hugging Face target carries no optimizer state: it never reads (nor can be stopped by) the source's
     source, check = _open_checking(src, vocab_size, fp32, weights_only or to == "hf")
     try:
         with output.scratch_folder(dst, "partial") as tmp, check:
             cast = DTYPES[dtype] if dtype else None
             target = (HFTarget(tmp, source, cast) if to == "hf"
-                      else TorchDistTarget(tmp, source, tp, pp, vpp, cast, weights_only) if to == "torch_dist"
+                      else TorchDistTarget(tmp, source, tp, pp, vpp, cast, weights_only, ep) if to == "torch_dist"
                       else MegatronLMTarget(tmp, source, tp, pp, vpp, cast, ep, weights_only) if to == "megatron_lm"
                       else MegatronTarget(tmp, source, tp, pp, vpp, cast, weights_only, ep))
             manifest.require_space(dst.parent, target.total, manifest.free_bytes(tmp), str(dst),

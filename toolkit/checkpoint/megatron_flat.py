@@ -290,8 +290,6 @@ class FlatState(_Flat):
                                          "re-copy the checkpoint"))
         self.order = orders.pop() if len(orders) == 1 else None
         steps = {float(s) for s in self._steps() if s is not None}
-        if chained:  # the two optimizers' param groups are not one Megatron optimizer's
-            self.groups = None
         if len(steps) != 1:
             self.problems.append(Problem("optimizer.distributed.*.optimizer", f"optimizer steps {sorted(steps)}, not "
                                          "one shared step", "convert a checkpoint saved by one Megatron optimizer"))
@@ -304,7 +302,7 @@ class FlatState(_Flat):
         for name in self.reader.objects():
             if re.match(r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\.optimizer/", name):
                 obj = self.reader.get_object(name)
-                if self.groups is None:
+                if self.groups is None and not name.startswith("chained_1."):  # the dense optimizer's
                     self.groups = param_groups(obj if isinstance(obj, list) else [obj])
                 for part in obj if isinstance(obj, list) else [obj]:
                     groups = part.get("param_groups") if isinstance(part, dict) else None

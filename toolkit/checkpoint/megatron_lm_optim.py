@@ -21,6 +21,13 @@ writer too (toolkit/checkpoint/torch_dist_write.py).
 
 Memory: the buffers are memory-mapped scratch files in the output folder (page cache, not anonymous memory), each
 removed once its rank file is written.
+
+A mixture of experts written at ep > 1 gets Megatron-Core's two chained optimizers: the dense parameters' and the
+routed experts' (buffers of their own, each expert-parallel rank's experts under their local indices). Each rank's
+`optimizer` is then the list of their two state_dicts, and its distrib_optim.pt the list of their two
+save_parameter_state states (the dense one in expert-parallel rank 0's file, None in the others, as Megatron-Core's
+ChainedOptimizer writes it). The experts' param groups are the dense ones' for the experts' weight-decay multipliers,
+marked is_expert_parallel (torch_dist_optim.expert_groups).
 """
 from __future__ import annotations
 
@@ -30,8 +37,10 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, SAVED_AS, chunk_entries, coalesced
-from toolkit.checkpoint.megatron_plain import positions, wd_groups
+from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, SAVED_AS, buffer_entries, coalesced
+from toolkit.checkpoint.megatron_plain import positions, wd_groups, wd_mult
+from toolkit.checkpoint.torch_dist_optim import expert_groups
+from toolkit.families.entries import iter_entries
 
 WEIGHT = "weight"
 
@@ -46,8 +55,8 @@ def optimizer_plan(target, source) -> tuple[dict | None, str | None]:
     have = {f for f in source.fields if f != WEIGHT}
     if not {"exp_avg", "exp_avg_sq"} <= have:
         return None, None
-    if getattr(target, "ep", 1) > 1 or target.dims.experts:
-        return None, "the optimizer state of a mixture of experts is not written: weights only"
+    if target.dims.experts and not getattr(target, "writes_moe_optimizer", False):
+        return None, "the optimizer state of a mixture of experts is not written in this format: weights only"
     if source.optimizer_groups is None or source.scheduler is None:
         return None, ("the source carries no Megatron optimizer param groups and scheduler state, which Megatron-LM's "
                       "load needs (Megatron-LM's checkpoints do, and the toolkit's since 2026-12-05, with their "
@@ -64,8 +73,11 @@ def optimizer_plan(target, source) -> tuple[dict | None, str | None]:
     step = float(meta.get("step") or target.step)
     scalers = [s for s in json.loads(meta.get("grad_scalers") or "[]") if s]
     scaler = {k: torch.tensor(v) if k == "scale" else v for k, v in scalers[0].items()} if scalers else None
+    groups = [{**g, "step": step} for g in source.optimizer_groups]  # one step, as Megatron's load asserts
+    experts = {wd_mult(e.megatron_name, len(e.rule.shard_shape(e.hf_shapes, 1)), source.args)
+               for e in iter_entries(target.dims, 1, 1, 1) if e.ep_rank is not None}
     return {"fields": ("exp_avg", "exp_avg_sq") + (("master",) if "master" in have else ()),
-            "groups": [{**g, "step": step} for g in source.optimizer_groups],  # one step, as Megatron's load asserts
+            "groups": groups, "expert_groups": expert_groups(groups, experts) if getattr(target, "ep", 1) > 1 else None,
             "step": step, "scheduler": source.scheduler, "scaler": scaler,
             "distributed": source.optimizer_distributed, "args": source.args}, None
 
@@ -80,41 +92,49 @@ def optimizer_writer(target, source) -> tuple[DistOptimWriter | None, str | None
 
 
 class DistOptimWriter:
-    """The distributed optimizer's buffers of a Megatron-LM legacy target, filled as the parameters are written."""
+    """The distributed optimizer's buffers of a Megatron-LM legacy target, filled as the parameters are written: one
+    set per rank (p, t) and buffer (None: the dense one; e: expert-parallel rank e's experts, at ep > 1)."""
 
     def __init__(self, target, plan: dict):
         self.target, self.fields = target, plan["fields"]
         self.has_master = "master" in self.fields
         self.groups, self.scheduler, self.scaler = plan["groups"], plan["scheduler"], plan["scaler"]
+        self.expert_groups = plan["expert_groups"]
         self.step, self.source_args = plan["step"], plan["args"]
         args = target._args  # what fixes the layout below (megatron_flat.bucket_size gives None)
         args.use_distributed_optimizer, args.overlap_grad_reduce = plan["distributed"], False
         args.ddp_bucket_size, args.data_parallel_size = None, 1
         tp, pp, vpp = target.layout
-        self._place: dict[tuple[int, int], tuple[int, dict]] = {}
-        for (p, c), named in chunk_entries(target.dims, pp, vpp).items():
-            n, placed = coalesced(target.dims, named, LOCAL_ORDER, target.layout, p, c, None)
+        self.ep = getattr(target, "ep", 1)
+        self.named = buffer_entries(target.dims, pp, vpp, self.ep)
+        self._place: dict[tuple[int, int, int | None], tuple[int, dict]] = {}
+        for (p, c, b), named in self.named.items():
+            n, placed = coalesced(target.dims, named, LOCAL_ORDER, target.layout, p, c, None, b is None)
             if placed is None:
-                raise RuntimeError(f"internal: no distributed-optimizer layout for stage {p} chunk {c}")
-            self._place[(p, c)] = (n, placed)
+                raise RuntimeError(f"internal: no distributed-optimizer layout for stage {p} chunk {c} buffer {b}")
+            self._place[(p, c, b)] = (n, placed)
         self.total = 3 * 4 * tp * sum(n for n, _ in self._place.values())
         self.scratch = target.root / ".distrib_optim_scratch"
-        self._buffers: dict[tuple[int, int], dict[int, dict[str, torch.Tensor]]] = {}
+        self._buffers: dict[tuple[int, int, int | None], dict[int, dict[str, torch.Tensor]]] = {}
 
-    def _buffer(self, p: int, t: int) -> dict[int, dict[str, torch.Tensor]]:
-        if (p, t) not in self._buffers:
+    def _buffer(self, p: int, t: int, b: int | None) -> dict[int, dict[str, torch.Tensor]]:
+        if (p, t, b) not in self._buffers:
             self.scratch.mkdir(exist_ok=True)
             chunks = {}
             for c in range(self.target.layout[2]):
-                n = self._place[(p, c)][0]
+                n = self._place[(p, c, b)][0]
                 chunks[c] = {}
                 for key in SAVED_AS.values():
-                    f = self.scratch / f"{p}_{t}_{c}_{key}"
+                    f = self.scratch / f"{p}_{t}_{c}_{b}_{key}"
                     with open(f, "wb") as out:
                         out.truncate(n * 4)  # zeros: the gaps between parameters, as Megatron's buffers hold
                     chunks[c][key] = torch.from_file(str(f), shared=True, size=n, dtype=torch.float32)
-            self._buffers[(p, t)] = chunks
-        return self._buffers[(p, t)]
+            self._buffers[(p, t, b)] = chunks
+        return self._buffers[(p, t, b)]
+
+    def _buffers_of(self, e: int) -> list[int | None]:
+        """The buffers of expert-parallel rank e's optimizers: the dense one, and at ep > 1 its experts'."""
+        return [None, e] if self.ep > 1 else [None]
 
     def put(self, entry, field: str, pieces: list[torch.Tensor]) -> None:
         """One field of a parameter, as its TP shards, into the buffers (the weights are the main weights of an
@@ -122,32 +142,48 @@ class DistOptimWriter:
         if field == WEIGHT and self.has_master:
             return
         key = "param" if field == WEIGHT else SAVED_AS[field]
-        _, placed = self._place[(entry.pp_rank, entry.chunk)]
+        b = entry.ep_rank if self.ep > 1 else None
+        _, placed = self._place[(entry.pp_rank, entry.chunk, b)]
         start, end = placed[entry.megatron_name]
         for t, piece in enumerate(pieces):
-            self._buffer(entry.pp_rank, t)[entry.chunk][key][start:end].copy_(piece.reshape(-1))
+            self._buffer(entry.pp_rank, t, b)[entry.chunk][key][start:end].copy_(piece.reshape(-1))
 
-    def extra(self, p: int, t: int) -> dict:
+    def _chained(self, states: list):
+        """One optimizer's entry, or the list of a mixture of experts' two (ChainedOptimizer's state_dict)."""
+        return states if self.ep > 1 else states[0]
+
+    def extra(self, p: int, t: int, e: int = 0) -> dict:
         """What the rank's model_optim_rng.pt holds beside the model (written before the stage's parameters come)."""
-        optimizer = {"optimizer": {"param_groups": [dict(g) for g in self.groups]}}
-        if self.scaler:
-            optimizer["grad_scaler"] = dict(self.scaler)
-        return {"optimizer": optimizer, "opt_param_scheduler": self.scheduler}
+        states = []
+        for groups in (self.groups, self.expert_groups)[:len(self._buffers_of(e))]:
+            optimizer = {"optimizer": {"param_groups": [dict(g) for g in groups]}}
+            if self.scaler:
+                optimizer["grad_scaler"] = dict(self.scaler)
+            states.append(optimizer)
+        return {"optimizer": self._chained(states), "opt_param_scheduler": self.scheduler}
 
-    def finish(self, p: int, t: int, folder: Path) -> None:
-        """Once the stage is complete and its model_optim_rng.pt finished: writes the rank's distrib_optim.pt."""
-        chunks = self._buffers.pop((p, t))
+    def finish(self, p: int, t: int, e: int, folder: Path) -> None:
+        """Once the stage is complete and its model_optim_rng.pt finished: writes the rank's distrib_optim.pt (the
+        dense state only in expert-parallel rank 0's, as Megatron-Core's ChainedOptimizer saves it)."""
         dtypes = (self.target.out_dtype, torch.float32)  # Megatron-LM's params, and its fp32 gradient buffers
-        torch.save({"buckets_coalesced": True,
-                    **{c: {dtypes: {**bufs, "numel_unpadded": self._place[(p, c)][0]}} for c, bufs in chunks.items()}},
-                   folder / "distrib_optim.pt")
-        del chunks
-        self._release(p, t)
+        states = []
+        for b in self._buffers_of(e):
+            chunks = self._buffer(p, t, b)
+            states.append(None if b is None and e > 0 else {"buckets_coalesced": True, **{
+                c: {dtypes: {**bufs, "numel_unpadded": self._place[(p, c, b)][0]}} for c, bufs in chunks.items()}})
+        torch.save(self._chained(states), folder / "distrib_optim.pt")
+        del states, chunks
+        self._done(p, t, e)
 
-    def _release(self, p: int, t: int) -> None:
-        for c in range(self.target.layout[2]):
-            for key in SAVED_AS.values():
-                os.unlink(self.scratch / f"{p}_{t}_{c}_{key}")
+    def _done(self, p: int, t: int, e: int) -> None:
+        """Rank (p, t, e)'s files are written: its buffers are released (the dense one after the last expert-parallel
+        rank's, whose files hold the plain optimizer's dense state too)."""
+        for b in self._buffers_of(e):
+            if b is not None or e == self.ep - 1:
+                del self._buffers[(p, t, b)]
+                for c in range(self.target.layout[2]):
+                    for key in SAVED_AS.values():
+                        os.unlink(self.scratch / f"{p}_{t}_{c}_{b}_{key}")
 
     def close(self) -> None:
         if self.scratch.is_dir():
@@ -159,35 +195,37 @@ class PlainOptimWriter(DistOptimWriter):
     rank's model_optim_rng.pt, the optimizer's state_dict with every parameter's state at the position Megatron-Core's
     param groups give it at the new layout (local spec), as views of the same scratch buffers."""
 
-    def extra(self, p: int, t: int) -> dict:
-        """The optimizer's state_dict in the rank's model_optim_rng.pt: views of the scratch buffers, which the
-        stage's parameters fill before the file is finished (pt_skeleton.Skeleton.finish writes them)."""
-        chunks, tp = self._buffer(p, t), self.target.layout[0]
-        named = chunk_entries(self.target.dims, *self.target.layout[1:])
-        state, groups, mains = {}, [], []
-        for group, members in zip(self.groups, positions(self.target.dims, self.target.layout, p, self.groups,
-                                                         self.source_args)):
-            ids, group_mains = [], []
-            for c, n in members:
-                start, end = self._place[(p, c)][1][n]
-                e = named[(p, c)][n]
-                shape = tuple(e.rule.shard_shape(e.hf_shapes, tp))
-                def view(key: str, c=c, start=start, end=end, shape=shape) -> torch.Tensor:
-                    return chunks[c][key][start:end].view(shape)
-                state[len(state)] = {"step": torch.tensor(float(self.step)), "exp_avg": view("exp_avg"),
-                                     "exp_avg_sq": view("exp_avg_sq")}  # torch's Adam keeps its step per parameter
-                ids.append(len(state) - 1)
-                group_mains.append(view("param"))
-            groups.append({**group, "params": ids})
-            mains.append(group_mains)
-        optimizer = {"state": state, "param_groups": groups}
-        if self.has_master:  # Float16OptimizerWithFloat16Params's state_dict
-            optimizer = {"optimizer": optimizer, "fp32_from_fp16_params": mains}
-            if self.scaler:
-                optimizer["grad_scaler"] = dict(self.scaler)
-        return {"optimizer": optimizer, "opt_param_scheduler": self.scheduler}
+    def extra(self, p: int, t: int, e: int = 0) -> dict:
+        """The optimizer's state_dict in the rank's model_optim_rng.pt (each of a mixture of experts' two): views of
+        the scratch buffers, which the stage's parameters fill before the file is finished (pt_skeleton.Skeleton.
+        finish writes them)."""
+        tp, states = self.target.layout[0], []
+        for b, chosen in zip(self._buffers_of(e), (self.groups, self.expert_groups)):
+            chunks = self._buffer(p, t, b)
+            state, groups, mains = {}, [], []
+            for group, members in zip(chosen, positions(self.target.dims, self.target.layout, p, chosen,
+                                                        self.source_args, b, self.ep)):
+                ids, group_mains = [], []
+                for c, n in members:
+                    start, end = self._place[(p, c, b)][1][n]
+                    entry = self.named[(p, c, b)][n]
+                    shape = tuple(entry.rule.shard_shape(entry.hf_shapes, tp))
+                    def view(key: str, chunks=chunks, c=c, start=start, end=end, shape=shape) -> torch.Tensor:
+                        return chunks[c][key][start:end].view(shape)
+                    state[len(state)] = {"step": torch.tensor(float(self.step)), "exp_avg": view("exp_avg"),
+                                         "exp_avg_sq": view("exp_avg_sq")}  # torch's Adam keeps a step per parameter
+                    ids.append(len(state) - 1)
+                    group_mains.append(view("param"))
+                groups.append({**group, "params": ids})
+                mains.append(group_mains)
+            optimizer = {"state": state, "param_groups": groups}
+            if self.has_master:  # Float16OptimizerWithFloat16Params's state_dict
+                optimizer = {"optimizer": optimizer, "fp32_from_fp16_params": mains}
+                if self.scaler:
+                    optimizer["grad_scaler"] = dict(self.scaler)
+            states.append(optimizer)
+        return {"optimizer": self._chained(states), "opt_param_scheduler": self.scheduler}
 
-    def finish(self, p: int, t: int, folder: Path) -> None:
-        """Once the rank file is finished (the views' bytes written): the scratch buffers removed."""
-        del self._buffers[(p, t)]
-        self._release(p, t)
+    def finish(self, p: int, t: int, e: int, folder: Path) -> None:
+        """Once the rank file is finished (the views' bytes written): the scratch buffers released."""
+        self._done(p, t, e)

@@ -99,6 +99,7 @@ class MegatronLMTarget:
     (`distrib_optim.pt`, toolkit/checkpoint/megatron_lm_optim.py) when the source carries a Megatron optimizer's."""
 
     raw_bytes = True  # weights whose bytes are source byte ranges are copied in (byte_ranges.plan, write_ranges)
+    writes_moe_optimizer = True  # a mixture of experts' two chained optimizers (megatron_lm_optim)
 
     def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None, ep: int = 1,
                  weights_only: bool = False):
@@ -178,7 +179,7 @@ class MegatronLMTarget:
                     chunk["output_layer._extra_state"] = None
             chunks = [_registered(c) for c in chunks]
             models = {"model": chunks[0]} if vpp == 1 else {f"model{c}": s for c, s in enumerate(chunks)}
-            extra = self.optim.extra(p, t) if self.optim else {}
+            extra = self.optim.extra(p, t, e) if self.optim else {}
             folder = self.tag_dir / rank_dir(t, p, pp, e, self.ep)
             folder.mkdir(parents=True, exist_ok=True)
             self._files[key] = Skeleton(folder / "model_optim_rng.pt", {
@@ -191,8 +192,8 @@ class MegatronLMTarget:
         del self._slots[p]
         for t, e in ((t, e) for t in range(tp) for e in range(self.ep)):
             self._files.pop(rank_key(p, t, e, self.ep)).finish()
-            if self.optim and e == 0:
-                self.optim.finish(p, t, self.tag_dir / rank_dir(t, p, pp, e, self.ep))
+            if self.optim:
+                self.optim.finish(p, t, e, self.tag_dir / rank_dir(t, p, pp, e, self.ep))
 
     def close(self) -> None:
         if self._stages or self._files:

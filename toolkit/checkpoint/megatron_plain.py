@@ -187,15 +187,17 @@ def wd_groups(dims, args) -> set[float]:
     return {wd_mult(e.megatron_name, len(e.rule.shard_shape(e.hf_shapes, 1)), args) for e in iter_entries(dims, 1, 1)}
 
 
-def positions(dims, layout: tuple[int, int, int], p: int, groups: list[dict], args) -> list[list[tuple[int, str]]]:
+def positions(dims, layout: tuple[int, int, int], p: int, groups: list[dict], args, buffer: int | None = None,
+              ep: int = 1) -> list[list[tuple[int, str]]]:
     """Where Megatron-Core's plain optimizer puts a rank's parameters at a layout of the local spec: for each of
-    `groups` (matched by wd_mult), its (chunk, local-spec name) in position order."""
+    `groups` (matched by wd_mult), its (chunk, local-spec name) in position order. At ep > 1, of the dense
+    optimizer (buffer None) or of expert-parallel rank `buffer`'s experts' optimizer."""
     tp, pp, vpp = layout
-    chunks = chunk_entries(dims, pp, vpp)
+    chunks = buffer_entries(dims, pp, vpp, ep)
     out = [[] for _ in groups]
     index = {g.get("wd_mult"): i for i, g in enumerate(groups)}
     for c in range(vpp):
-        named = chunks[(p, c)]
+        named = chunks.get((p, c, buffer), {})
         for n in registration_order(named, LOCAL_ORDER):
             shape = named[n].rule.shard_shape(named[n].hf_shapes, tp)
             out[index[wd_mult(n, len(shape), args)]].append((c, n))

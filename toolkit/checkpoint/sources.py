@@ -22,6 +22,7 @@ from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
 from toolkit.checkpoint.deepspeed_plain import is_plain
 from toolkit.checkpoint.megatron_sources import MegatronLMSource, TorchDistSource
 from toolkit.checkpoint.source_base import WEIGHT, Source, _ShardedSource  # noqa: F401 (WEIGHT, Source: re-exported)
+from toolkit.checkpoint.torch_dist_optim import param_groups
 from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import holders, iter_entries, raise_problems, rank_key
 from toolkit.families.mapping import Dims, check_dims
@@ -167,10 +168,10 @@ class ToolkitMegatronSource(_ShardedSource):
         saved = self.optimizer_meta or {}
         try:
             if self.optimizer_groups is None and saved.get(OPTIM_GROUPS):
-                inner = json.loads(saved[OPTIM_GROUPS])
-                if len(inner) == 1:  # one optimizer (a chained one, as a mixture of experts has, is not written)
+                inner = param_groups([{"param_groups": g} for g in json.loads(saved[OPTIM_GROUPS])])
+                if inner:  # one optimizer, or a mixture of experts' dense one (the experts': made from it on writing)
                     self.optimizer_groups = [{**g, **({"betas": tuple(g["betas"])} if "betas" in g else {})}
-                                             for g in inner[0]]
+                                             for g in inner]
             if saved.get(OPTIM_SCHEDULER):
                 self.scheduler = json.loads(saved[OPTIM_SCHEDULER])
             elif self.meta.get("recipe") and self.step is not None:

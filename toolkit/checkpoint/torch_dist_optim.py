@@ -61,16 +61,33 @@ GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
 
 def param_groups(parts: list) -> list[dict] | None:
-    """The param groups of a single Megatron optimizer's saved state (hyperparameters and step, without `params`),
-    None for several chained optimizers or groups without Megatron's identifying keys."""
-    if len(parts) != 1 or not isinstance(parts[0], dict):
+    """The param groups of a Megatron optimizer's saved state (hyperparameters and step, without `params`): of its
+    single optimizer, or of a mixture of experts' dense one (chained before the experts' own, whose groups are all
+    `is_expert_parallel`: expert_groups makes those from the dense ones); None for other chains or groups without
+    Megatron's identifying keys."""
+    groups = [_groups(p) for p in parts]
+    if len(groups) == 2 and groups[1] and all(g["is_expert_parallel"] for g in groups[1]):
+        groups = groups[:1]
+    return groups[0] if len(groups) == 1 else None
+
+
+def _groups(part) -> list[dict] | None:
+    if not isinstance(part, dict):
         return None
-    opt = parts[0].get("optimizer") if isinstance(parts[0].get("optimizer"), dict) else parts[0]
+    opt = part.get("optimizer") if isinstance(part.get("optimizer"), dict) else part
     groups = opt.get("param_groups")
     if not isinstance(groups, list) or not groups or not all(
             isinstance(g, dict) and all(k in g for k in GROUP_KEYS) for g in groups):
         return None
     return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def expert_groups(groups: list[dict], wd_mults: set[float]) -> list[dict]:
+    """The param groups of a mixture of experts' expert optimizer (Megatron-Core's at ep > 1) made from the dense
+    optimizer's: Megatron-Core builds both from the same optimizer config, keyed (wd_mult, lr_mult,
+    is_expert_parallel, is_decoupled_lr); the experts' are the groups of their weight-decay multipliers with
+    is_expert_parallel set."""
+    return [{**g, "is_expert_parallel": True} for g in groups if g.get("wd_mult") in wd_mults]
 
 
 def saved_scaler(part: dict) -> dict:

@@ -146,17 +146,25 @@ class TorchDistTarget:
     its weight, which Megatron-Core reshards onto any TP x PP x VPP x DP at load: the distributed optimizer's as
     `optimizer.state.{param,exp_avg,exp_avg_sq}.<key>` (Megatron-LM's --dist-ckpt-optim-fully-reshardable), the plain
     optimizer's as `optimizer.state.{exp_avg,exp_avg_sq[,fp32_param]}.<key>` (its sharded_state_dict; fp32_param for
-    a 16-bit model), and in common.pt the optimizer's param groups with the step and the scheduler's state."""
+    a 16-bit model), and in common.pt the optimizer's param groups with the step and the scheduler's state.
+
+    The weights, and the optimizer's tensors, load at any expert-parallel size, but not its common state: at ep > 1
+    Megatron-Core chains a second optimizer for a mixture of experts' routed experts, and saves {0: the dense
+    optimizer's, 1: the experts'} (with `chained_optim_avoid_prefix`, its tensors keep their unprefixed names). So a
+    mixture of experts' optimizer state is written for the ep given (`--ep`, 1 by default), which the run that loads
+    it must use; without optimizer state `--ep` is refused."""
 
     raw_bytes = True  # items whose bytes are source byte ranges are copied in (byte_ranges.plan, write_ranges)
+    writes_moe_optimizer = True  # for the ep given (megatron_lm_optim.optimizer_plan)
 
     def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None,
-                 weights_only: bool = False):
+                 weights_only: bool = False, ep: int = 1):
         import torch.distributed.checkpoint.metadata as md  # lazy: torch_dist outputs only
 
-        self.root, self.source, self.layout = root, source, (tp, pp, vpp)
+        self.root, self.source, self.layout, self.ep = root, source, (tp, pp, vpp), ep
         self.dims = source.dims(tp)  # padded vocabulary of the target tp
-        raise_problems(f"the model cannot be laid out at tp={tp} pp={pp} vpp={vpp}", check_dims(self.dims, tp, pp, vpp))
+        raise_problems(f"the model cannot be laid out at tp={tp} pp={pp} vpp={vpp} ep={ep}",
+                       check_dims(self.dims, tp, pp, vpp, ep))
         self.step = int(source.step or 0)
         self.tag_dir = root / f"iter_{self.step:07d}"
         self.tag_dir.mkdir(parents=True)
@@ -164,6 +172,10 @@ class TorchDistTarget:
         self.note, self._optim = None, None
         if not weights_only:
             self._optim, self.note = optimizer_plan(self, source)
+        if ep > 1 and not self._optim:
+            raise ToolkitError(f"--ep {ep}: a torch_dist checkpoint's weights load at any ep (Megatron-Core reshards "
+                               "them); --ep only shapes a mixture of experts' optimizer state, and none is written "
+                               f"here ({self.note or 'the source has none'}): drop --ep")
         self._has_master = bool(self._optim) and "master" in self._optim["fields"]
         self._distributed = bool(self._optim) and self._optim["distributed"]
         self.fields = (WEIGHT, *(self._optim["fields"] if self._optim else ()))
@@ -239,21 +251,25 @@ class TorchDistTarget:
                   "num_floating_point_operations_so_far": 0}
         if self._optim:
             common["args"].use_distributed_optimizer = self._distributed
-            if self._distributed:
-                common["optimizer"] = {"optimizer": {"param_groups": self._optim["groups"]},
-                                       "param_state_sharding_type": "fully_reshardable"}
-            else:  # the plain optimizer's: the step shared by every parameter, torch's state dict nested for 16 bits
-                inner = {"state": {"common_step": torch.tensor(float(self._optim["step"]))},
-                         "param_groups": self._optim["groups"]}
-                common["optimizer"] = {"optimizer": inner} if self._has_master else inner
+            parts = [self._common_optimizer(g) for g in (self._optim["groups"], self._optim["expert_groups"]) if g]
+            common["optimizer"] = parts[0] if len(parts) == 1 else dict(enumerate(parts))  # ChainedOptimizer's
             common["opt_param_scheduler"] = self._optim["scheduler"]
-            if self._optim["scaler"] and (self._distributed or self._has_master):
-                common["optimizer"]["grad_scaler"] = self._optim["scaler"]
         torch.save(common, self.tag_dir / "common.pt")
         (self.tag_dir / "metadata.json").write_text(json.dumps(
             {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
              "common_backend_version": 1}))
         (self.root / "latest_checkpointed_iteration.txt").write_text(str(self.step))
+
+    def _common_optimizer(self, groups: list[dict]) -> dict:
+        """One optimizer's part of common.pt: its param groups with the step (and the grad scaler's state)."""
+        if self._distributed:
+            part = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": "fully_reshardable"}
+        else:  # the plain optimizer's: the step shared by every parameter, torch's state dict nested for 16 bits
+            inner = {"state": {"common_step": torch.tensor(float(self._optim["step"]))}, "param_groups": groups}
+            part = {"optimizer": inner} if self._has_master else inner
+        if self._optim["scaler"] and (self._distributed or self._has_master):
+            part["grad_scaler"] = self._optim["scaler"]
+        return part
 
     def _extra_state_keys(self) -> list[str]:
         """The `_extra_state` objects Megatron-Core's sharded_state_dict lists: one per layer and module, and for a
@@ -268,4 +284,4 @@ class TorchDistTarget:
     def _args(self) -> argparse.Namespace:
         """Megatron-LM's model arguments for this model at the target layout (what --use-checkpoint-args reads)."""
         return model_args(self.dims, self.source.config, *self.layout, self.source.divisible_by, self.out_dtype,
-                          "torch_dist")
+                          "torch_dist", self.ep)
