@@ -104,3 +104,20 @@ def test_validate_warns_when_this_machine_cannot_run_a_megatron_recipe():
     assert proc.returncode == 0  # the recipe is valid; the cluster has Transformer Engine
     assert "note: launched on this machine, the run would stop at: parallel.cp: context parallelism needs " \
            "Transformer Engine" in proc.stdout
+
+
+def test_the_toolkit_command_flushes_everything_before_its_fast_exit(tmp_path):
+    """`toolkit` (cli.entry) ends with os._exit after main(), skipping the interpreter's teardown: what it printed
+    still arrives whole through a pipe and into a file, and its exit code is main()'s (0, or a refusal's)."""
+    import tomllib
+
+    assert tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["toolkit"] == "toolkit.cli:entry"
+    proc = toolkit("show", "--recipe", "llama7b_zero3")
+    assert proc.returncode == 0 and yaml.safe_load(proc.stdout)["name"] == "llama7b_zero3"
+    out = tmp_path / "plan.json"
+    with out.open("w") as f:
+        code = subprocess.run([sys.executable, "-m", "toolkit", "plan", "--recipe", "llama7b_zero3", "--gpus", "64",
+                               "--json"], stdout=f, cwd=REPO).returncode
+    assert code == 0 and json.loads(out.read_text())["recipe"] == "llama7b_zero3"
+    refused = toolkit("convert", str(tmp_path / "missing"), str(tmp_path / "out"), "--to", "hf")
+    assert refused.returncode == 2 and "does not exist" in refused.stderr and not (tmp_path / "out").exists()

@@ -1,4 +1,4 @@
 """`python -m toolkit` is the `toolkit` command."""
-from toolkit.cli import main
+from toolkit.cli import entry
 
-raise SystemExit(main())
+entry()
