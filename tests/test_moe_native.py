@@ -27,8 +27,8 @@ QUIET = {"progress": False, "log": lambda *_: None}
 def native(moe, tmp_path_factory):  # noqa: F811
     """The writer's launch: it writes OUT/legacy (weights at EP2), OUT/legacy_distopt_ep2, OUT/dp_reshardable_ep1 and
     OUT/dp_reshardable_ep2 (the distributed optimizer's flat state after two bf16 Adam steps) and OUT/legacy_plain_ep2
-    (the plain optimizer's), each with live.safetensors: the live optimizer's state by name, then loads what `toolkit convert` wrote (--to torch_dist, --to megatron_lm --ep 2)
-    with Megatron-Core's own code."""
+    (the plain optimizer's), each with live.safetensors (the live optimizer's state by name), then loads what
+    `toolkit convert` wrote (--to torch_dist, --to megatron_lm --ep 2) with Megatron-Core's own code."""
     folder, _, _ = moe
     root = tmp_path_factory.mktemp("moe_native")
     td = convert(folder, root / "td", "torch_dist", **QUIET)
@@ -94,23 +94,30 @@ def test_moe_optimizer_state_converts_by_name(kind, native, tmp_path):
 
 
 @pytest.mark.slow
-def test_moe_flat_state_that_does_not_fit_is_refused_in_one_line(native, tmp_path):
+def test_moe_optimizer_state_that_does_not_fit_is_refused(native, tmp_path):
     """Where each expert-parallel rank's experts lie is proved, not assumed: with the two ranks' expert states swapped
     in distrib_optim.pt (the buffers fit, the experts are another rank's), and in model_optim_rng.pt (the plain
     optimizer's), the first expert read fails the check of its fp32 main weights against its saved weights; a file
-    holding only the dense optimizer's state is refused by name. None writes anything."""
+    holding only the dense optimizer's state is refused by name. Each in one line (or the checks' heading, its one
+    problem and the fix); none writes anything, and --weights-only still converts the weights."""
     src = tmp_path / "src"
     shutil.copytree(native["root"] / "legacy_distopt_ep2", src)
     files = [src / "iter_0000002" / f"mp_rank_00_00{e}" / "distrib_optim.pt" for e in (0, 1)]
     states = [torch.load(f, weights_only=True) for f in files]
     torch.save([states[0][0], states[1][1]], files[0])
     torch.save([None, states[0][1]], files[1])
-    with pytest.raises(ToolkitError, match=r"do not line up with the weights at decoder\.layers\.\d\.mlp\.experts"):
+    errors = []
+    swapped = r"do not line up with the weights at decoder\.layers\.\d\.mlp\.experts"
+    with pytest.raises(ToolkitError, match=swapped) as e:
         convert(src, tmp_path / "out", "megatron", ep=1, vocab_size=VOCAB, **QUIET)
+    errors.append(e.value)
     torch.save([states[0][0]], files[0])
     with pytest.raises(ToolkitError, match=r"mp_rank_00_000/distrib_optim\.pt: is not the coalesced per-chunk buffers"
-                       r" .* for its 2 chained optimizers"):
+                       r" .* for its 2 chained optimizers") as e:
         convert(src, tmp_path / "out", "megatron", ep=1, vocab_size=VOCAB, **QUIET)
+    errors.append(e.value)
+    weights = convert(src, tmp_path / "weights", "megatron", ep=1, weights_only=True, vocab_size=VOCAB, **QUIET)
+    assert not list((weights / "step_00000002").glob("optim_*"))
     plain = tmp_path / "plain"
     shutil.copytree(native["root"] / "legacy_plain_ep2", plain)
     files = [plain / "iter_0000002" / f"mp_rank_00_00{e}" / "model_optim_rng.pt" for e in (0, 1)]
@@ -121,8 +128,10 @@ def test_moe_flat_state_that_does_not_fit_is_refused_in_one_line(native, tmp_pat
     for f, s in zip(files, states):
         torch.save(s, f)
     with pytest.raises(ToolkitError, match=r"plain optimizer's state does not line up with the weights at "
-                       r"decoder\.layers\.\d\.mlp\.experts"):
+                       r"decoder\.layers\.\d\.mlp\.experts") as e:
         convert(plain, tmp_path / "out", "megatron", ep=1, vocab_size=VOCAB, **QUIET)
+    errors.append(e.value)
+    assert all(len(str(x).splitlines()) <= 3 for x in errors), errors
     assert not (tmp_path / "out").exists()
 
 

@@ -110,6 +110,6 @@ def test_toolkit_moe_run_optimizer_state_loads_in_megatron_core(tmp_path):
     proc = run_ranks([str(REPO / "tests" / "megatron_legacy_optim_probe.py"), *specs], 2, dict(os.environ),
                      timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    for line in ("loaded legacy optim lm2 1x1x1x2", "loaded legacy optim lm1 1x1x1", "loaded torch_dist optim td2 1x1x1x2",
-                 "loaded torch_dist optim td1 1x1x1"):
+    for line in ("loaded legacy optim lm2 1x1x1x2", "loaded legacy optim lm1 1x1x1",
+                 "loaded torch_dist optim td2 1x1x1x2", "loaded torch_dist optim td1 1x1x1"):
         assert line in proc.stdout, (line, proc.stdout[-2000:])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import math
 import os
 import sys
@@ -391,8 +392,6 @@ def entry() -> None:
     imported torch and transformers the teardown took 0.3-0.5 s on the 2-core VM (docs/performance.md), with every
     file already written, closed and renamed into place and every worker thread joined; standard output, standard
     error and logging are flushed first. An exception main() does not handle still ends the usual way."""
-    import logging
-
     code = main()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

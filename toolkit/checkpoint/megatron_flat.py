@@ -126,14 +126,6 @@ def bucket_size(args) -> int | None:
     return getattr(args, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * args.data_parallel_size)
 
 
-def chunk_entries(dims, pp: int, vpp: int) -> dict[tuple[int, int], dict[str, Entry]]:
-    """{(pipeline stage, chunk): {local-spec name: entry}}."""
-    chunks: dict[tuple[int, int], dict[str, Entry]] = {}
-    for e in iter_entries(dims, pp, vpp):
-        chunks.setdefault((e.pp_rank, e.chunk), {})[e.megatron_name] = e
-    return chunks
-
-
 def buffer_entries(dims, pp: int, vpp: int, ep: int = 1) -> dict[tuple[int, int, int | None], dict[str, Entry]]:
     """{(pipeline stage, chunk, buffer): {local-spec name: entry}} of each of Megatron's buffers: buffer None is the
     dense one; with expert parallelism (ep > 1) the routed experts' parameters are not in it (DDP puts the parameters
@@ -234,10 +226,11 @@ class FlatState(_Flat):
                     int(m.group(5)), {})[FIELDS[m.group(6)]] = fqn
         chained = ("chained_0.", "chained_1.") if ep > 1 else None
         if len(dtypes) > 1 or (set(chained) != prefixes if chained else len(prefixes) > 1):
-            self.note = ("its distributed-optimizer state is saved as dp_reshardable flat buffers of "
-                         f"{len(prefixes)} chained optimizers or {len(dtypes)} dtypes, which is not converted: "
-                         "weights only. Re-save it in Megatron-LM with --dist-ckpt-optim-fully-reshardable to convert "
-                         "the optimizer state too")
+            what = (f"in {len(dtypes)} dtypes" if len(dtypes) > 1 else f"of the optimizers {sorted(prefixes)}, where "
+                    f"this model at ep={ep} has {'two chained ones' if chained else 'one'}")
+            self.note = (f"its distributed-optimizer state is saved as dp_reshardable flat buffers {what}, which is not "
+                         "converted: weights only. Re-save it in Megatron-LM with --dist-ckpt-optim-fully-reshardable "
+                         "to convert the optimizer state too")
             return
         dense = chained[0] if chained else next(iter(prefixes), "")
         want = {(dense, t + tp * p, c): (p, t, c, None) for p in range(pp) for t in range(tp) for c in range(vpp)}
@@ -375,12 +368,10 @@ class LegacyFlatState(_Flat):
             rel = str(f.relative_to(it_dir))
             for group, state, at in self._states(load(f), e, ep, rel):
                 for c in range(vpp):
-                    named = chunks.get((p, c, group), {})
+                    named = chunks[(p, c, group)]
                     gbuf = state.get(c)
                     tensors = next(iter(gbuf.values())) if isinstance(gbuf, dict) and len(gbuf) == 1 else None
                     n = tensors.get("numel_unpadded") if isinstance(tensors, dict) else None
-                    if not named and gbuf is None:
-                        continue  # a chunk without experts has no expert buffer
                     if not isinstance(n, int) or any(not torch.is_tensor(tensors.get(k)) or
                                                      tensors[k].shape != (n,) for k in FIELDS):
                         self.problems.append(Problem(f"{at} [{c}]", "does not hold one buffer of param, exp_avg and "

@@ -47,16 +47,14 @@ WEIGHT = "weight"
 
 def optimizer_plan(target, source) -> tuple[dict | None, str | None]:
     """What a Megatron-LM target (legacy or torch_dist) writes of the source's optimizer state: ({"fields", "groups"
-    (the param groups, with the step), "step", "scheduler", "scaler", "distributed" (the source's optimizer is the
-    distributed one: the target's is too), "args" (the source's Megatron-LM args, which fix the plain optimizer's
-    param groups)}, None); (None, why not) when the source has state that cannot be written; (None, None) when it has
+    (the param groups, with the step), "expert_groups" (a mixture of experts' expert optimizer's, for a target at
+    ep > 1; else None), "step", "scheduler", "scaler", "distributed" (the source's optimizer is the distributed one:
+    the target's is too), "args" (the source's Megatron-LM args, which fix the plain optimizer's param groups)}, None); (None, why not) when the source has state that cannot be written; (None, None) when it has
     none. Written from a source that carries Megatron's param groups and scheduler state, which Megatron-LM's load
     needs (a toolkit source makes its scheduler state from the recipe: sources.ToolkitMegatronSource)."""
     have = {f for f in source.fields if f != WEIGHT}
     if not {"exp_avg", "exp_avg_sq"} <= have:
         return None, None
-    if target.dims.experts and not getattr(target, "writes_moe_optimizer", False):
-        return None, "the optimizer state of a mixture of experts is not written in this format: weights only"
     if source.optimizer_groups is None or source.scheduler is None:
         return None, ("the source carries no Megatron optimizer param groups and scheduler state, which Megatron-LM's "
                       "load needs (Megatron-LM's checkpoints do, and the toolkit's since 2026-12-05, with their "

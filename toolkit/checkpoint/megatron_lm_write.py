@@ -99,7 +99,6 @@ class MegatronLMTarget:
     (`distrib_optim.pt`, toolkit/checkpoint/megatron_lm_optim.py) when the source carries a Megatron optimizer's."""
 
     raw_bytes = True  # weights whose bytes are source byte ranges are copied in (byte_ranges.plan, write_ranges)
-    writes_moe_optimizer = True  # a mixture of experts' two chained optimizers (megatron_lm_optim)
 
     def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None, ep: int = 1,
                  weights_only: bool = False):

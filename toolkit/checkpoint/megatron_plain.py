@@ -27,7 +27,7 @@ import json
 
 import torch
 
-from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, buffer_entries, chunk_entries, registration_order
+from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, buffer_entries, registration_order
 from toolkit.checkpoint.torch_dist_optim import optimizer_parts, param_groups, saved_scaler
 from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import iter_entries
@@ -123,7 +123,7 @@ class PlainLegacyState:
             return None
         named = {}  # this rank's parameters, in registration order: {(chunk, name): entry}
         for c in range(vpp):
-            known = chunks.get((p, c, buffer), {})
+            known = chunks[(p, c, buffer)]
             for n in order[c]:
                 if n in known:
                     named[(c, n)] = known[n]
@@ -197,7 +197,7 @@ def positions(dims, layout: tuple[int, int, int], p: int, groups: list[dict], ar
     out = [[] for _ in groups]
     index = {g.get("wd_mult"): i for i, g in enumerate(groups)}
     for c in range(vpp):
-        named = chunks.get((p, c, buffer), {})
+        named = chunks[(p, c, buffer)]
         for n in registration_order(named, LOCAL_ORDER):
             shape = named[n].rule.shard_shape(named[n].hf_shapes, tp)
             out[index[wd_mult(n, len(shape), args)]].append((c, n))

@@ -155,7 +155,6 @@ class TorchDistTarget:
     it must use; without optimizer state `--ep` is refused."""
 
     raw_bytes = True  # items whose bytes are source byte ranges are copied in (byte_ranges.plan, write_ranges)
-    writes_moe_optimizer = True  # for the ep given (megatron_lm_optim.optimizer_plan)
 
     def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None,
                  weights_only: bool = False, ep: int = 1):
