@@ -399,7 +399,7 @@ def entry() -> None:
             stream.flush()
         except (OSError, ValueError):  # a reader that left (`| head`) or a closed stream: nothing more to say
             pass
-    os._exit(code)
+    os._exit(0 if code is None else int(code))  # as sys.exit(code) would end it
 
 
 if __name__ == "__main__":
