@@ -210,7 +210,7 @@ def test_hf_to_megatron_gives_every_shard_the_megatron_shape(tiny_llama, layout)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_shard_shapes_without_tensors_equal_the_real_split(tiny_llama, layout):
     """The streaming converter lays out its files from rule.shard_shape (no tensors): it must equal split's."""
-    from toolkit.checkpoint.sources import meta_shards
+    from toolkit.checkpoint.safetensors_sources import meta_shards
 
     config, state = tiny_llama
     tp, pp, vpp = LAYOUTS[layout]

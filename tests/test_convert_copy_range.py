@@ -5,8 +5,8 @@ refusal halfway through) and the bytes go through a buffer instead; a real I/O e
 written; and the read-back hash catches a range copied from the wrong place."""
 from __future__ import annotations
 
+import ctypes
 import errno
-import json
 import os
 import shutil
 import zlib
@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_hf import write_llama
 from toolkit.checkpoint import byte_ranges
 from toolkit.checkpoint import convert as convert_mod
 from toolkit.checkpoint.convert import convert
 from toolkit.checkpoint.pt_skeleton import Skeleton
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
-from toolkit.families.registry import dims_from_hf
 from toolkit.format import file_copy as fc
 from toolkit.format import safetensors_stream as st
 from toolkit.format.names import model_file, optim_file
@@ -44,15 +44,7 @@ STEPS = {"hf->tp2pp2": ("hf", "tp2pp2", dict(to="megatron", tp=2, pp=2)),
 
 
 def _write_hf(folder: Path) -> None:
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 500, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-              "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16"}
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    gen = torch.Generator().manual_seed(0)
-    st.save({n: torch.randn(s, generator=gen).to(torch.bfloat16) for e in iter_entries(dims_from_hf(config), 1, 1)
-             for n, s in zip(e.hf_names, e.hf_shapes)}, folder / "model.safetensors", {"format": "pt"})
+    write_llama(folder)
 
 
 def _add_optimizer_state(tag_dir: Path, tp: int, pp: int) -> None:
@@ -123,9 +115,11 @@ def test_copied_ranges_write_what_the_streaming_path_writes(ref, tmp_path, monke
         real_gather = fc._gather
         monkeypatch.setattr(fc, "_gather", lambda dst, copies: real_gather(dst, copies) and
                             not gathered.append(sum(c[-1] for c in copies)))
-    if kernel == "pwritev, short writes":  # at most 7 bytes of the first view a call: the rest is written after
-        real_pwritev = os.pwritev
-        monkeypatch.setattr(os, "pwritev", lambda fd, views, at: real_pwritev(fd, [views[0][:7]], at))
+    if kernel == "pwritev, short writes":  # at most 7 bytes of the first iovec a call: the rest is written after
+        def short(fd, iov, count, at):
+            base, length = (ctypes.c_uint64 * 2).from_address(iov)
+            return os.pwrite(fd, ctypes.string_at(base, min(7, length)), at)
+        monkeypatch.setattr(fc, "_pwritev", short)
     elif kernel == "pwritev, no map":
         def no_map(*_a, **_k):
             raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))
@@ -168,7 +162,8 @@ def test_copied_ranges_write_what_the_streaming_path_writes(ref, tmp_path, monke
 def test_ranges_follow_the_rules(ref, tmp_path, monkeypatch):
     """TP2 x PP2 -> TP4: gate/up of a target rank are two ranges (one block each, from one source rank); a
     row-parallel shard is one range per row, here of 32 bytes, so at the default MIN_RANGE it takes the streaming
-    path; the TP copies of a norm are never planned (the streaming path checks that they agree)."""
+    path; the TP copies of a norm are compared byte for byte, and copied from rank 0 when they agree (else the
+    streaming path refuses them)."""
     from toolkit.checkpoint.convert import MegatronTarget
     from toolkit.checkpoint.sources import open_source
 
@@ -182,8 +177,12 @@ def test_ranges_follow_the_rules(ref, tmp_path, monkeypatch):
         monkeypatch.setattr(byte_ranges, "MIN_RANGE", 0)
         assert [len(r) for _, _, r in byte_ranges.plan(source, target, fc1, "weight", None)] == [2, 2, 2, 2]
         assert [len(r) for _, _, r in byte_ranges.plan(source, target, proj, "weight", None)] == [64] * 4
-        assert byte_ranges.plan(source, target, entries["decoder.layers.0.input_layernorm.weight"], "weight",
-                                None) is None
+        norm = entries["decoder.layers.0.input_layernorm.weight"]
+        rank0 = source.spans(norm.hf_names, "weight")[0][0]
+        fd, at, n = rank0[0].span(rank0[1])
+        assert [r for _, _, r in byte_ranges.plan(source, target, norm, "weight", None)] == [[(fd, at, n)]] * 4
+        monkeypatch.setattr(byte_ranges.os, "pread", lambda fd, n, at: bytes([fd % 251]) * n)  # the copies differ
+        assert byte_ranges.plan(source, target, norm, "weight", None) is None
         assert byte_ranges.plan(source, target, fc1, "weight", torch.float32) is None  # a cast changes the bytes
     finally:
         for w in target.writers.values():

@@ -11,21 +11,19 @@ import logging
 import math
 import os
 import sys
+from typing import TYPE_CHECKING
 
-import yaml
-from pydantic import BaseModel
-
-from toolkit import doctor
-from toolkit.adapters.deepspeed import build_ds_config
-from toolkit.adapters.megatron import check_megatron, to_json_dict
 from toolkit.errors import ToolkitError
-from toolkit.plan import command as plan_command
-from toolkit.recipe import Plan, list_recipes, load_recipe, resolve
-from toolkit.recipe.loader import REPO_ROOT
-from toolkit.recipe.schema import Recipe
-from toolkit.slurm import render_job, write_job, write_shipped
+from toolkit.repo import REPO_ROOT
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from toolkit.recipe import Plan
 
 DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
+# Each command imports what it needs (tests/test_layers.py: LAZY_FOR_STARTUP): the recipe schema, the planner and
+# the doctor took 0.3 s to import here, which `toolkit convert` of a checkpoint never uses.
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,6 +73,8 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
 
 
 def _plan(args) -> Plan:
+    from toolkit.recipe import load_recipe, resolve  # lazy: per command (above)
+
     return resolve(load_recipe(args.recipe, args.overrides), args.world_size, source=args.recipe)
 
 
@@ -86,6 +86,7 @@ def cmd_validate(args) -> int:
     for note in plan.notes:
         print(f"    {note}")
     if plan.layout.backend == "megatron":
+        from toolkit.adapters.megatron import check_megatron  # lazy: per command (above)
         from toolkit.megatron.runtime import te_available  # lazy: pulls in torch; validate stays a light command
 
         for p in check_megatron(plan.recipe, te_available()):
@@ -105,6 +106,8 @@ def resolved_dict(plan: Plan) -> dict:
 
 
 def _explain(model: type[BaseModel], prefix: str = "") -> list[str]:
+    from pydantic import BaseModel  # lazy: per command (above)
+
     lines = []
     for name, f in model.model_fields.items():
         ann = f.annotation
@@ -118,6 +121,11 @@ def _explain(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def cmd_show(args) -> int:
+    import yaml  # lazy: per command (above)
+
+    from toolkit.recipe import list_recipes  # lazy: per command (above)
+    from toolkit.recipe.schema import Recipe  # lazy: per command (above)
+
     if args.list:
         print("\n".join(list_recipes()))
         return 0
@@ -148,6 +156,8 @@ def cmd_render_ds(args) -> int:
     if plan.layout.backend != "deepspeed":
         raise ToolkitError(f"recipe {args.recipe} uses backend {plan.layout.backend!r}; there is no DeepSpeed "
                            "config to render")
+    from toolkit.adapters.deepspeed import build_ds_config  # lazy: per command (above)
+
     print(json.dumps(build_ds_config(plan, args.device), indent=2))
     return 0
 
@@ -157,6 +167,8 @@ def cmd_render_megatron(args) -> int:
     if plan.layout.backend != "megatron":
         raise ToolkitError(f"recipe {args.recipe} uses backend {plan.layout.backend!r}; there is no Megatron "
                            "config to render")
+    from toolkit.adapters.megatron import to_json_dict  # lazy: per command (above)
+
     print(json.dumps(to_json_dict(plan.recipe, plan.layout, args.device == "cuda"), indent=2))
     return 0
 
@@ -170,15 +182,22 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    from toolkit.checkpoint.copy_only import convert_by_copy  # lazy: `validate` and `plan` never need it
+
+    options = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, dtype=args.dtype, vocab_size=args.vocab_size,
+                   fp32=args.fp32, weights_only=args.weights_only, overwrite=args.overwrite,
+                   verify=not args.no_verify, dp=args.dp, progress=not args.quiet, config=args.config,
+                   verbose=args.verbose)
+    out, announced = convert_by_copy(args.src, args.dst, args.to, **options)
+    if out is not None:  # a conversion that only copies bytes: made without loading torch
+        print(f"wrote {out}")
+        return 0
     from toolkit.checkpoint.convert import convert  # lazy: pulls in torch (seconds) for this command only
 
     gc.freeze()  # the imports' objects (torch's: hundreds of thousands) out of the collector's sight: every full
     # collection of a conversion (rank files unpickle many small objects) would walk them all again
     try:
-        out = convert(args.src, args.dst, args.to, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
-                      dtype=args.dtype, vocab_size=args.vocab_size, fp32=args.fp32, weights_only=args.weights_only,
-                      overwrite=args.overwrite, verify=not args.no_verify, dp=args.dp, progress=not args.quiet,
-                      config=args.config, verbose=args.verbose)
+        out = convert(args.src, args.dst, args.to, **options, copy=False, announced=announced)
     finally:
         gc.unfreeze()  # collectable again (main() also runs inside other processes, e.g. the tests')
     print(f"wrote {out}")
@@ -197,6 +216,8 @@ def cmd_data_prepare(args) -> int:
 
 
 def cmd_slurm_render(args) -> int:
+    from toolkit.slurm import render_job, write_job, write_shipped  # lazy: per command (above)
+
     if args.all:
         for path in write_shipped():
             print(f"wrote {path.relative_to(REPO_ROOT)}")
@@ -214,10 +235,15 @@ def cmd_slurm_render(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from toolkit.plan import command as plan_command  # lazy: per command (above)
+
     return plan_command.run(args)
 
 
 def cmd_doctor(args) -> int:
+    from toolkit import doctor  # lazy: per command (above)
+    from toolkit.recipe import load_recipe  # lazy: per command (above)
+
     recipe = load_recipe(args.recipe, args.overrides) if args.recipe else None
     findings = doctor.run(recipe, nodes=args.nodes)
     print(json.dumps(doctor.as_json(findings), indent=2) if args.json else doctor.render(findings))
@@ -225,11 +251,16 @@ def cmd_doctor(args) -> int:
 
 
 def shipped_deepspeed_recipes() -> list[str]:
+    from toolkit.recipe import list_recipes, load_recipe  # lazy: per command (above)
+
     return [n for n in list_recipes() if load_recipe(n).parallel.backend == "deepspeed"]
 
 
 def render_ds_json(name: str) -> str:
     """The text of ds_configs/<name>.json: the recipe rendered for its own world size, for GPUs."""
+    from toolkit.adapters.deepspeed import build_ds_config  # lazy: per command (above)
+    from toolkit.recipe import load_recipe, resolve  # lazy: per command (above)
+
     return json.dumps(build_ds_config(resolve(load_recipe(name)), "cuda"), indent=2) + "\n"
 
 

@@ -4,13 +4,15 @@ relayout only renames or moves) are copied with os.copy_file_range (safetensors_
 never read into this process.
 
 Which bytes go where is not worked out by hand per rule: the conversion's own rules compute it. Each source tensor
-is stood in for by a small int64 "address" tensor of the same rows, whose every element names one block of the
+is stood in for by a small int64 "address" array (numpy: planning needs no torch, toolkit/checkpoint/copy_only.py)
+of the same rows, whose every element names one block of the
 real tensor's bytes (a row, or 1/B of a row where B is the lowest common multiple of the TP sizes, so column splits
 stay exact). The source's own merge (Megatron shards -> Hugging Face tensors) and the target's own split (the same
 target.writes the streaming path calls) run on the addresses; each output piece's addresses, read in row-major
-order, then list the source byte ranges that make it up. Padding rows that a rule creates (zeros) stay 0. Where an
-address tensor cannot go (a rule that checks values, such as the TP copies of a replicated tensor agreeing, or a
-shape the block does not divide), or where the ranges would be tiny (row-parallel splits leave one range per row,
+order, then list the source byte ranges that make it up. Padding rows that a rule creates (zeros) stay 0. The TP
+copies of a replicated tensor (a norm) are compared byte for byte first: equal, they get the same addresses, so the
+rule's own check that they agree passes; different, the rule refuses them, as it does their values. Where an
+address array cannot go (a shape the block does not divide), or where the ranges would be tiny (row-parallel splits leave one range per row,
 MIN_RANGE), the parameter takes the streaming path instead.
 
 Verification does not rely on this: the source-side hash is taken from the tensors the source hands out (on the
@@ -22,10 +24,11 @@ import math
 import os
 import threading
 
-import torch
+import numpy as np
 
 from toolkit.errors import ToolkitError
-from toolkit.families.rules import views
+from toolkit.families.rules import Replicated, views
+from toolkit.format.safetensors_stream import dtype_name
 
 ENABLED = os.environ.get("TOOLKIT_NO_COPY_RANGE", "") in ("", "0")
 """TOOLKIT_NO_COPY_RANGE=1 sends every byte through the streaming path (for comparing the two)."""
@@ -33,6 +36,7 @@ MIN_RANGE = 512
 """Below this average range size (bytes) a parameter takes the streaming path (a syscall per tiny range). Rows of
 row-parallel shards (1-6 KiB at 1.1B) are above it: copying them one range per row took less CPU time than the
 streaming path here (2.5 vs 5 s of system time for HF -> TP2 x PP2 at 1.1B)."""
+_COMPARE_BELOW = 64 * 2**20  # replicated copies up to this size are compared byte for byte (norms: KiB)
 _SHIFT = 40  # address = (input index + 1) << _SHIFT | block index; 0 is a padding block
 _PLANNING = threading.local()
 
@@ -44,20 +48,21 @@ def addressing() -> bool:
     return getattr(_PLANNING, "on", False)
 
 
-def plan(source, target, entry, field: str, cast: torch.dtype | None, weight: str = "weight"):
+def plan(source, target, entry, field: str, cast, weight: str = "weight", min_range: int | None = None):
     """[(writer, key, ranges)] that write this parameter's output tensors by copying source byte ranges, or None
-    when it must be read and written through memory."""
+    when it must be read and written through memory. `cast`: the weights' target dtype (torch's or a safetensors
+    name), None to keep the source's. `min_range`: see MIN_RANGE (its default)."""
     if not ENABLED or not getattr(target, "raw_bytes", False):
         return None
     spans = source.spans(entry.hf_names, field)
     if spans is None:
         return None
     inputs, merge = spans
-    dtypes = {r.dtype(k) for r, k in inputs}
+    dtypes = {r.dtype_name(k) for r, k in inputs}
     if len(dtypes) != 1:
         return None
     dtype = dtypes.pop()
-    if field == weight and cast is not None and cast != dtype:
+    if field == weight and cast is not None and dtype_name(cast) != dtype:
         return None  # a cast changes the bytes
     block = math.lcm(source.layout[0] if source.layout else 1, getattr(target, "layout", (1,))[0])
     addresses, units = [], set()
@@ -73,11 +78,13 @@ def plan(source, target, entry, field: str, cast: torch.dtype | None, weight: st
         if blocks == 0:
             return None
         units.add(reader.nbytes(key) // blocks)
-        addresses.append((torch.arange(blocks) + ((i + 1) << _SHIFT)).reshape(shape[0], per_row)
-                         if len(shape) == 2 else torch.arange(blocks) + ((i + 1) << _SHIFT))
+        ids = np.arange(blocks, dtype=np.int64) + ((i + 1) << _SHIFT)
+        addresses.append(ids.reshape(shape[0], per_row) if len(shape) == 2 else ids)
     if len(units) != 1:
         return None
     unit = units.pop()
+    if len(inputs) > 1 and isinstance(entry.rule, Replicated) and _same_bytes(inputs):
+        addresses = [addresses[0]] * len(inputs)
     try:
         with views():
             _PLANNING.on = True
@@ -95,37 +102,47 @@ def plan(source, target, entry, field: str, cast: torch.dtype | None, weight: st
             continue
         _, declared_dtype, size = writer.declared(key)
         ranges = _ranges(piece, inputs, unit)
-        if declared_dtype != dtype or sum(n for _, _, n in ranges) != size:
+        if dtype_name(declared_dtype) != dtype or sum(n for _, _, n in ranges) != size:
             return None
         out.append((writer, key, ranges))
         total, count = total + size, count + len(ranges)
-    if count and total / count < MIN_RANGE:
+    if count and total / count < (MIN_RANGE if min_range is None else min_range):
         return None
     return out
 
 
-def _ranges(piece: torch.Tensor, inputs, unit: int) -> list[tuple[int | None, int, int]]:
-    """The source byte ranges (fd, offset, count; None for zeros) that an address tensor's blocks, in row-major
-    order, make up, adjacent ones joined."""
-    ids = piece.reshape(-1)
-    if ids.numel() == 0:
+def _same_bytes(inputs) -> bool:
+    """Whether the (reader, key) tensors all hold the same bytes (small ones only: False above _COMPARE_BELOW)."""
+    first = None
+    for reader, key in inputs:
+        fd, offset, n = reader.span(key)
+        if n > _COMPARE_BELOW:
+            return False
+        data = os.pread(fd, n, offset)
+        if len(data) != n or (first is not None and data != first):
+            return False
+        first = data if first is None else first
+    return True
+
+
+def _ranges(piece, inputs, unit: int) -> list[tuple[int | None, int, int]]:
+    """The source byte ranges (fd, offset, count; None for zeros) that an address array's blocks, in row-major
+    order, make up, adjacent ones joined (also across inputs that lie back to back in one file). Vectorized: a
+    row-parallel split is one range per row, hundreds of thousands at 1B."""
+    ids = np.ascontiguousarray(piece).reshape(-1)
+    if ids.size == 0:
         return []
-    prev = torch.cat([ids.new_full((1,), -2), ids[:-1]])
+    prev = np.concatenate([np.full(1, -2, dtype=ids.dtype), ids[:-1]])
     joined = ((ids == prev + 1) & (prev != 0)) | ((ids == 0) & (prev == 0))
-    starts = (~joined).nonzero().flatten()
-    firsts, starts = ids[starts].tolist(), starts.tolist()
-    ends = starts[1:] + [ids.numel()]
-    out: list[tuple[int | None, int, int]] = []
-    for first, start, end in zip(firsts, starts, ends):
-        n = (end - start) * unit
-        if first == 0:
-            fd, offset = None, 0
-        else:
-            reader, key = inputs[(first >> _SHIFT) - 1]
-            fd, offset, _ = reader.span(key)
-            offset += (first & ((1 << _SHIFT) - 1)) * unit
-        if out and out[-1][0] == fd and (fd is None or out[-1][1] + out[-1][2] == offset):
-            out[-1] = (fd, out[-1][1], out[-1][2] + n)
-        else:
-            out.append((fd, offset, n))
-    return out
+    starts = np.flatnonzero(~joined)
+    firsts = ids[starts]
+    counts = np.diff(np.append(starts, ids.size)) * unit
+    spans = [reader.span(key) for reader, key in inputs]
+    which = firsts >> _SHIFT  # the input each range is from, 1-based; 0: zeros
+    fds = np.array([-1] + [fd for fd, _, _ in spans], dtype=np.int64)[which]
+    offsets = np.where(which == 0, 0, np.array([0] + [at for _, at, _ in spans], dtype=np.int64)[which]
+                       + (firsts & ((1 << _SHIFT) - 1)) * unit)
+    back_to_back = (fds[1:] == fds[:-1]) & ((fds[1:] == -1) | (offsets[1:] == offsets[:-1] + counts[:-1]))
+    first = np.flatnonzero(np.concatenate([[True], ~back_to_back]))
+    return [(None if fd < 0 else fd, at, n) for fd, at, n in
+            zip(fds[first].tolist(), offsets[first].tolist(), np.add.reduceat(counts, first).tolist())]

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from toolkit.errors import ToolkitError
 from toolkit.format import paths
 from toolkit.format import safetensors_stream as st
+
+if TYPE_CHECKING:
+    import torch
 
 
 class LazyHFState:
@@ -50,7 +52,7 @@ class LazyHFState:
 SHARD_BYTES = 5 * 2**30  # what save_pretrained uses by default
 
 
-def shard_layout(tensors: list[tuple[str, tuple, torch.dtype]], shard_bytes: int = SHARD_BYTES
+def shard_layout(tensors: list[tuple[str, tuple, torch.dtype | str]], shard_bytes: int = SHARD_BYTES
                  ) -> tuple[list[str], list[dict], int]:
     """How save_pretrained lays tensors (name, shape, dtype) out in files: (file names, [{name: (shape, dtype)}] per
     file, total bytes). A new file starts when the next tensor would take the current one past `shard_bytes`."""

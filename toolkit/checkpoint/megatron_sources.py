@@ -13,7 +13,9 @@ from toolkit.checkpoint.pt_ranges import FileRanges
 from toolkit.checkpoint.source_base import WEIGHT, Source, _ShardedSource
 from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import check_megatron_shards, iter_entries, raise_problems, rank_key
+from toolkit.families.rules import concat
 from toolkit.format.names import chunk_key, split_key
+from toolkit.format.safetensors_stream import dtype_name
 
 
 def vocab_needed(where: Path, args) -> str:
@@ -133,6 +135,9 @@ class _RankFile:
     def dtype(self, key: str) -> torch.dtype:
         return self._tensor(key).dtype
 
+    def dtype_name(self, key: str) -> str:
+        return dtype_name(self._tensor(key).dtype)
+
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._tensor(key).shape)
 
@@ -234,7 +239,7 @@ class TorchDistSource(Source):
                   sorted(pieces, key=lambda p: p[0][dim] if p[0] else 0)]
         if any(self._slices.span(key) is None for _, key in inputs):
             return None
-        return inputs, lambda slices: list(entry.to_hf([torch.cat(slices, dim) if len(slices) > 1 else slices[0]])
+        return inputs, lambda slices: list(entry.to_hf([concat(slices, dim) if len(slices) > 1 else slices[0]])
                                            .values())
 
     def close(self) -> None:
@@ -270,6 +275,9 @@ class _ChunkSlices:
 
     def dtype(self, key: tuple) -> torch.dtype:
         return self._r.dtype(key[0])
+
+    def dtype_name(self, key: tuple) -> str:
+        return dtype_name(self._r.dtype(key[0]))
 
     def shape(self, key: tuple) -> tuple[int, ...]:
         return key[3]

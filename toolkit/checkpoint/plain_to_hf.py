@@ -20,7 +20,7 @@ import torch
 from toolkit.checkpoint import output
 from toolkit.checkpoint.deepspeed_plain import PlainDeepSpeedSource, resolve_tag
 from toolkit.checkpoint.hf_io import shard_layout, write_index
-from toolkit.checkpoint.sources import TOKENIZER_FILES
+from toolkit.checkpoint.safetensors_sources import TOKENIZER_FILES
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
 from toolkit.families.registry import FAMILIES, dims_from_hf

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from toolkit.families.entries import iter_entries
 from toolkit.families.mapping import Dims
 from toolkit.families.registry import dims_from_hf
 from toolkit.format.names import chunk_key
+from toolkit.format.safetensors_stream import dtype_name
+
+if TYPE_CHECKING:
+    import torch
 
 WEIGHT = "weight"
 
@@ -40,6 +43,10 @@ class Source:
 
     def dtype(self) -> torch.dtype:
         raise NotImplementedError
+
+    def dtype_name(self) -> str:
+        """dtype() by its safetensors name (the sources of safetensors files answer without torch)."""
+        return dtype_name(self.dtype())
 
     def spans(self, hf_names: Sequence[str], field: str = WEIGHT):
         """Where the raw bytes behind read(hf_names, field) lie, for copying them file to file

@@ -231,7 +231,7 @@ class TorchDistTarget:
             if all(c.offsets != at.offset for c in chunks):  # once: byte_ranges.plan asks first, and on None the
                 chunks.append(self._md.ChunkStorageMetadata(at.offset, shape))  # streaming path asks again
             self._items.declare(at, tuple(shape), dtype)
-            out.append((self._items, at, compact(piece)))
+            out.append((self._items, at, piece if addressing() else compact(piece)))
         return out
 
     def close(self) -> None:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from toolkit.errors import Problem, ToolkitError
 from toolkit.families.mapping import Dims, ParamMap, check_dims
@@ -18,10 +16,13 @@ from toolkit.families.registry import family_named
 from toolkit.families.rules import Rule
 from toolkit.layout import first_stage, last_stage, layer_location, tied_output_is_stored
 
+if TYPE_CHECKING:
+    from torch import Tensor
+
 # Older transformers saved the RoPE frequencies as a buffer; it is derived from the config, never a weight.
 _DERIVED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 _MEGATRON_EXTRA_STATE = "._extra_state"  # Megatron's per-module metadata (None or BytesIO), not a tensor
-MegatronShards = dict[tuple[int, int], list[dict[str, Tensor]]]  # (pp_rank, tp_rank) -> one state dict per chunk
+MegatronShards = dict[tuple[int, int], list[dict[str, "Tensor"]]]  # (pp_rank, tp_rank) -> one state dict per chunk
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,8 @@ def megatron_to_hf(shards: Mapping[tuple[int, ...], Sequence[Mapping[str, Tensor
     entries = list(iter_entries(dims, pp, vpp, ep))
     raise_problems(f"the Megatron shards do not match the {dims.family} dims and layout",
                    check_megatron_shards(shards, entries, tp, pp, vpp, ep))
+    import torch  # lazy: the entries load torch-free (the byte planner walks them); whole state dicts need it
+
     hf_state: dict[str, Tensor] = {}
     for entry in (e for e in entries if e.reads_back):
         where = list(holders(entry, ep))
@@ -151,6 +154,8 @@ def _check_tied_lm_head(hf_state: Mapping[str, Tensor], dims: Dims) -> list[Prob
     lm_head, embed = hf_state.get("lm_head.weight"), hf_state.get("model.embed_tokens.weight")
     if not dims.tied or lm_head is None or embed is None or lm_head is embed:
         return []
+    import torch  # lazy: the entries load torch-free (the byte planner walks them); whole state dicts need it
+
     if lm_head.shape == embed.shape and torch.equal(lm_head, embed):
         return []
     return [Problem("lm_head.weight", "differs from model.embed_tokens.weight, yet dims.tied is true",

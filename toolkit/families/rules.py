@@ -20,6 +20,52 @@ def _torch():
     return torch
 
 
+class _NumpyOps:
+    """torch's functions that the rules use, for numpy arrays: the byte planner runs the rules on arrays of byte
+    addresses (toolkit/checkpoint/byte_ranges.py), so a conversion that only copies bytes never loads torch."""
+
+    @staticmethod
+    def cat(parts, dim):
+        import numpy  # lazy: only the byte planner's arrays come here
+
+        return numpy.concatenate(parts, axis=dim)
+
+    @staticmethod
+    def chunk(t, n, dim):  # the rules check n divides the dim first: equal pieces, as torch.chunk gives them
+        import numpy  # lazy: only the byte planner's arrays come here
+
+        return numpy.split(t, n, axis=dim)
+
+    @staticmethod
+    def split(t, sizes, dim):
+        import numpy  # lazy: only the byte planner's arrays come here
+
+        return numpy.split(t, numpy.cumsum(sizes)[:-1], axis=dim)
+
+    @staticmethod
+    def equal(a, b) -> bool:
+        import numpy  # lazy: only the byte planner's arrays come here
+
+        return a.shape == b.shape and bool(numpy.array_equal(a, b))
+
+    @staticmethod
+    def zeros(like, *shape):
+        import numpy  # lazy: only the byte planner's arrays come here
+
+        return numpy.zeros(shape, dtype=like.dtype)
+
+
+def _ops(t):
+    """The array functions for t: torch's, or _NumpyOps for the byte planner's numpy address arrays."""
+    return _NumpyOps if type(t).__module__ == "numpy" else _torch()
+
+
+def concat(parts: Sequence, dim: int):
+    """torch.cat of tensors, or numpy's concatenate of the byte planner's address arrays (a source's own merge of
+    its chunks, torch_dist's, runs on both)."""
+    return _ops(parts[0]).cat(list(parts), dim)
+
+
 class Rule(Protocol):
     """split(full, tp) gives one shard per TP rank; merge(shards) is its exact inverse. A rule that fuses several HF
     tensors names them in `parts`: split takes and merge gives them in that order, and the keyword mappings
@@ -60,14 +106,16 @@ def views():
 def _own(t: Tensor) -> Tensor:
     # Slices are views of the whole tensor, and torch.save writes a view's entire storage, so by default every
     # shard or merged tensor we hand out gets its own compact storage.
-    return t.clone(memory_format=_torch().contiguous_format) if _COMPACT.get() else t
+    if not _COMPACT.get():
+        return t
+    return t.copy() if _ops(t) is _NumpyOps else t.clone(memory_format=_torch().contiguous_format)
 
 
 def _cat(parts: Sequence[Tensor], dim: int) -> Tensor:
     """torch.cat of a merge's shards; of one shard (a TP = 1 source: torch_dist, a TP1 layout) that shard itself
     (owned, _own, unless views() are allowed), not a copy of it."""
     parts = list(parts)
-    return _own(parts[0]) if len(parts) == 1 else _torch().cat(parts, dim)
+    return _own(parts[0]) if len(parts) == 1 else _ops(parts[0]).cat(parts, dim)
 
 
 def _split_dim(full: Tensor, tp: int, dim: int, what: str) -> list[Tensor]:
@@ -75,7 +123,7 @@ def _split_dim(full: Tensor, tp: int, dim: int, what: str) -> list[Tensor]:
         raise ToolkitError(f"{what}: cannot split dim {dim} of a tensor of shape {tuple(full.shape)} into tp = {tp} "
                            f"equal shards ({full.shape[dim]} is not divisible by {tp}); "
                            f"choose a tensor-parallel size that divides {full.shape[dim]}")
-    return [_own(piece) for piece in _torch().chunk(full, tp, dim)]
+    return [_own(piece) for piece in _ops(full).chunk(full, tp, dim)]
 
 
 @dataclass(frozen=True)
@@ -92,7 +140,7 @@ class Replicated:
 
     def merge(self, shards: Sequence[Tensor]) -> Tensor:
         for rank, shard in enumerate(shards[1:], 1):
-            if not _torch().equal(shard, shards[0]):
+            if not _ops(shard).equal(shard, shards[0]):
                 raise ToolkitError(f"replicated tensor differs between tp rank 0 and tp rank {rank}; the ranks of "
                                    "this checkpoint are out of sync: check it was saved from one consistent step")
         return shards[0]
@@ -143,8 +191,10 @@ class VocabParallel:
         if full.shape[0] != self.true_vocab or self.padded_vocab < self.true_vocab:
             raise ToolkitError(f"vocab-parallel weight has {full.shape[0]} rows; expected vocab {self.true_vocab} "
                                f"padded to {self.padded_vocab}: make the model's vocab_size match the checkpoint")
-        padding = full.new_zeros(self.padded_vocab - self.true_vocab, *full.shape[1:])
-        return _split_dim(_torch().cat([full, padding], 0), tp, 0, "vocab-parallel weight")
+        ops = _ops(full)
+        padding = (ops.zeros(full, self.padded_vocab - self.true_vocab, *full.shape[1:]) if ops is _NumpyOps
+                   else full.new_zeros(self.padded_vocab - self.true_vocab, *full.shape[1:]))
+        return _split_dim(ops.cat([full, padding], 0), tp, 0, "vocab-parallel weight")
 
     def shard_shape(self, hf_shapes, tp: int) -> tuple[int, ...]:
         return _divided((self.padded_vocab, *hf_shapes[0][1:]), 0, tp, "vocab-parallel weight")
@@ -188,7 +238,7 @@ class QKV:
             raise ToolkitError(f"q/k/v have {[t.shape[0] for t in full]} rows, expected {[e[0] for e in expected]} "
                                f"for {self.num_heads} heads, {g} kv heads of size {d}: check the model config")
         tail = q.shape[1:]
-        grouped = _torch().cat([q.reshape(g, -1, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], 1)
+        grouped = _ops(q).cat([q.reshape(g, -1, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], 1)
         return _split_dim(grouped.reshape(-1, *tail), tp, 0, "linear_qkv weight")
 
     def shard_shape(self, hf_shapes, tp: int) -> tuple[int, ...]:
@@ -204,7 +254,7 @@ class QKV:
             raise ToolkitError(f"linear_qkv shards add up to {full.shape[0]} rows, expected "
                                f"({self.num_heads} + 2 x {g}) x {d} = {(per_group + 2) * g * d}: check the dims")
         tail = full.shape[1:]
-        q, k, v = _torch().split(full.reshape(g, (per_group + 2) * d, *tail), [per_group * d, d, d], 1)
+        q, k, v = _ops(full).split(full.reshape(g, (per_group + 2) * d, *tail), [per_group * d, d, d], 1)
         return tuple(_own(t.reshape(-1, *tail)) for t in (q, k, v))
 
 
@@ -217,7 +267,7 @@ class GatedMLP:
     def split(self, full: tuple[Tensor, Tensor], tp: int) -> list[Tensor]:
         gate, up = full
         gates, ups = _split_dim(gate, tp, 0, "gate_proj weight"), _split_dim(up, tp, 0, "up_proj weight")
-        return [_torch().cat([g, u], 0) for g, u in zip(gates, ups)]
+        return [_ops(g).cat([g, u], 0) for g, u in zip(gates, ups)]
 
     def shard_shape(self, hf_shapes, tp: int) -> tuple[int, ...]:
         gate = _divided(tuple(hf_shapes[0]), 0, tp, "gate_proj weight")
@@ -227,5 +277,5 @@ class GatedMLP:
         if any(shard.shape[0] % 2 for shard in shards):
             raise ToolkitError(f"linear_fc1 shards have {[s.shape[0] for s in shards]} rows; each must hold equal "
                                "gate and up halves: this is not a gated-MLP (SwiGLU) checkpoint")
-        halves = [_torch().chunk(shard, 2, 0) for shard in shards]
+        halves = [_ops(shard).chunk(shard, 2, 0) for shard in shards]
         return _cat([h[0] for h in halves], 0), _cat([h[1] for h in halves], 0)

@@ -36,6 +36,12 @@ try:
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 except (OSError, AttributeError):  # not Linux
     _sync_file_range = None
+try:
+    _pwritev = ctypes.CDLL(None, use_errno=True).pwritev  # libc's: its iovec array comes from numpy in one piece
+    _pwritev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    _pwritev.restype = ctypes.c_ssize_t
+except (OSError, AttributeError):  # no pwritev in this C library: range by range instead
+    _pwritev = None
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -44,18 +50,20 @@ def copy_ranges(out: int, at: int, ranges: list[tuple[int | None, int, int]]) ->
     into `out` from byte `at`: file to file in the kernel (os.copy_file_range), by pwritev from read-only maps where
     the ranges are small (_gather: a row-parallel shard is one range per row), or through a bounded buffer where the
     kernel cannot copy them. Returns the bytes sent each way: (kernel, gathered, user)."""
-    copies = []
+    pieces = []  # (src fd, src offset, dst offset, count) of the ranges from files
     for fd, offset, n in ranges:
         if fd is None:
             zeros = bytes(min(n, _CHUNK))
             for done in range(0, n, len(zeros)):
                 pwrite_all(out, memoryview(zeros)[:min(len(zeros), n - done)], at + done)
         else:
-            copies += [(fd, offset + d, at + d, min(_COPY_CHUNK, n - d)) for d in range(0, n, _COPY_CHUNK)]
+            pieces.append((fd, offset, at, n))
         at += n
-    total = sum(c[-1] for c in copies)
-    if len(copies) > 1 and total < GATHER_BELOW * len(copies) and _gather(out, copies):
+    total = sum(p[-1] for p in pieces)
+    if len(pieces) > 1 and total < GATHER_BELOW * len(pieces) and _gather(out, pieces):
         return 0, total, 0
+    copies = [(fd, offset + d, to + d, min(_COPY_CHUNK, n - d)) for fd, offset, to, n in pieces
+              for d in range(0, n, _COPY_CHUNK)]
     kernel = sum(_run_copies(out, copies))
     return kernel, 0, total - kernel
 
@@ -85,57 +93,73 @@ def _run_copies(dst: int, copies: list[tuple[int, int, int, int]]) -> list[int]:
 
 
 def _gather(dst: int, copies: list[tuple[int, int, int, int]]) -> bool:
-    """Write (src fd, src offset, dst offset, count) copies into dst by pwritev from read-only maps of the sources,
-    in batches on the copy threads; False, with nothing written, where a source cannot be mapped. Sizes are checked
-    first: a map read past a file's end would fault, so a source truncated after it was opened is one line."""
-    maps: dict[int, tuple[mmap.mmap, int]] = {}
-    spans: dict[int, tuple[int, int]] = {}  # each source's lowest and highest byte copied
-    for fd, offset, _, n in copies:
-        lo, hi = spans.get(fd, (offset, offset + n))
-        spans[fd] = (min(lo, offset), max(hi, offset + n))
+    """Write (src fd, src offset, dst offset, count) copies into dst by pwritev from read-only maps of the sources:
+    one call per _IOV_MAX dst-contiguous copies, the iovecs built by numpy, not per copy in Python (0.3 against 1.0 s
+    of CPU for 160,000 copies of 2 KiB here), in batches on the copy threads. False, with nothing written, where a
+    source cannot be mapped or there is no pwritev to call. Sizes are checked first: a map read past a file's end
+    would fault, so a source truncated after it was opened is one line."""
+    import numpy as np  # lazy: only the pwritev path needs it
+
+    if _pwritev is None:
+        return False
+    table = np.array(copies, dtype=np.int64).reshape(-1, 4)
+    fds, offsets, to, sizes = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
+    maps: list = []
     try:
-        for fd, (lo, hi) in spans.items():
+        bases = np.empty(len(table), dtype=np.uint64)
+        for fd in np.unique(fds).tolist():
+            mine = fds == fd
+            lo, hi = int(offsets[mine].min()), int((offsets[mine] + sizes[mine]).max())
             if os.fstat(fd).st_size < hi:
                 raise ToolkitError(f"the file being copied from ends before byte {hi}: it was truncated while "
                                    "converting; re-copy it")
             start = lo - lo % mmap.ALLOCATIONGRANULARITY
             try:
-                maps[fd] = (mmap.mmap(fd, hi - start, access=mmap.ACCESS_READ, offset=start), start)
+                m = mmap.mmap(fd, hi - start, access=mmap.ACCESS_READ, offset=start)
             except (OSError, ValueError):  # not a regular file, or a file system that cannot map it
                 return False
-        batches, size = [[]], 0
-        for c in copies:
-            last = batches[-1][-1] if batches[-1] else None
-            if last is not None and (size >= _COPY_CHUNK or len(batches[-1]) >= _IOV_MAX or last[2] + last[3] != c[2]):
-                batches.append([])
-                size = 0
-            batches[-1].append(c)
-            size += c[3]
-        _in_pool([lambda b=b: _pwritev_all(dst, b, maps) for b in batches])
+            maps.append([m, np.frombuffer(m, dtype=np.uint8)])
+            bases[mine] = maps[-1][1].ctypes.data + (offsets[mine] - start).astype(np.uint64)
+        iov = np.empty((len(table), 2), dtype=np.uint64)  # struct iovec {void *base; size_t len;}, in order
+        iov[:, 0], iov[:, 1] = bases, sizes
+        ends = np.cumsum(sizes)
+        runs = [0, *(np.flatnonzero(to[1:] != to[:-1] + sizes[:-1]) + 1).tolist(), len(table)]
+        batches = []  # dst-contiguous, at most _IOV_MAX copies and about _COPY_CHUNK bytes each
+        for first, stop in zip(runs, runs[1:]):
+            i = first
+            while i < stop:
+                room = int(np.searchsorted(ends, (int(ends[i - 1]) if i else 0) + _COPY_CHUNK, side="right"))
+                batches.append((i, max(i + 1, min(i + _IOV_MAX, stop, room))))
+                i = batches[-1][1]
+        _in_pool([lambda i=i, j=j: _pwritev_all(dst, iov[i:j], int(to[i])) for i, j in batches])
         return True
     finally:
-        for m, _ in maps.values():
-            try:
-                m.close()
-            except BufferError:  # a view still held by a failed batch: the map goes with it
-                pass
+        for pair in maps:
+            pair[1] = None  # the array's hold on the map, released before it is closed
+            pair[0].close()
 
 
-def _pwritev_all(dst: int, batch: list[tuple[int, int, int, int]], maps: dict) -> None:
-    """One batch of dst-contiguous copies, written by pwritev (which releases the GIL) until every byte is."""
-    bases = {fd: (memoryview(m), start) for fd, (m, start) in maps.items()}
-    views = [bases[fd][0][off - bases[fd][1]:off - bases[fd][1] + n] for fd, off, _, n in batch]
-    at, i = batch[0][2], 0
-    while i < len(views):
-        got = os.pwritev(dst, views[i:i + _IOV_MAX], at)
-        if got <= 0:
+def _pwritev_all(dst: int, iov, at: int) -> None:
+    """One batch of iovecs (rows of an (n, 2) uint64 array), written by pwritev (ctypes releases the GIL) until
+    every byte is."""
+    import numpy as np  # lazy: only the pwritev path needs it
+
+    left = int(iov[:, 1].sum())
+    while left:
+        got = _pwritev(dst, iov.ctypes.data, len(iov), at)
+        if got < 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
+        if got == 0:
             raise ToolkitError(f"writing at byte {at} of the output wrote nothing: the disk may be full")
-        at += got
-        while i < len(views) and got >= len(views[i]):  # a short write: go on from the first byte not written
-            got -= len(views[i])
-            i += 1
-        if got:
-            views[i] = views[i][got:]
+        at, left = at + got, left - got
+        if left:  # a short write: go on from the first byte not written
+            ends = np.cumsum(iov[:, 1])
+            whole = int(np.searchsorted(ends, got, side="right"))  # the iovecs written whole
+            partial = got - (int(ends[whole - 1]) if whole else 0)  # the bytes written of the next one
+            iov = iov[whole:].copy()
+            iov[0, 0] += partial
+            iov[0, 1] -= partial
 
 
 def _in_pool(jobs: list) -> list:

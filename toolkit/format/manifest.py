@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import shutil
 from collections.abc import Iterable
@@ -28,6 +29,9 @@ from xxhash import xxh3_128
 
 from toolkit.errors import ToolkitError
 from toolkit.format import paths
+
+_WINDOW = 64 * 2**20  # hash_range maps this much of a file at a time
+_SLICE = 4 * 2**20  # and hashes it this much at a time
 
 SCHEMA_VERSION = 3
 DIGEST = "xxh3_128"
@@ -44,11 +48,50 @@ def new_hash(algorithm: str = DIGEST):
     return DIGESTS[algorithm]()
 
 
+def hash_range(fd: int, begin: int, end: int, into) -> None:
+    """Feed bytes [begin, end) of an open file to the hash object `into`, through read-only maps of 64 MiB windows:
+    no copy into a buffer (0.4 s for 2 GiB in the page cache here, against 0.4-1.1 s by reads into a buffer, whose
+    fresh pages this VM is slow to hand out). Each window's end is checked against the file's size first (a map read
+    past the end would fault). Falls back to positioned reads where a map cannot be made."""
+    at = begin
+    while at < end:
+        start = at - at % mmap.ALLOCATIONGRANULARITY
+        stop = min(end, start + _WINDOW)
+        if os.fstat(fd).st_size < stop:
+            raise ToolkitError(f"a file being hashed ends before byte {stop}: it was truncated while being read")
+        try:
+            m = mmap.mmap(fd, stop - start, access=mmap.ACCESS_READ, offset=start)
+        except (OSError, ValueError):  # a file system that cannot map it
+            _read_range(fd, at, end, into)
+            return
+        with m:
+            view = memoryview(m)
+            try:
+                for k in range(at - start, stop - start, _SLICE):  # XXH3 holds the GIL: ~0.25 ms a slice
+                    into.update(view[k:min(k + _SLICE, stop - start)])
+            finally:
+                view.release()
+        at = stop
+
+
+def _read_range(fd: int, at: int, end: int, into) -> None:
+    buf = memoryview(bytearray(min(_SLICE, end - at)))
+    while at < end:
+        got = os.preadv(fd, [buf[:min(len(buf), end - at)]], at)
+        if got <= 0:
+            raise ToolkitError(f"a file being hashed ended at byte {at}, before {end}: it was truncated while being "
+                               "read")
+        into.update(buf[:got])
+        at += got
+
+
 def file_entry(path: Path, fsync: bool = False, algorithm: str = DIGEST) -> dict:
     """{"bytes", algorithm: hex digest} of one file; with fsync=True its data is also forced to disk (a rank's own
     files, before the checkpoint may be declared complete)."""
     with path.open("rb") as f:
-        digest = hashlib.file_digest(f, DIGESTS[algorithm]).hexdigest()
+        digest = new_hash(algorithm)
+        hash_range(f.fileno(), 0, os.fstat(f.fileno()).st_size, digest)
+        digest = digest.hexdigest()
         if fsync:
             os.fsync(f.fileno())
         return {"bytes": os.fstat(f.fileno()).st_size, algorithm: digest}

@@ -18,17 +18,20 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from toolkit.errors import ToolkitError
 from toolkit.format import manifest
+
+if TYPE_CHECKING:
+    import torch
 from toolkit.format.file_copy import copy_ranges, pwrite_all, start_writeback
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
-_NAMES = {v: k for k, v in _DTYPES.items()}
+_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+"""The dtypes read and written, by their safetensors names, with their element sizes. Headers are read, laid out
+and checked by these names alone, without torch (the copy-only conversion never imports it,
+toolkit/checkpoint/copy_only.py); torch dtypes are mapped to them where tensors are made or written."""
+_BY_TORCH: dict = {}  # torch dtype -> name, filled on first use (by then torch is loaded)
 _ALIGN = 8  # header padded so the data starts 8-byte aligned, as the reference writer does
 _MAX_HEADER = 100 * 2**20
 _CHUNK = 16 * 2**20  # the bounded buffer of the user-space copy (when copy_file_range cannot be used)
@@ -50,18 +53,37 @@ def mapped() -> Iterator[None]:
         _mapping.on = before
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    if dtype not in _NAMES:
-        raise ToolkitError(f"dtype {dtype} cannot be stored in safetensors by this toolkit (supported: "
-                           f"{', '.join(str(d) for d in _NAMES)})")
-    return _NAMES[dtype]
+TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+"""Each safetensors dtype name's torch name (as config.json's torch_dtype gives it)."""
 
 
-def nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name."""
+    import torch  # lazy: only where tensors are made; headers need no torch
+
+    return getattr(torch, TORCH_NAMES[name])
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """The safetensors name of a torch dtype (a name is returned as it is, once checked)."""
+    if isinstance(dtype, str):
+        if dtype not in _SIZES:
+            raise ToolkitError(f"dtype {dtype!r} is not one this toolkit stores in safetensors ({', '.join(_SIZES)})")
+        return dtype
+    if not _BY_TORCH:
+        _BY_TORCH.update({torch_dtype(name): name for name in _SIZES})
+    if dtype in _BY_TORCH:
+        return _BY_TORCH[dtype]
+    raise ToolkitError(f"dtype {dtype} cannot be stored in safetensors by this toolkit (supported: "
+                       f"{', '.join(str(torch_dtype(n)) for n in _SIZES)})")
+
+
+def nbytes(shape: Iterable[int], dtype: torch.dtype | str) -> int:
     n = 1
     for d in shape:
         n *= int(d)
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n * _SIZES[dtype_name(dtype)]
 
 
 class Reader:
@@ -97,7 +119,7 @@ class Reader:
         for name, info in self._info.items():
             if not isinstance(info, dict):
                 self._fail(f"describes {name} as {info!r}, not a tensor")
-            if info.get("dtype") not in _DTYPES:
+            if info.get("dtype") not in _SIZES:
                 self._fail(f"stores {name} as {info.get('dtype')!r}, a dtype this toolkit does not read")
             shape, offsets = info.get("shape"), info.get("data_offsets")
             if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
@@ -113,7 +135,7 @@ class Reader:
             info = self._info[name]
             if not 0 <= begin <= stop:
                 self._fail(f"gives {name} the byte range [{begin}, {stop}), which is not a range")
-            if stop - begin != nbytes(info["shape"], _DTYPES[info["dtype"]]):
+            if stop - begin != nbytes(info["shape"], info["dtype"]):
                 self._fail(f"gives {name} {stop - begin} bytes for shape {info['shape']} {info['dtype']}")
         at, previous = 0, None
         for begin, stop, name in sorted(spans):
@@ -139,7 +161,11 @@ class Reader:
         return tuple(self._info[name]["shape"])
 
     def dtype(self, name: str) -> torch.dtype:
-        return _DTYPES[self._info[name]["dtype"]]
+        return torch_dtype(self._info[name]["dtype"])
+
+    def dtype_name(self, name: str) -> str:
+        """The tensor's safetensors dtype name (no torch needed)."""
+        return self._info[name]["dtype"]
 
     def nbytes(self, name: str) -> int:
         begin, stop = self._info[name]["data_offsets"]
@@ -151,6 +177,8 @@ class Reader:
         return self._f.fileno(), self._base + begin, stop - begin
 
     def get(self, name: str) -> torch.Tensor:
+        import torch  # lazy: reading a header needs no torch (the copy-only conversion never imports it)
+
         if name not in self._info:
             raise ToolkitError(f"{self.path} has no tensor {name!r}: the checkpoint is incomplete or of another "
                                "model or layout")
@@ -168,6 +196,8 @@ class Reader:
         return out.view(self.dtype(name)).reshape(self.shape(name))
 
     def _map(self, name: str, at: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        import torch  # lazy: reading a header needs no torch (the copy-only conversion never imports it)
+
         if os.fstat(self._f.fileno()).st_size < at + n:  # a map past the end would fault when touched
             raise ToolkitError(f"{self.path}: short read of {name}: the file was truncated while converting")
         start = at - at % mmap.ALLOCATIONGRANULARITY
@@ -191,7 +221,7 @@ class Writer:
     offsets; close() checks every one was written and flushes the file to disk. Writing in the declared order is
     fastest: the file then grows by appends (filling a pre-sized sparse file was 10x slower on ext4 here)."""
 
-    def __init__(self, path: str | Path, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    def __init__(self, path: str | Path, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype | str]],
                  metadata: Mapping[str, str] | None = None):
         self.path = Path(path)
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
@@ -205,16 +235,17 @@ class Writer:
         self._base, self._header, self._pending, self._size = 8 + len(raw), header, set(specs), 8 + len(raw) + offset
         self.kernel_bytes = self.gathered_bytes = self.user_bytes = 0  # write_ranges': copy_file_range, pwritev, buffer
         self._order, self._next, self._frontier = list(specs), 0, self._base  # bytes [0, _frontier) are all written
+        self._lock = threading.Lock()  # writes of different tensors may come from several threads at once
         self._hash, self._hashed = None, 0
         self._f = self.path.open("w+b")  # read too: track_hash reads the written bytes back
         self._f.write(struct.pack("<Q", len(raw)) + raw)
         self._f.flush()
 
-    def declared(self, name: str) -> tuple[tuple[int, ...], torch.dtype, int]:
-        """(shape, dtype, byte count) of a declared tensor."""
+    def declared(self, name: str) -> tuple[tuple[int, ...], str, int]:
+        """(shape, safetensors dtype name, byte count) of a declared tensor."""
         info = self._header[name]
         begin, stop = info["data_offsets"]
-        return tuple(info["shape"]), _DTYPES[info["dtype"]], stop - begin
+        return tuple(info["shape"]), info["dtype"], stop - begin
 
     def track_hash(self, algorithm: str = manifest.DIGEST) -> None:
         """Hash the file as it is written: catch_up() (on any one thread) hashes the bytes written so far in file
@@ -229,16 +260,14 @@ class Writer:
         """Hash what was written since the last call, up to the first tensor not yet written (one caller at a time)."""
         if self._hash is None or self._f.closed:
             return
-        frontier, buf = self._frontier, None
-        while self._hashed < frontier:
-            buf = buf or bytearray(min(_CHUNK // 4, frontier - self._hashed))
-            view = memoryview(buf)[:min(len(buf), frontier - self._hashed)]
-            got = os.preadv(self._f.fileno(), [view], self._hashed)
-            if got <= 0:
-                raise ToolkitError(f"{self.path} ended at {self._hashed} bytes while being hashed; expected "
-                                   f"{frontier}: it was truncated while converting")
-            self._hash.update(view[:got])  # XXH3 holds the GIL, but only ~0.25 ms for these 4 MiB
-            self._hashed += got
+        frontier = self._frontier
+        if self._hashed < frontier:
+            try:
+                manifest.hash_range(self._f.fileno(), self._hashed, frontier, self._hash)
+            except ToolkitError:
+                raise ToolkitError(f"{self.path} ended before byte {frontier} while being hashed: it was truncated "
+                                   "while converting") from None
+            self._hashed = frontier
 
     def manifest_entry(self) -> dict:
         """{"bytes", algorithm: hex digest} of the finished file, as manifest.file_entry would give it (after close)."""
@@ -246,16 +275,23 @@ class Writer:
             raise ToolkitError(f"{self.path}: not hashed to its end ({self._hashed} of {self._size} bytes)")
         return {"bytes": self._size, self._hash_name: self._hash.hexdigest()}
 
-    def _advance(self, name: str) -> None:
+    def _advance(self, name: str, kernel: int = 0, gathered: int = 0, user: int = 0) -> None:
+        with self._lock:
+            self.kernel_bytes, self.gathered_bytes = self.kernel_bytes + kernel, self.gathered_bytes + gathered
+            self.user_bytes += user
+            self._advance_locked(name)
+
+    def _advance_locked(self, name: str) -> None:
         self._pending.discard(name)
         while self._next < len(self._order) and self._order[self._next] not in self._pending:
             self._frontier = self._base + self._header[self._order[self._next]]["data_offsets"][1]
             self._next += 1
 
     def _take(self, name: str) -> dict:
-        info = self._header.get(name)
-        if info is None or name not in self._pending:
-            raise ToolkitError(f"{self.path}: {name!r} was {'already written' if info else 'not declared'}")
+        with self._lock:
+            info = self._header.get(name)
+            if info is None or name not in self._pending:
+                raise ToolkitError(f"{self.path}: {name!r} was {'already written' if info else 'not declared'}")
         return info
 
     def write(self, name: str, tensor: torch.Tensor) -> int:
@@ -264,6 +300,8 @@ class Writer:
         if list(tensor.shape) != info["shape"] or dtype_name(tensor.dtype) != info["dtype"]:
             raise ToolkitError(f"{self.path}: {name} is {tuple(tensor.shape)} {tensor.dtype}, declared "
                                f"{tuple(info['shape'])} {info['dtype']}")
+        import torch  # lazy: a Writer laid out and filled by byte ranges needs no torch
+
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         pwrite_all(self._f.fileno(), memoryview(data), self._base + info["data_offsets"][0])
         start_writeback(self._f.fileno(), self._base + info["data_offsets"][0], data.size)
@@ -280,6 +318,8 @@ class Writer:
             raise ToolkitError(f"{self.path}: {name} takes {stop - begin} bytes of {info['dtype']}, the pieces to "
                                f"write hold {sum(p.numel() * p.element_size() for p in pieces)} of "
                                f"{sorted({str(p.dtype) for p in pieces})}")
+        import torch  # lazy: a Writer laid out and filled by byte ranges needs no torch
+
         at = self._base + begin
         for p in pieces:
             data = p.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -300,10 +340,8 @@ class Writer:
                                f"{sum(n for _, _, n in ranges)}")
         out = self._f.fileno()
         kernel, gathered, user = copy_ranges(out, self._base + begin, ranges)
-        self.kernel_bytes, self.gathered_bytes = self.kernel_bytes + kernel, self.gathered_bytes + gathered
-        self.user_bytes += user
         start_writeback(out, self._base + begin, stop - begin)
-        self._advance(name)
+        self._advance(name, kernel, gathered, user)
         return stop - begin
 
     def close(self) -> None:

@@ -15,8 +15,8 @@ from pydantic import BaseModel, ValidationError
 from toolkit.errors import Problem, RecipeError
 from toolkit.recipe.presets import PRESETS, model_keys_from_hf_config, read_hf_config
 from toolkit.recipe.schema import Recipe
+from toolkit.repo import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPE_DIR = REPO_ROOT / "recipes"
 
 

@@ -1,0 +1,123 @@
+"""`toolkit convert --no-verify` between Hugging Face folders and the toolkit's Megatron layouts, as file-to-file
+copies, without loading torch.
+
+Such a conversion moves bytes and nothing else: every output tensor is byte ranges of the source files
+(toolkit/checkpoint/byte_ranges.py works out which, by running the family's own rules on numpy address arrays), and
+the files on both sides are safetensors, whose headers are JSON. So this path reads the headers, plans each
+parameter's ranges, and copies them in the kernel (os.copy_file_range, or pwritev from maps for row-sized ranges),
+through the same targets, write-behind thread, all-or-nothing output folder and source checksum check as the full
+path (toolkit/checkpoint/convert.py). Its output is byte-identical to the full path's. What it saves is the full
+path's fixed cost: importing torch took 1.3-1.8 s on the 2-core test machine, as long as copying 2 GiB
+(docs/performance.md).
+
+It takes a conversion only when nothing in it needs tensors: no verification, no dtype cast, no vocabulary
+change, weights only (a Hugging Face target, --weights-only, or a source without optimizer state), and a toolkit
+source that stores its Hugging Face config (conversions do; a training run's is made from its recipe, which needs
+transformers). Anything else, and anything unexpected in the source (a file that does not open, a tensor the
+rules cannot address, copies of a replicated tensor that differ), returns None before or while writing: the
+partial output is removed and the full path converts it, reporting any problem in its own words.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from toolkit.checkpoint import byte_ranges, output
+from toolkit.checkpoint.safetensors_sources import HFSource, ToolkitWeights, follow_pointer, stored_config
+from toolkit.checkpoint.source_base import WEIGHT, Source
+from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, report, writers
+from toolkit.checkpoint.targets import HFTarget, MegatronTarget
+from toolkit.errors import ToolkitError
+from toolkit.families.entries import iter_entries
+from toolkit.families.rules import views
+from toolkit.format import manifest
+from toolkit.format.names import META
+
+
+WRITERS = 3
+"""Parameters copied at once. Its targets' files (safetensors_stream.Writer) take concurrent writes; one thread
+left a core idle on the 2-core test machine, where a tensor of one range is one copy_file_range call."""
+
+
+class _NotByCopy(Exception):
+    """A parameter whose bytes are not source byte ranges: the full path converts this checkpoint."""
+
+
+def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1, vpp: int = 1,
+                    dtype: str | None = None, vocab_size: int | None = None, fp32: bool = False,
+                    weights_only: bool = False, overwrite: bool = False, verify: bool = True, dp: int | None = None,
+                    progress: bool = True, log=print, config: str | Path | None = None, verbose: bool = False,
+                    ep: int = 1) -> tuple[Path | None, bool]:
+    """convert.convert's conversion, made here when it only copies bytes (the module docstring): (DST, True), or
+    (None, whether it had begun: its "converting" line and the reason it stopped are printed) when the full path
+    must make it (nothing is left behind then)."""
+    if (not byte_ranges.ENABLED or verify or dtype is not None or vocab_size is not None or fp32 or dp is not None or config is not None
+            or to not in ("hf", "megatron") or (to == "hf" and (tp, pp, vpp, ep) != (1, 1, 1, 1))):
+        return None, False
+    src, dst = Path(src), Path(dst)
+    output.check_destination(src, dst, overwrite)  # the full path's first check: its refusals are the same
+    source = _open(src, weights_only or to == "hf")
+    if source is None:
+        return None, False
+    begun = False
+    try:
+        with output.scratch_folder(dst, "partial") as tmp, SourceCheck(source.unchecked) as check:
+            target = (HFTarget(tmp, source, None) if to == "hf"
+                      else MegatronTarget(tmp, source, tp, pp, vpp, None, True, ep))
+            manifest.require_space(dst.parent, target.total, manifest.free_bytes(tmp), str(dst),
+                                   "the tensors to write")
+            log(f"converting {source.describe()} at {src} -> {to}"
+                + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
+                + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write; file to file, torch-free)")
+            begun = True
+            _copy(source, target, pp, vpp, progress, log, verbose, check)
+            output.replace(tmp, dst)
+    except _NotByCopy as e:
+        log(f"{e}: converting through memory instead")
+        return None, begun
+    finally:
+        source.close()
+    return dst, True
+
+
+def _open(src: Path, weights_only: bool) -> Source | None:
+    """The source, when it is one this path reads (None otherwise, or when it does not open: the full path then
+    says why). Its checksums are left to check while converting (source.unchecked), as the full path does."""
+    if not src.is_dir() or src.is_symlink():
+        return None
+    try:
+        if (src / "config.json").is_file():
+            # a Hugging Face folder, not a DeepSpeed checkpoint with a config beside it (those hold pickles)
+            if any(src.glob("*.pt")) or any(src.glob("latest*")) or (src / "zero").exists():
+                return None
+            return HFSource(src)
+        tag = follow_pointer(src)
+        if not (tag / META).is_file() or manifest.verify(tag, False):
+            return None
+        meta = manifest.read_meta(tag)
+        stored = stored_config(meta)
+        if meta.get("backend") != "megatron" or meta.get("checkpoint_format") == "torch_dist" or stored is None:
+            return None
+        if not weights_only and (any(tag.glob("optim_*")) or any(tag.glob("distopt_*"))):
+            return None  # optimizer state to carry: its param groups and per-rank state need torch
+        source = ToolkitWeights(tag, meta, *stored, weights_only=True)
+        source.unchecked = tag
+        return source
+    except (ToolkitError, OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _copy(source: Source, target, pp: int, vpp: int, progress: bool, log, verbose: bool, check: SourceCheck) -> None:
+    t0 = time.monotonic()
+    bar = Progress(target.total, progress)
+    plan_s = 0.0
+    with views(), WriteBehind(bar, workers=writers(target)) as behind:
+        for entry in iter_entries(target.dims, pp, vpp, getattr(target, "ep", 1)):
+            t1 = time.monotonic()
+            copies = byte_ranges.plan(source, target, entry, WEIGHT, None, WEIGHT, min_range=0)
+            if copies is None:
+                raise _NotByCopy(f"{entry.megatron_name} is not a copy of source byte ranges")
+            plan_s += time.monotonic() - t1
+            behind.submit(copies)
+        check.wait()  # before the last writes are counted: a damaged source prints no "done" progress line
+    report(target, behind, t0, plan_s, 0.0, 0.0, log, verbose)
