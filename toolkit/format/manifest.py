@@ -29,6 +29,7 @@ from xxhash import xxh3_128
 
 from toolkit.errors import ToolkitError
 from toolkit.format import paths
+from toolkit.format.file_copy import read_map
 
 _WINDOW = 64 * 2**20  # hash_range maps this much of a file at a time
 _SLICE = 4 * 2**20  # and hashes it this much at a time
@@ -60,7 +61,7 @@ def hash_range(fd: int, begin: int, end: int, into) -> None:
         if os.fstat(fd).st_size < stop:
             raise ToolkitError(f"a file being hashed ends before byte {stop}: it was truncated while being read")
         try:
-            m = mmap.mmap(fd, stop - start, access=mmap.ACCESS_READ, offset=start)
+            m = read_map(fd, stop - start, start)
         except (OSError, ValueError):  # a file system that cannot map it
             _read_range(fd, at, end, into)
             return
