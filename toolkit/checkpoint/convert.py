@@ -17,6 +17,10 @@ files), merged to its Hugging Face tensors, split for the target and written at 
 peak memory is a few times the largest parameter, whatever the model size. The output is built in a hidden folder
 beside DST, verified, then renamed into place; an existing DST is replaced only with overwrite=True, and only
 once the new one is complete.
+
+A conversion that only moves bytes between safetensors layouts (`--no-verify`, no cast, weights only) is made by
+toolkit/checkpoint/copy_only.py without torch; convert() tries it first, and the `toolkit convert` command before
+it imports this module.
 """
 from __future__ import annotations
 

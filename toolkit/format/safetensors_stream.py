@@ -34,7 +34,6 @@ toolkit/checkpoint/copy_only.py); torch dtypes are mapped to them where tensors 
 _BY_TORCH: dict = {}  # torch dtype -> name, filled on first use (by then torch is loaded)
 _ALIGN = 8  # header padded so the data starts 8-byte aligned, as the reference writer does
 _MAX_HEADER = 100 * 2**20
-_CHUNK = 16 * 2**20  # the bounded buffer of the user-space copy (when copy_file_range cannot be used)
 _mapping = threading.local()
 
 
