@@ -29,9 +29,8 @@ from xxhash import xxh3_128
 
 from toolkit.errors import ToolkitError
 from toolkit.format import paths
-from toolkit.format.file_copy import read_map
 
-_WINDOW = 64 * 2**20  # hash_range maps this much of a file at a time
+_WINDOW = 8 * 2**20  # hash_range maps this much of a file at a time (its pages count as resident while mapped)
 _SLICE = 4 * 2**20  # and hashes it this much at a time
 
 SCHEMA_VERSION = 3
@@ -50,7 +49,7 @@ def new_hash(algorithm: str = DIGEST):
 
 
 def hash_range(fd: int, begin: int, end: int, into) -> None:
-    """Feed bytes [begin, end) of an open file to the hash object `into`, through read-only maps of 64 MiB windows:
+    """Feed bytes [begin, end) of an open file to the hash object `into`, through read-only maps of 8 MiB windows:
     no copy into a buffer (0.4 s for 2 GiB in the page cache here, against 0.4-1.1 s by reads into a buffer, whose
     fresh pages this VM is slow to hand out). Each window's end is checked against the file's size first (a map read
     past the end would fault). Falls back to positioned reads where a map cannot be made."""
@@ -61,7 +60,7 @@ def hash_range(fd: int, begin: int, end: int, into) -> None:
         if os.fstat(fd).st_size < stop:
             raise ToolkitError(f"a file being hashed ends before byte {stop}: it was truncated while being read")
         try:
-            m = read_map(fd, stop - start, start)
+            m = mmap.mmap(fd, stop - start, access=mmap.ACCESS_READ, offset=start)
         except (OSError, ValueError):  # a file system that cannot map it
             _read_range(fd, at, end, into)
             return
