@@ -12,8 +12,9 @@ target.writes the streaming path calls) run on the addresses; each output piece'
 order, then list the source byte ranges that make it up. Padding rows that a rule creates (zeros) stay 0. The TP
 copies of a replicated tensor (a norm) are compared byte for byte first: equal, they get the same addresses, so the
 rule's own check that they agree passes; different, the rule refuses them, as it does their values. Where an
-address array cannot go (a shape the block does not divide), or where the ranges would be tiny (row-parallel splits leave one range per row,
-MIN_RANGE), the parameter takes the streaming path instead.
+address array cannot go (a shape the block does not divide), or where the ranges would be tiny (row-parallel
+splits leave one range per row, MIN_RANGE; the torch-free path takes them anyway), the parameter takes the
+streaming path instead.
 
 Verification does not rely on this: the source-side hash is taken from the tensors the source hands out (on the
 logit check's reads), and the read-back hashes what is read from the written files.

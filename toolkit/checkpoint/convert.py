@@ -141,7 +141,8 @@ def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log,
     t0 = time.monotonic()
     bar = Progress(target.total, progress)
     read_s = split_s = 0.0
-    with views(), WriteBehind(bar, workers=writers(target)) as behind:  # pieces are written out at once: no compact copies needed
+    # pieces are written out at once: no compact copies needed
+    with views(), WriteBehind(bar, workers=writers(target)) as behind:
         for entry in iter_entries(target.dims, pp, vpp, getattr(target, "ep", 1)):
             for field in target.fields:
                 t1 = time.monotonic()

@@ -5,7 +5,7 @@ Such a conversion moves bytes and nothing else: every output tensor is byte rang
 (toolkit/checkpoint/byte_ranges.py works out which, by running the family's own rules on numpy address arrays), and
 the files on both sides are safetensors, whose headers are JSON. So this path reads the headers, plans each
 parameter's ranges, and copies them in the kernel (os.copy_file_range, or pwritev from maps for row-sized ranges),
-through the same targets, write-behind thread, all-or-nothing output folder and source checksum check as the full
+through the same targets, write-behind threads, all-or-nothing output folder and source checksum check as the full
 path (toolkit/checkpoint/convert.py). Its output is byte-identical to the full path's. What it saves is the full
 path's fixed cost: importing torch took 1.3-1.8 s on the 2-core test machine, as long as copying 2 GiB
 (docs/performance.md).
@@ -34,11 +34,6 @@ from toolkit.format import manifest
 from toolkit.format.names import META
 
 
-WRITERS = 3
-"""Parameters copied at once. Its targets' files (safetensors_stream.Writer) take concurrent writes; one thread
-left a core idle on the 2-core test machine, where a tensor of one range is one copy_file_range call."""
-
-
 class _NotByCopy(Exception):
     """A parameter whose bytes are not source byte ranges: the full path converts this checkpoint."""
 
@@ -51,8 +46,9 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
     """convert.convert's conversion, made here when it only copies bytes (the module docstring): (DST, True), or
     (None, whether it had begun: its "converting" line and the reason it stopped are printed) when the full path
     must make it (nothing is left behind then)."""
-    if (not byte_ranges.ENABLED or verify or dtype is not None or vocab_size is not None or fp32 or dp is not None or config is not None
-            or to not in ("hf", "megatron") or (to == "hf" and (tp, pp, vpp, ep) != (1, 1, 1, 1))):
+    if (not byte_ranges.ENABLED or verify or dtype is not None or vocab_size is not None or fp32 or dp is not None
+            or config is not None or to not in ("hf", "megatron")
+            or (to == "hf" and (tp, pp, vpp, ep) != (1, 1, 1, 1))):
         return None, False
     src, dst = Path(src), Path(dst)
     output.check_destination(src, dst, overwrite)  # the full path's first check: its refusals are the same
