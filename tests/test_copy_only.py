@@ -144,3 +144,15 @@ def test_replicated_copies_that_differ_are_refused_by_the_full_path_in_one_line(
     assert out.count("converting toolkit Megatron") == 1, out  # the copy path's line; the full path says no more
     assert "decoder.layers.1.input_layernorm.weight is not a copy of source byte ranges" in out
     assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_transformers_saved_copies_as_the_full_path_writes(tiny4l_hf_checkpoint, tmp_path):
+    """A Hugging Face folder from transformers' own save_pretrained (its config, its safetensors header and
+    metadata, generation_config.json) goes the torch-free way and comes out as the verified path writes it."""
+    quiet = dict(progress=False, log=lambda *_: None)
+    for to, kw in (("megatron", dict(tp=2, pp=2, vpp=2)), ("hf", {})):
+        copied, begun = copy_only.convert_by_copy(tiny4l_hf_checkpoint, tmp_path / f"copied_{to}", to,
+                                                  verify=False, **kw, **quiet)
+        assert (copied, begun) == (tmp_path / f"copied_{to}", True)
+        convert(tiny4l_hf_checkpoint, tmp_path / f"full_{to}", to, **kw, **quiet)  # verified
+        assert _files(tmp_path / f"copied_{to}") == _files(tmp_path / f"full_{to}")
