@@ -309,25 +309,6 @@ def test_megatron_lm_legacy_written_by_the_toolkit_loads_into_gptmodel_chunks(na
     _equal_to(convert_to_hf(out, tmp_path / "hf", vocab_size=VOCAB), native["tied"])
 
 
-def test_dcp_metadata_unpickler_allows_only_dcp_records(tmp_path):
-    """Fast, without Megatron: a `.metadata` naming any global outside DCP's records (here os.system) is refused
-    before it is called; DCP's own Metadata loads."""
-    import torch.distributed.checkpoint.metadata as md
-
-    from toolkit.format.safe_load import load_dcp_metadata
-
-    good = md.Metadata(state_dict_metadata={"w": md.TensorStorageMetadata(
-        md.TensorProperties(dtype=torch.bfloat16), torch.Size([2, 3]), [md.ChunkStorageMetadata(torch.Size([0, 0]),
-                                                                                               torch.Size([2, 3]))])})
-    (tmp_path / "good").write_bytes(pickle.dumps(good))
-    assert load_dcp_metadata(tmp_path / "good").state_dict_metadata["w"].properties.dtype == torch.bfloat16
-    good.planner_data = _Payload(tmp_path / "pwned")
-    (tmp_path / "bad").write_bytes(pickle.dumps(good))
-    with pytest.raises(ToolkitError, match=r"holds a pickled posix\.system, .* refused rather than unpickled"):
-        load_dcp_metadata(tmp_path / "bad")
-    assert not (tmp_path / "pwned").exists()
-
-
 def _optim_by_name(tag):
     """{local-spec name:field: tensor} of a toolkit Megatron checkpoint at TP1 x PP1, and its optimizer metadata."""
     from toolkit.format import safetensors_stream as st

@@ -99,6 +99,7 @@ class MegatronLMTarget:
     (`distrib_optim.pt`, toolkit/checkpoint/megatron_lm_optim.py) when the source carries a Megatron optimizer's."""
 
     raw_bytes = True  # weights whose bytes are source byte ranges are copied in (byte_ranges.plan, write_ranges)
+    concurrent_writes = True  # rank files are written in place (pt_skeleton); a stage's end is a barrier (WriteBehind)
 
     def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None, ep: int = 1,
                  weights_only: bool = False):

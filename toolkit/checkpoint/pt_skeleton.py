@@ -13,6 +13,7 @@ the records' CRC-32, which skip_data leaves those of the empty records (as in sa
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,6 +85,7 @@ class Skeleton:
         self._put: set[tuple[int, int]] = set()
         self._fd = os.open(self.path, os.O_RDWR)
         self.kernel_bytes = self.gathered_bytes = self.user_bytes = 0  # how write_ranges' bytes went
+        self._lock = threading.Lock()
 
     def write(self, tensor: torch.Tensor, data: torch.Tensor) -> int:
         """put(tensor, data); returns the byte count (a write of convert's write-behind thread: `w.write(k, t)`)."""
@@ -102,8 +104,9 @@ class Skeleton:
             raise RuntimeError(f"internal: {size} bytes for a tensor of {self.path}, {sum(n for _, _, n in ranges)} "
                                "in the ranges")
         kernel, gathered, user = copy_ranges(self._fd, self._offset[key], ranges)
-        self.kernel_bytes, self.gathered_bytes = self.kernel_bytes + kernel, self.gathered_bytes + gathered
-        self.user_bytes += user
+        with self._lock:  # the write-behind threads may fill two tensors of this file at once
+            self.kernel_bytes, self.gathered_bytes = self.kernel_bytes + kernel, self.gathered_bytes + gathered
+            self.user_bytes += user
         start_writeback(self._fd, self._offset[key], size)
         self._put.add(key)
         return size

@@ -36,7 +36,7 @@ class Progress:
 
 WRITERS = 2
 """Parameters written at once into a target whose files take concurrent writes (`concurrent_writes`: the
-safetensors targets). With one, copying HF -> TP2 x PP2 at 1.1B left a core idle on the 2-core test machine (a
+safetensors targets and Megatron-LM's rank files). With one, copying HF -> TP2 x PP2 at 1.1B left a core idle on the 2-core test machine (a
 tensor of one byte range is one copy_file_range call): 2.7 s against 2.2 s with two (docs/performance.md)."""
 
 
@@ -48,8 +48,10 @@ def writers(target) -> int:
 class WriteBehind:
     """Writes run on `workers` background threads (pwrite and copy_file_range release the GIL) while the next
     parameter is read and split. At most `depth` parameters wait to be written, so memory stays a few parameters'
-    worth. With one worker, writes happen in submission order (a Megatron-LM target's stage ends rely on it); more
-    workers need writers that take concurrent writes (safetensors_stream.Writer). `seconds` is the time from the
+    worth. More than one worker needs writers that take concurrent writes (`concurrent_writes`). A write whose key
+    and value are None is a barrier (a Megatron-LM target's stage end, which finishes the stage's files): the
+    parameter holding it is written on the calling thread once every write before it has finished, and nothing
+    after it starts before it is done. `seconds` is the time from the
     first write's start to the last one's end. Files that hash themselves as they are written (Writer.track_hash) are
     caught up on another thread after each write, overlapped with the next ones."""
 
@@ -61,9 +63,13 @@ class WriteBehind:
         self._first = self._last = None
 
     def submit(self, writes: list) -> None:
-        while len(self.pending) >= self.depth:
+        barrier = any(k is None and t is None for _, k, t in writes)
+        while self.pending and (barrier or len(self.pending) >= self.depth):
             self.bar.add(self.pending.pop(0).result())
-        self.pending.append(self.pool.submit(self._run, writes))
+        if barrier:
+            self.bar.add(self._run(writes))
+        else:
+            self.pending.append(self.pool.submit(self._run, writes))
 
     def _run(self, writes: list) -> int:
         t0 = time.monotonic()

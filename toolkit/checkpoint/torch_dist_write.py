@@ -1,10 +1,10 @@
 """Writing Megatron-Core `torch_dist` checkpoints (`toolkit convert --to torch_dist`), one tensor at a time.
 
 Output: <dst>/latest_checkpointed_iteration.txt and <dst>/iter_XXXXXXX/ with metadata.json, common.pt (a
-Megatron-LM-style args Namespace for the target TP x PP x VPP, iteration, checkpoint_version), one `__0_0.distcp`
-file and torch DCP's `.metadata`. The tensors are Megatron-Core's sharded keys (layers stacked on a leading axis,
-one chunk per layer, the full TP = 1 tensor, Transformer Engine names for the per-layer norms, `_extra_state`
-objects as Megatron's local spec saves them), so Megatron-Core's `dist_checkpointing.load` reshards it onto any
+Megatron-LM-style args Namespace for the target TP x PP x VPP, iteration, checkpoint_version), two item files
+`__0_0.distcp` and `__0_1.distcp` (ITEM_FILES) and torch DCP's `.metadata`. The tensors are Megatron-Core's sharded
+keys (layers stacked on a leading axis, one chunk per layer, the full TP = 1 tensor, Transformer Engine names for
+the per-layer norms, `_extra_state` objects as Megatron's local spec saves them), so Megatron-Core's `dist_checkpointing.load` reshards it onto any
 TP x PP x VPP at load time; the TP x PP x VPP given only fixes the vocabulary padding and the args.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import math
 import os
 import pickle
+import threading
 from pathlib import Path
 
 import torch
@@ -33,6 +34,10 @@ WEIGHT = "weight"
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 """The layer modules whose `_extra_state` Megatron-Core's sharded_state_dict lists (one object per layer)."""
 _LOCAL_TO_TE = {local: te for te, local in TE_NORM_NAMES.items()}
+ITEM_FILES = 2
+"""The .distcp files the items are spread over, parameter by parameter, and written at once by convert's two
+write-behind threads (one file's writes queue on its inode lock). Megatron-Core's own save writes two per rank too
+(its torch_dist strategy's default thread_count)."""
 
 
 def sharded_key(local_name: str) -> str:
@@ -44,18 +49,20 @@ def sharded_key(local_name: str) -> str:
 
 
 class _ItemFile:
-    """The one .distcp file: each item is a torch.save of one chunk, appended straight into the file (a standalone
-    zip, as torch's own FileSystemWriter writes it); its byte range is recorded, and the kernel is asked to start
-    writing it to disk at once. An item whose bytes are byte ranges of the source files (byte_ranges.plan) is
-    written as the bytes torch.save puts around such a tensor (skip_data, kept per shape and dtype) with the tensor's
-    bytes copied file to file in between (write_ranges). As in save_pool.save_ranges, those items' zip records carry
-    the CRC-32 of the skipped bytes, which torch.load (and so dist_checkpointing.load) does not check."""
+    """One .distcp file: each item is a torch.save of one chunk, a standalone zip as torch's own FileSystemWriter
+    writes it; its byte range is recorded, and the kernel is asked to start writing it to disk at once. An item whose
+    bytes are byte ranges of the source files (byte_ranges.plan) is written as the bytes torch.save puts around such
+    a tensor (skip_data, kept per shape and dtype) with the tensor's bytes copied file to file in between
+    (write_ranges). As in save_pool.save_ranges, those items' zip records carry the CRC-32 of the skipped bytes, which
+    torch.load (and so dist_checkpointing.load) does not check. Takes writes from several threads at once: an item's
+    bytes are reserved under a lock, then written in place."""
 
     def __init__(self, path: Path):
         self.path, self.f = path, open(path, "wb")
         self.where: dict = {}
         self._declared: dict = {}  # chunk index -> (shape, dtype) of the tensor it will hold
         self.kernel_bytes = self.gathered_bytes = self.user_bytes = 0
+        self._lock, self._end = threading.Lock(), 0  # the end of the bytes reserved so far
 
     def declare(self, index, shape: tuple, dtype: torch.dtype) -> None:
         self._declared[index] = (tuple(shape), dtype)
@@ -65,10 +72,14 @@ class _ItemFile:
         return shape, dtype, math.prod(shape) * dtype.itemsize
 
     def write(self, index, tensor_or_bytes) -> int:
-        start = self.f.tell()
-        torch.save(tensor_or_bytes if isinstance(tensor_or_bytes, torch.Tensor) else [tensor_or_bytes], self.f)
-        self.f.flush()
-        return self._record(index, start, self.f.tell() - start)
+        with self._lock:  # torch.save writes through the file object: its bytes are reserved as they are written
+            self.f.seek(self._end)
+            start = self._end
+            torch.save(tensor_or_bytes if isinstance(tensor_or_bytes, torch.Tensor) else [tensor_or_bytes], self.f)
+            self.f.flush()
+            self._end = self.f.tell()
+            size = self._end - start
+        return self._record(index, start, size)
 
     def write_ranges(self, index, ranges: list) -> int:
         shape, dtype, size = self.declared(index)
@@ -76,16 +87,17 @@ class _ItemFile:
         if sum(n for _, _, n in ranges) != size:
             raise ToolkitError(f"internal: {index.fqn} takes {size} bytes, the ranges to copy hold "
                                f"{sum(n for _, _, n in ranges)}")
-        self.f.flush()
-        fd, start = self.f.fileno(), self.f.tell()
+        with self._lock:
+            start = self._end
+            self._end += len(head) + size + len(tail)
+        fd = self.f.fileno()
         pwrite_all(fd, memoryview(head), start)
         kernel, gathered, user = copy_ranges(fd, start + len(head), ranges)
-        self.kernel_bytes, self.gathered_bytes = self.kernel_bytes + kernel, self.gathered_bytes + gathered
-        self.user_bytes += user
-        at = start + len(head) + size
-        pwrite_all(fd, memoryview(tail), at)
-        self.f.seek(at + len(tail))
-        return self._record(index, start, at + len(tail) - start)
+        pwrite_all(fd, memoryview(tail), start + len(head) + size)
+        with self._lock:
+            self.kernel_bytes, self.gathered_bytes = self.kernel_bytes + kernel, self.gathered_bytes + gathered
+            self.user_bytes += user
+        return self._record(index, start, len(head) + size + len(tail))
 
     def _record(self, index, start: int, size: int) -> int:
         from torch.distributed.checkpoint.filesystem import _StorageInfo  # lazy: torch_dist outputs only
@@ -102,11 +114,17 @@ class _ItemFile:
 
 _AROUND: dict = {}
 """(shape, dtype) -> the bytes torch.save writes to a file object before and after such a tensor's data."""
+_AROUND_LOCK = threading.Lock()
 
 
 def _around(folder: Path, shape: tuple, dtype: torch.dtype) -> tuple[bytes, bytes]:
     """The bytes torch.save writes to a file object before and after the data of a contiguous tensor of this shape
     and dtype, kept per shape and dtype (_AROUND); made in a scratch file in `folder` (pt_skeleton.bytes_around)."""
+    with _AROUND_LOCK:  # one scratch file, one writer thread at a time
+        return _around_locked(folder, shape, dtype)
+
+
+def _around_locked(folder: Path, shape: tuple, dtype: torch.dtype) -> tuple[bytes, bytes]:
     if (shape, dtype) not in _AROUND:
         scratch = folder / ".torch_save_bytes.tmp"
         try:
@@ -155,6 +173,7 @@ class TorchDistTarget:
     it must use; without optimizer state `--ep` is refused."""
 
     raw_bytes = True  # items whose bytes are source byte ranges are copied in (byte_ranges.plan, write_ranges)
+    concurrent_writes = True  # two item files, each taking writes from several threads (_ItemFile)
 
     def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None,
                  weights_only: bool = False, ep: int = 1):
@@ -178,8 +197,9 @@ class TorchDistTarget:
         self._has_master = bool(self._optim) and "master" in self._optim["fields"]
         self._distributed = bool(self._optim) and self._optim["distributed"]
         self.fields = (WEIGHT, *(self._optim["fields"] if self._optim else ()))
-        self._items = _ItemFile(self.tag_dir / "__0_0.distcp")
-        self.writers = [self._items]  # what --verbose counts the bytes copied file to file of
+        self._files = [_ItemFile(self.tag_dir / f"__0_{i}.distcp") for i in range(ITEM_FILES)]
+        self._file_of: dict[tuple, _ItemFile] = {}  # (sharded key, chunk offsets) -> the file its item goes in
+        self.writers = list(self._files)  # what --verbose counts the bytes copied file to file of
         self._md = md
         self._meta: dict = {}
         self._global: dict[tuple, tuple[str, tuple]] = {}  # hf_names -> (sharded key, index on its leading axes)
@@ -230,21 +250,24 @@ class TorchDistTarget:
             at, chunks = self._md.MetadataIndex(k, torch.Size(offsets)), self._meta[k].chunks
             if all(c.offsets != at.offset for c in chunks):  # once: byte_ranges.plan asks first, and on None the
                 chunks.append(self._md.ChunkStorageMetadata(at.offset, shape))  # streaming path asks again
-            self._items.declare(at, tuple(shape), dtype)
-            out.append((self._items, at, piece if addressing() else compact(piece)))
+            items = self._file_of.setdefault((k, at.offset), self._files[len(self._file_of) % len(self._files)])
+            items.declare(at, tuple(shape), dtype)
+            out.append((items, at, piece if addressing() else compact(piece)))
         return out
 
     def close(self) -> None:
         md = self._md
         for fqn in self._extra_state_keys():
             self._meta[fqn] = md.BytesStorageMetadata()
-            self._items.write(md.MetadataIndex(fqn), None)
-        self._items.close()
+            self._files[0].write(md.MetadataIndex(fqn), None)
+        for items in self._files:
+            items.close()
         missing = [k for k, m in self._meta.items() if hasattr(m, "chunks") and
                    sum(c.sizes.numel() for c in m.chunks) != m.size.numel()]
         if missing:
             raise ToolkitError(f"internal: torch_dist output incomplete for {missing[:4]}")
-        metadata = md.Metadata(state_dict_metadata=self._meta, storage_data=self._items.where)
+        metadata = md.Metadata(state_dict_metadata=self._meta,
+                               storage_data={i: w for items in self._files for i, w in items.where.items()})
         (self.tag_dir / ".metadata").write_bytes(pickle.dumps(metadata))
         common = {"args": self._args(), "checkpoint_version": 3.0, "iteration": self.step,
                   "num_floating_point_operations_so_far": 0}

@@ -193,19 +193,59 @@ def load_buffer(data, where: str, map_location="cpu"):
         raise refusal(where, e) from None
 
 
-def _dcp_classes() -> dict[tuple[str, str], object]:
-    """What torch DCP's `.metadata` pickle names: its own dataclasses and enums (records: construction sets fields
-    and runs nothing else), torch.Size, dtypes and layouts."""
-    import torch.distributed.checkpoint.filesystem as fs  # lazy: torch_dist checkpoints only
-    import torch.distributed.checkpoint.metadata as md  # lazy: torch_dist checkpoints only
-    import torch.distributed.checkpoint.planner as pl  # lazy: torch_dist checkpoints only
+class DCPRecord:
+    """An inert stand-in for one of torch DCP's `.metadata` records (its dataclasses and enums): the pickled fields
+    become attributes (`.fqn`, `.chunks`, `.relative_path`, ...), an enum member keeps its value, and nothing of
+    torch.distributed.checkpoint is imported (0.9 s of start-up here) or run."""
 
-    names = {md: ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                  "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"),
-             pl: ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"), fs: ("_StorageInfo",)}
-    out = {(m.__name__, n): getattr(m, n) for m, ns in names.items() for n in ns if hasattr(m, n)}
+    name = "?"
+    fields: tuple[str, ...] = ()  # a record pickled as a tuple (TensorProperties), its fields in order
+
+    def __init__(self, *args):  # an enum member is unpickled as Class(value); a dataclass skips __init__
+        self.args = args
+
+    @property
+    def value(self):
+        return self.args[0] if len(getattr(self, "args", ())) == 1 else getattr(self, "args", ())
+
+    def __setstate__(self, state) -> None:
+        if isinstance(state, tuple) and self.fields and len(state) == len(self.fields):
+            state = dict(zip(self.fields, state))
+        elif isinstance(state, tuple) and len(state) == 2 and all(x is None or isinstance(x, dict) for x in state):
+            state = {**(state[0] or {}), **(state[1] or {})}  # (dict, slots)
+        if not isinstance(state, dict) or not all(isinstance(k, str) and k.isidentifier() and not k.startswith("__")
+                                                  for k in state):
+            raise pickle.UnpicklingError(f"{self.name} holds a state that is not its fields")
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"<{self.name} {self.__dict__!r}>"
+
+
+DCP_RECORDS = {
+    "torch.distributed.checkpoint.metadata": ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"),
+    "torch.distributed.checkpoint.planner": ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",)}
+"""The torch DCP classes a `.metadata` pickle names (torch 2.13), each read as a DCPRecord."""
+_DCP_DEFAULTS = {"_StorageInfo": {"transform_descriptors": None},  # its __getstate__ leaves out None fields
+                 "MetadataIndex": {"offset": None, "index": None},  # its __init__ leaves out a None offset
+                 "Metadata": {"planner_data": None, "storage_data": None, "storage_meta": None, "version": None},
+                 "TensorProperties": {"fields": ("dtype", "layout", "requires_grad", "memory_format_encoding",
+                                                 "pin_memory")}}
+
+
+def _dcp_classes() -> dict[tuple[str, str], object]:
+    """What torch DCP's `.metadata` pickle names: its own dataclasses and enums (as DCPRecords), torch.Size, dtypes
+    and layouts."""
+    out: dict[tuple[str, str], object] = {
+        (module, n): type(n, (DCPRecord,), {"name": f"{module}.{n}", "__module__": __name__,
+                                            **_DCP_DEFAULTS.get(n, {})})
+        for module, names in DCP_RECORDS.items() for n in names}
     out[("torch", "Size")] = torch.Size
     out[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    out[("pathlib", "PosixPath")] = PosixPath  # StorageMeta.checkpoint_id of a plain dcp.save: a path, no I/O
     out.update({("torch", n): getattr(torch, n) for n in dir(torch)
                 if isinstance(getattr(torch, n, None), (torch.dtype, torch.layout, torch.memory_format))})
     return out
