@@ -30,8 +30,8 @@ def _fields(m) -> dict:
                for fqn, t in m.state_dict_metadata.items() if hasattr(t, "chunks")}
     where = sorted((i.fqn, None if i.offset is None else tuple(i.offset), i.index, s.relative_path, s.offset,
                     s.length, getattr(s, "transform_descriptors", None)) for i, s in m.storage_data.items())
-    return {"tensors": tensors, "bytes": sorted(k for k, t in m.state_dict_metadata.items() if not hasattr(t, "chunks")),
-            "where": where}
+    items = sorted(k for k, t in m.state_dict_metadata.items() if not hasattr(t, "chunks"))
+    return {"tensors": tensors, "bytes": items, "where": where}
 
 
 def test_dcp_save_reads_back_as_torch_reads_it_without_importing_dcp(tmp_path):

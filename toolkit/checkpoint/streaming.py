@@ -36,8 +36,9 @@ class Progress:
 
 WRITERS = 2
 """Parameters written at once into a target whose files take concurrent writes (`concurrent_writes`: the
-safetensors targets and Megatron-LM's rank files). With one, copying HF -> TP2 x PP2 at 1.1B left a core idle on the 2-core test machine (a
-tensor of one byte range is one copy_file_range call): 2.7 s against 2.2 s with two (docs/performance.md)."""
+safetensors targets, Megatron-LM's rank files and torch_dist's item files). With one, copying HF -> TP2 x PP2 at
+1.1B left a core idle on the 2-core test machine (a tensor of one byte range is one copy_file_range call): 2.7 s
+against 2.2 s with two (docs/performance.md)."""
 
 
 def writers(target) -> int:

@@ -4,8 +4,9 @@ Output: <dst>/latest_checkpointed_iteration.txt and <dst>/iter_XXXXXXX/ with met
 Megatron-LM-style args Namespace for the target TP x PP x VPP, iteration, checkpoint_version), two item files
 `__0_0.distcp` and `__0_1.distcp` (ITEM_FILES) and torch DCP's `.metadata`. The tensors are Megatron-Core's sharded
 keys (layers stacked on a leading axis, one chunk per layer, the full TP = 1 tensor, Transformer Engine names for
-the per-layer norms, `_extra_state` objects as Megatron's local spec saves them), so Megatron-Core's `dist_checkpointing.load` reshards it onto any
-TP x PP x VPP at load time; the TP x PP x VPP given only fixes the vocabulary padding and the args.
+the per-layer norms, `_extra_state` objects as Megatron's local spec saves them), so Megatron-Core's
+`dist_checkpointing.load` reshards it onto any TP x PP x VPP at load time; the TP x PP x VPP given only fixes the
+vocabulary padding and the args.
 """
 from __future__ import annotations
 
