@@ -14,10 +14,13 @@ class _Log:
     def __init__(self):
         self.spans: dict[str, tuple[float, float]] = {}
         self.lock = threading.Lock()
+        self.together = threading.Barrier(2, timeout=30)  # "a" and "b" pass it only if both are being written at once
 
     def write(self, key, value) -> int:
         t0 = time.monotonic()
-        time.sleep(0.2 if key in ("slow", "a", "b") else 0.01)
+        if key in ("a", "b"):
+            self.together.wait()  # one worker: BrokenBarrierError after the timeout, raised by WriteBehind
+        time.sleep(0.2 if key == "slow" else 0.01)
         with self.lock:
             self.spans[key or "barrier"] = (t0, time.monotonic())
         return 1
