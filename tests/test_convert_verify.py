@@ -198,3 +198,88 @@ def test_mapped_reads_equal_positioned_reads_and_a_truncated_file_is_one_line(tm
     with st.mapped(), pytest.raises(ToolkitError, match=r"short read of b: the file was truncated while converting"):
         reader.get("b")
     reader.close()
+
+
+def test_default_verification_runs_the_output_once_and_hashes_the_source(tmp_path, monkeypatch):
+    """With the weights hashed (the default), each module runs once, with the output's weights: the source's are
+    read and hashed, and since each must equal the output's tensor of that name in bytes, shape and dtype, the
+    source's forward would repeat the output's bit for bit. The hash-free comparison (the API's
+    hash_weights=False) still runs both sides."""
+    from transformers.models.llama import modeling_llama
+
+    hf = tmp_path / "hf"
+    _write_hf(hf, layers=2, hidden=64, ffn=128, heads=4, kv_heads=2)
+    runs = []
+    real = modeling_llama.LlamaDecoderLayer.forward
+
+    def counting(self, *args, **kwargs):
+        runs.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", counting)
+    lines = []
+    mg = convert(hf, tmp_path / "mg", "megatron", tp=2, progress=False, log=lines.append)
+    assert len(runs) == 2, len(runs)  # one run per decoder layer
+    assert any("each of the 21 weights it loaded is bit-identical to the source's" in line for line in lines), lines
+    runs.clear()
+    reference, output = open_source(hf), open_source(mg)
+    try:
+        assert verify_logits(reference, output, torch.float32, hf, lambda *_: None) == set()
+    finally:
+        reference.close()
+        output.close()
+    assert len(runs) == 4, len(runs)  # both sides, compared after each layer
+
+
+def test_hashed_weights_must_agree_in_shape_and_dtype_too():
+    """The bytes alone are not the tensor: the same bytes under another shape, or read as another dtype, fail the
+    check, so equal records really mean an equal forward."""
+    from toolkit.checkpoint.verify import _Hashed
+
+    t = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    for other in (t.reshape(6, 4), t.view(torch.int32)):
+        hashed = _Hashed(None)
+        hashed.check("w", t, output=False)
+        with pytest.raises(ToolkitError, match=r"verification failed: w \(weight\) reads back different"):
+            hashed.check("w", other, output=True)
+    hashed = _Hashed(None)
+    hashed.check("w", t, output=False)
+    hashed.check("w", t.clone(), output=True)
+    assert hashed.proved == {("w", "weight")}
+
+
+def test_merge_buffers_are_reused_module_after_module_and_never_shared():
+    """A Megatron side's merges go into reused buffers (toolkit.families.rules.merged_into): equal to fresh merges,
+    distinct buffers within one module (gate and up have one shape), the same memory for the next module's merge
+    of that shape, and a new shape drops the free buffers (memory stays one module's merges)."""
+    from toolkit.checkpoint.verify import _Buffers
+    from toolkit.families.rules import QKV, GatedMLP, RowParallel, merged_into, views
+
+    gen = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(8, 6, generator=gen), torch.randn(8, 6, generator=gen)
+    shards = GatedMLP().split((gate, up), 2)
+    buffers = _Buffers()
+    with views(), merged_into(buffers):
+        g, u = GatedMLP().merge(shards)
+    assert torch.equal(g, gate) and torch.equal(u, up) and g.data_ptr() != u.data_ptr()
+    first = {g.data_ptr(), u.data_ptr()}
+    del g, u
+    buffers.recycle()
+    gate2, up2 = gate + 1, up + 1
+    with views(), merged_into(buffers):
+        g, u = GatedMLP().merge(GatedMLP().split((gate2, up2), 2))
+    assert torch.equal(g, gate2) and torch.equal(u, up2) and {g.data_ptr(), u.data_ptr()} == first
+    del g, u
+    buffers.recycle()
+    row = torch.randn(6, 8, generator=gen)
+    with views(), merged_into(buffers):
+        merged = RowParallel().merge(RowParallel().split(row, 2))
+    assert torch.equal(merged, row) and buffers.free == {}  # a shape not seen before: the spare ones dropped
+    qkv = QKV(num_heads=4, num_kv_heads=2, head_dim=2)
+    q, k, v = torch.randn(8, 6, generator=gen), torch.randn(4, 6, generator=gen), torch.randn(4, 6, generator=gen)
+    with views(), merged_into(buffers):
+        got = qkv.merge(qkv.split((q, k, v), 2))
+    assert all(torch.equal(a, b) for a, b in zip(got, (q, k, v)))
+    # without the block, merges make fresh tensors as before
+    g, u = GatedMLP().merge(shards)
+    assert torch.equal(g, gate) and g.data_ptr() not in first

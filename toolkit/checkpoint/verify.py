@@ -9,16 +9,21 @@ read for writing (`Digests`) and read back through the output's reader, tensor b
 
 Logits: transformers' own model class for the config is built on the meta device (no memory), and TOKENS fixed tokens
 run through it one module at a time: the embeddings, each decoder layer (`model.model.layers[i]`, with RoPE from
-`model.model.rotary_emb`), the final norm, the output layer. Each module gets its weights just before it runs
-(loaded with assign=True) and goes back to the meta device after, once with the source's weights (the reference)
-and once with the output's. The hidden states must agree bit for bit after every layer, and the logits at the end.
+`model.model.rotary_emb`), the final norm, the output layer. Each module gets the output's weights just before it
+runs (loaded with assign=True, strict: every name and shape transformers expects) and goes back to the meta device
+after. Just before, the source's weights for that module are read and hashed, and each output tensor must equal
+the source's of its name in bytes, shape and dtype: the source's forward would then repeat the output's bit for bit,
+on these tokens and on any other, so it is not run (it was, until 2026-12-05: half the check's time). Without the
+hashes (verify_logits(hash_weights=False), kept in the API and tested) both sides run and their hidden states
+must agree bit for bit after every module.
 
 Independence: a side that stores Hugging Face names (a Hugging Face folder, a DeepSpeed checkpoint) is read by the
 names transformers' modules carry. A Megatron side (source or output) is read by merging each parameter's TP
 shards with its rule and placing the rule's parts (q, k, v; gate, up) by the family's `modules` table (e.g.
 toolkit/families/llama.py MODULES), written apart from the conversion map. So a mistake in the map (q and k
 swapped) does not cancel out on the way back: the two sides' tensors of that name then hash differently (the check
-names it), and were they not hashed, the two sides' hidden states would disagree.
+names it), and were they not hashed, the two sides' hidden states would disagree. A Megatron side's merges are
+written into buffers reused module after module (_Buffers): fresh pages cost this VM more than the copies.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ from toolkit.checkpoint.sources import WEIGHT, Source, open_source
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
 from toolkit.families.registry import family_named
-from toolkit.families.rules import views
+from toolkit.families.rules import merged_into, views
 from toolkit.format.names import chunk_key
 from toolkit.format.safetensors_stream import mapped
 from toolkit.layout import first_stage, last_stage, layer_location
@@ -156,16 +161,20 @@ class _Hashed:
 
     def __init__(self, written: torch.dtype | None):
         self.written = written
-        self.source: dict[str, str] = {}
+        self.source: dict[str, tuple] = {}
         self.proved: set[tuple[str, str]] = set()
+
+    @staticmethod
+    def _record(t: torch.Tensor) -> tuple:
+        return digest(t), tuple(t.shape), t.dtype  # equal records: the same tensor, so the same forward
 
     def check(self, name: str, t: torch.Tensor, output: bool) -> None:
         if not output:
             if name not in self.source:
-                self.source[name] = digest(cast(t, self.written))
+                self.source[name] = self._record(cast(t, self.written))
             return
         if name in self.source and (name, WEIGHT) not in self.proved:
-            if self.source[name] != digest(t):
+            if self.source[name] != self._record(t):
                 raise ToolkitError(f"verification failed: {name} ({WEIGHT}) reads back different from the source's "
                                    "(each side read by the family's modules table where it is a Megatron one: a "
                                    "mapping or conversion error); nothing was written")
@@ -190,12 +199,43 @@ class _Named:
                 self.hashed.check(n, out[n], self.output)
         return {n: cast(out[n], self.dtype) for n in names}
 
+    def done(self) -> None:
+        """What get() handed out is no longer referenced."""
+
+
+class _Buffers:
+    """The memory a Megatron side's merges are written into, reused module after module (rules.merged_into): a
+    fresh page costs this VM more than the copy into it (docs/performance.md). Buffers handed out since the last
+    recycle() are in use; recycle() frees them for the next module. A shape with no free buffer drops the free
+    ones (the embeddings' shapes come once, a decoder layer's again and again), so what it holds stays one
+    module's merges."""
+
+    def __init__(self):
+        self.free: dict[tuple, list[torch.Tensor]] = {}
+        self.used: list[tuple[tuple, torch.Tensor]] = []
+
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        spare = self.free.get((shape, dtype))
+        if not spare:
+            self.free = {}
+        buffer = spare.pop() if spare else torch.empty(shape, dtype=dtype)
+        self.used.append(((shape, dtype), buffer))
+        return buffer
+
+    def recycle(self) -> None:
+        """Call only once nothing made since the last call is referenced any more."""
+        self.free = {}
+        for key, buffer in self.used:
+            self.free.setdefault(key, []).append(buffer)
+        self.used = []
+
 
 class _Megatron:
     """A Megatron side: each parameter merged from its TP shards by its rule, its parts placed by family.modules."""
 
     def __init__(self, source: Source, dtype: torch.dtype | None, hashed: _Hashed | None, output: bool):
         self.source, self.dtype, self.hashed, self.output = source, dtype, hashed, output
+        self.buffers = _Buffers()
         tp, pp, vpp = source.layout
         dims = source.dims(tp)
         family = family_named(dims.family)
@@ -231,7 +271,8 @@ class _Megatron:
                 raise ToolkitError(f"verification: transformers' model has {n}, which the Megatron side does not hold")
             p, c, m, rule, part, e = self.where[n]
             if (p, c, m, e) not in merged:
-                with views():  # no compact copy: load_state_dict(assign=True) takes the views as they are
+                # no compact copy: load_state_dict(assign=True) takes the views as they are
+                with views(), merged_into(self.buffers):
                     whole = rule.merge([self.source._get(p, t, chunk_key(c, m), e)
                                         for t in range(self.source.layout[0])])
                 merged[(p, c, m, e)] = dict(zip(rule.parts, whole if isinstance(whole, tuple) else (whole,)))
@@ -239,6 +280,10 @@ class _Megatron:
                 self.hashed.check(n, merged[(p, c, m, e)][part], self.output)
             out[n] = cast(merged[(p, c, m, e)][part], self.dtype)
         return out
+
+    def done(self) -> None:
+        """What get() handed out is no longer referenced: its merge buffers serve the next call."""
+        self.buffers.recycle()
 
 
 def side(source: Source, dtype: torch.dtype | None, hashed: _Hashed | None = None, output: bool = False):
@@ -252,10 +297,13 @@ def side(source: Source, dtype: torch.dtype | None, hashed: _Hashed | None = Non
 
 def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_folder: Path | None, log,
                   hash_weights: bool = False, written: torch.dtype | None = None) -> set[tuple[str, str]]:
-    """Run the fixed tokens through transformers' model, one module at a time, with both sides' weights. With
-    hash_weights=True (and `written`, the conversion's cast), every weight read is also hashed, and the output's must
-    hash as the source's (_Hashed); returns the (name, field) pairs of the output so proved, which the read-back
-    then need not read again."""
+    """Run the fixed tokens through transformers' model, one module at a time, with the output's weights.
+
+    With hash_weights=True (and `written`, the conversion's cast), each module's weights are first read from the
+    reference and hashed, then the output's are read, must hash the same (with the same shape and dtype; _Hashed),
+    and run: the reference's forward would then repeat the output's bit for bit, on these tokens and on any other,
+    so it is not run. Returns the (name, field) pairs of the output so proved, which the read-back then need not
+    read again. With hash_weights=False both sides run and their hidden states must agree after every module."""
     if _early is not None:
         _early.join()  # transformers' lazy module is not safe to import from two threads at once
     from transformers import AutoConfig, AutoModelForCausalLM  # lazy: heavy; only the logit check needs it
@@ -303,8 +351,22 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
         with torch.no_grad():
             y = module(x, **kw)
         module.to("meta")  # drop the weights: memory stays at one module
+        which.done()
         release()
         return y
+
+    def step(what: str, path: str, module: torch.nn.Module, xs: list[torch.Tensor], weights: str | None = None,
+             **kw) -> list[torch.Tensor]:
+        """`module` run on each side's input; with the weights hashed, the reference's weights are only read
+        and hashed (before the output's are read, which must hash the same) and the output's run."""
+        if hashed is None:
+            ys = [run(path, module, s, x, weights, **kw) for s, x in zip(sides, xs)]
+            compare(what, *ys)
+            return ys
+        with mapped():
+            fetch(sides[0], [f"{weights or path}.{k}" for k in module.state_dict()])  # hashed, then dropped
+        sides[0].done()
+        return [run(path, module, sides[1], xs[-1], weights, **kw)]
 
     def compare(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
         if not torch.equal(a, b):
@@ -312,21 +374,24 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
                                f"{(a.float() - b.float()).abs().max().item():.3g} apart with the output's weights "
                                "and with the source's (a mapping or conversion error); nothing was written")
 
-    h = [run("model.embed_tokens", inner.embed_tokens, s, ids) for s in sides]
-    compare("the embeddings", *h)
+    h = step("the embeddings", "model.embed_tokens", inner.embed_tokens, [ids, ids])
     rotary = type(inner.rotary_emb)(config=model.config)  # its inv_freq is computed, not stored
     pe = rotary(h[0], pos)
     mask = create_causal_mask(config=model.config, inputs_embeds=h[0], attention_mask=None, cache=None,
                               position_ids=pos)
     for i, layer in enumerate(inner.layers):
-        h = [run(f"model.layers.{i}", layer, s, x, attention_mask=mask, position_embeddings=pe, position_ids=pos)
-             for s, x in zip(sides, h)]
-        compare(f"decoder layer {i} (model.layers.{i})", *h)
-    h = [run("model.norm", inner.norm, s, x) for s, x in zip(sides, h)]
-    compare("the final norm", *h)
+        h = step(f"decoder layer {i} (model.layers.{i})", f"model.layers.{i}", layer, h, attention_mask=mask,
+                 position_embeddings=pe, position_ids=pos)
+    h = step("the final norm", "model.norm", inner.norm, h)
     head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"  # tied: the embeddings, read again
-    out = [run("lm_head", model.lm_head, s, x, weights=head) for s, x in zip(sides, h)]
-    compare("the output layer (the logits)", *out)
-    log(f"verified: transformers' {type(model).__name__} gives the source's logits on {TOKENS} fixed tokens, layer "
-        f"by layer ({len(inner.layers)} layers, one in memory at a time; {time.monotonic() - t0:.1f} s)")
-    return hashed.proved if hashed is not None else set()
+    step("the output layer (the logits)", "lm_head", model.lm_head, h, weights=head)
+    took = time.monotonic() - t0
+    if hashed is None:
+        log(f"verified: transformers' {type(model).__name__} gives the source's logits on {TOKENS} fixed tokens, "
+            f"layer by layer ({len(inner.layers)} layers, one in memory at a time; {took:.1f} s)")
+        return set()
+    log(f"verified: transformers' {type(model).__name__} gives the source's logits: it ran the output's weights on "
+        f"{TOKENS} fixed tokens, layer by layer ({len(inner.layers)} layers, one in memory at a time), and each of the "
+        f"{len(hashed.proved)} weights it loaded is bit-identical to the source's, so is every logit, on any input "
+        f"({took:.1f} s)")
+    return hashed.proved

@@ -111,11 +111,33 @@ def _own(t: Tensor) -> Tensor:
     return t.copy() if _ops(t) is _NumpyOps else t.clone(memory_format=_torch().contiguous_format)
 
 
+_INTO = contextvars.ContextVar("toolkit_rules_into", default=None)
+
+
+@contextlib.contextmanager
+def merged_into(buffers):
+    """Inside this block a merge of several torch shards is written into `buffers(shape, dtype)` (a tensor that
+    the caller reuses, e.g. for each decoder layer in turn) instead of fresh memory. On a machine where a fresh
+    page costs more than the copy into it, that is most of a merge's time."""
+    token = _INTO.set(buffers)
+    try:
+        yield
+    finally:
+        _INTO.reset(token)
+
+
 def _cat(parts: Sequence[Tensor], dim: int) -> Tensor:
-    """torch.cat of a merge's shards; of one shard (a TP = 1 source: torch_dist, a TP1 layout) that shard itself
-    (owned, _own, unless views() are allowed), not a copy of it."""
+    """torch.cat of a merge's shards (into a reused buffer within merged_into); of one shard (a TP = 1 source:
+    torch_dist, a TP1 layout) that shard itself (owned, _own, unless views() are allowed), not a copy of it."""
     parts = list(parts)
-    return _own(parts[0]) if len(parts) == 1 else _ops(parts[0]).cat(parts, dim)
+    if len(parts) == 1:
+        return _own(parts[0])
+    ops, buffers = _ops(parts[0]), _INTO.get()
+    if buffers is None or ops is _NumpyOps:
+        return ops.cat(parts, dim)
+    shape = list(parts[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in parts)
+    return ops.cat(parts, dim, out=buffers(tuple(shape), parts[0].dtype))
 
 
 def _split_dim(full: Tensor, tp: int, dim: int, what: str) -> list[Tensor]:
