@@ -250,6 +250,9 @@ def main(argv=None) -> int:
     only = [s.strip() for s in args.steps.split(",")] if args.steps else None
     if only and set(only) - set(STEPS):  # e.g. a shell that took "->" for a redirection
         ap.error(f"unknown step(s) {sorted(set(only) - set(STEPS))}; choose from {', '.join(STEPS)} (quote them)")
+    if args.workdir is not None and not Path(args.workdir).is_dir():
+        ap.error(f"--workdir {args.workdir} is not a folder; create it first (it holds a temporary folder, removed "
+                 "at the end)")
     if args.cold and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
         ap.error("--cold drops the page cache through /proc/sys/vm/drop_caches, which needs root")
     print(f"bench/convert.py: {os.cpu_count()} CPUs; sizes {sizes}" + ("; page cache dropped before every run"

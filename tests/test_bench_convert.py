@@ -24,3 +24,11 @@ def test_bench_convert_tiny(tmp_path):
     assert all("verify" in r["phases"] for r in rows[7:13]) and not any("verify" in r["phases"] for r in rows[1:7])
     assert proc.stdout.count(" cp wall ") == 14 and "anon" in proc.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["rows.json"]  # the work folder is cleaned up
+
+
+def test_bench_convert_refuses_a_missing_workdir_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "bench/convert.py", "--sizes", "tiny", "--workdir",
+                           str(tmp_path / "absent")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "--workdir" in proc.stderr.splitlines()[-1] and "create it first" in proc.stderr.splitlines()[-1]
+    assert not (tmp_path / "absent").exists() and list(tmp_path.iterdir()) == []

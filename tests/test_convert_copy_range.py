@@ -193,7 +193,7 @@ def test_ranges_follow_the_rules(ref, tmp_path, monkeypatch):
 def test_read_back_catches_a_range_copied_from_the_wrong_place(ref, tmp_path, monkeypatch):
     """The source's hash comes from read(), the output's from its own reader: a wrong range fails verification."""
     monkeypatch.setattr(byte_ranges, "MIN_RANGE", 0)
-    monkeypatch.setattr(convert_mod, "import_early", lambda _arch: None)
+    monkeypatch.setattr(convert_mod, "import_early", lambda *_: None)
     monkeypatch.setattr(convert_mod, "verify_logits", lambda *a: None)  # the logit check: test_convert_verify.py
     lines = []
     convert(ref / "tp2pp2", tmp_path / "good", "megatron", tp=4, progress=False, log=lines.append)

@@ -321,8 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace DST, once the new checkpoint is complete, if DST is an earlier output of "
                    "toolkit convert (its .toolkit_output.json lists every entry) or empty")
-    p.add_argument("--verify", action="store_true", help="read every tensor back and check its hash (XXH3-128) against the "
-                   "source's, and compare transformers' logits layer by layer (the default; kept for clarity)")
+    p.add_argument("--verify", action="store_true", help="read every tensor back and check its hash (XXH3-128), shape "
+                   "and dtype against the source's, and run transformers' model on the output's weights layer by "
+                   "layer (the default; kept for clarity)")
     p.add_argument("--no-verify", action="store_true", help="skip the read-back and logit checks")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--verbose", action="store_true", help="also print the time of each phase (read, split, write, "

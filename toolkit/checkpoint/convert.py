@@ -112,7 +112,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
                 log(f"optimizer state: {source.optimizer_note or target.note}")
             digests = Digests() if verify else None
             if verify:
-                import_early(family_of_config(source.config).hf_architecture)
+                import_early(family_of_config(source.config).hf_architecture, source.config)
             _write(source, target, cast, pp, vpp, progress, log, verbose, digests, check)
             if verify:
                 t0 = time.monotonic()

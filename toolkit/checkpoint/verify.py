@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -44,27 +45,37 @@ from toolkit.format.names import chunk_key
 from toolkit.format.safetensors_stream import mapped
 from toolkit.layout import first_stage, last_stage, layer_location
 
-TOKENS = 8
-"""Positions the logit check runs. Eight still exercise causal attention and RoPE across positions (a q/k swap
-changes the scores from the second token on); CPU bf16 matmuls cost in proportion to the tokens (35 ms for 16,
-9 ms for 4, through one 2048 x 11264 weight here), and at 16 this forward was most of the verification's time."""
+TOKENS = 4
+"""Positions the logit check runs. Four still exercise causal attention and RoPE across positions (a q/k swap
+changes the scores from the second token on, and the hash-free comparison catches it: test_convert_verify). This
+VM's CPU has no bf16 instructions, so bf16 matmuls cost in proportion to the tokens (4.6 ms for 4, 8.8 ms for 8,
+through one 5632 x 2048 weight on 2 threads): at 8 the forward was 40% of the check's time, at 16 most of it."""
 
 
-def import_early(architecture: str) -> None:
-    """Import transformers' model class on a background thread while the conversion writes (2-3 s of start-up
-    that then overlaps with I/O instead of adding to the verification)."""
+def import_early(architecture: str, config: dict) -> None:
+    """Import transformers' model class, its auto classes and its config class on a background thread while the
+    conversion writes (2-3 s of start-up that then overlaps with I/O instead of adding to the verification; the
+    config class alone, imported on first use, took 0.5 s of the check here)."""
 
     def load() -> None:
         try:
             import transformers  # lazy: heavy; only the logit check needs it
+            import transformers.masking_utils  # lazy: as above
 
-            getattr(transformers, architecture, None)
+            for name in (architecture, "AutoModelForCausalLM"):  # transformers' lazy module imports them on access
+                getattr(transformers, name, None)
+            transformers.AutoConfig.for_model(config["model_type"], **_fields(config))
         except Exception:  # noqa: BLE001 - the check imports it again and reports any failure there
             pass
 
     global _early
     _early = threading.Thread(target=load, daemon=True)
     _early.start()
+
+
+def _fields(config: dict) -> dict:
+    """A source's config.json, as keyword arguments of transformers' AutoConfig.for_model."""
+    return {k: v for k, v in config.items() if k not in ("torch_dtype", "dtype", "model_type")}
 
 
 _early: threading.Thread | None = None
@@ -161,24 +172,45 @@ class _Hashed:
 
     def __init__(self, written: torch.dtype | None):
         self.written = written
-        self.source: dict[str, tuple] = {}
+        self.source: dict[str, Future] = {}
         self.proved: set[tuple[str, str]] = set()
+        self.outputs: list[tuple[str, Future]] = []
+        self.running: list[Future] = []
+        # xxh3 releases the GIL: the tensors of a module are hashed two at a time, while the next one is merged
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="verify-hash")
 
     @staticmethod
     def _record(t: torch.Tensor) -> tuple:
         return digest(t), tuple(t.shape), t.dtype  # equal records: the same tensor, so the same forward
 
     def check(self, name: str, t: torch.Tensor, output: bool) -> None:
+        """Hash t in the background; settle() waits for it (and compares an output's tensor)."""
         if not output:
             if name not in self.source:
-                self.source[name] = self._record(cast(t, self.written))
+                self.source[name] = self.pool.submit(self._record, cast(t, self.written))
+                self.running.append(self.source[name])
             return
         if name in self.source and (name, WEIGHT) not in self.proved:
-            if self.source[name] != self._record(t):
+            self.outputs.append((name, self.pool.submit(self._record, t)))
+            self.running.append(self.outputs[-1][1])
+
+    def settle(self) -> None:
+        """Every hash asked for so far is done (so the tensors it reads may be freed or overwritten), and each
+        output tensor's record equals the source's of its name."""
+        running, outputs, self.running, self.outputs = self.running, self.outputs, [], []
+        for future in running:
+            future.exception()  # waits; a failure is raised by result() below or by the side's own settle
+        for name, future in outputs:
+            if self.source[name].result() != future.result():
                 raise ToolkitError(f"verification failed: {name} ({WEIGHT}) reads back different from the source's "
                                    "(each side read by the family's modules table where it is a Megatron one: a "
                                    "mapping or conversion error); nothing was written")
             self.proved.add((name, WEIGHT))
+        for future in running:
+            future.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 class _Named:
@@ -201,6 +233,8 @@ class _Named:
 
     def done(self) -> None:
         """What get() handed out is no longer referenced."""
+        if self.hashed is not None:
+            self.hashed.settle()
 
 
 class _Buffers:
@@ -233,9 +267,9 @@ class _Buffers:
 class _Megatron:
     """A Megatron side: each parameter merged from its TP shards by its rule, its parts placed by family.modules."""
 
-    def __init__(self, source: Source, dtype: torch.dtype | None, hashed: _Hashed | None, output: bool):
-        self.source, self.dtype, self.hashed, self.output = source, dtype, hashed, output
-        self.buffers = _Buffers()
+    def __init__(self, source: Source, dtype: torch.dtype | None, hashed: _Hashed | None, output: bool,
+                 buffers: _Buffers):
+        self.source, self.dtype, self.hashed, self.output, self.buffers = source, dtype, hashed, output, buffers
         tp, pp, vpp = source.layout
         dims = source.dims(tp)
         family = family_named(dims.family)
@@ -283,15 +317,18 @@ class _Megatron:
 
     def done(self) -> None:
         """What get() handed out is no longer referenced: its merge buffers serve the next call."""
+        if self.hashed is not None:
+            self.hashed.settle()  # the hashes read the buffers
         self.buffers.recycle()
 
 
-def side(source: Source, dtype: torch.dtype | None, hashed: _Hashed | None = None, output: bool = False):
+def side(source: Source, dtype: torch.dtype | None, hashed: _Hashed | None = None, output: bool = False,
+         buffers: _Buffers | None = None):
     """Sharded Megatron sources (the toolkit's layout, Megatron-LM's legacy files) are read shard by shard through
     the modules table; a torch_dist source holds whole tensors and is read through the map (so for it the check
     compares the logits, but a mistake in the map itself would cancel out on its side)."""
     if source.layout and hasattr(source, "_get"):
-        return _Megatron(source, dtype, hashed, output)
+        return _Megatron(source, dtype, hashed, output, buffers or _Buffers())
     return _Named(source, dtype, hashed, output)
 
 
@@ -313,12 +350,13 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
     if hf_folder is not None:  # the folder's own config.json, as a user's from_pretrained reads it
         config = AutoConfig.from_pretrained(hf_folder)
     else:
-        fields = {k: v for k, v in reference.config.items() if k not in ("torch_dtype", "dtype", "model_type")}
-        config = AutoConfig.for_model(reference.config["model_type"], **fields)
+        config = AutoConfig.for_model(reference.config["model_type"], **_fields(reference.config))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     hashed = _Hashed(written) if hash_weights else None
-    inner, sides = model.model, (side(reference, dtype, hashed), side(output, dtype, hashed, output=True))
+    buffers = _Buffers()  # the two sides take turns (each is done with its tensors before the other reads): one set
+    inner, sides = model.model, (side(reference, dtype, hashed, buffers=buffers),
+                                 side(output, dtype, hashed, output=True, buffers=buffers))
     family = family_named(reference.dims().family)
     fused = family.in_memory or (lambda name, dims: None)  # transformers' tensors made of several stored ones
     dims = reference.dims()
@@ -342,6 +380,8 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
         names = [f"{weights}.{k}" for k in module.state_dict()]
         with mapped():  # safetensors files: maps of the cached pages, not copies; gone with the module's weights
             state = fetch(which, names)
+        if hashed is not None:
+            hashed.settle()  # a tensor that differs from the source's is named before anything runs on it
         try:
             module.load_state_dict({k[len(weights) + 1:]: v for k, v in state.items()}, strict=True, assign=True)
         except RuntimeError as e:
@@ -374,24 +414,28 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
                                f"{(a.float() - b.float()).abs().max().item():.3g} apart with the output's weights "
                                "and with the source's (a mapping or conversion error); nothing was written")
 
-    h = step("the embeddings", "model.embed_tokens", inner.embed_tokens, [ids, ids])
-    rotary = type(inner.rotary_emb)(config=model.config)  # its inv_freq is computed, not stored
-    pe = rotary(h[0], pos)
-    mask = create_causal_mask(config=model.config, inputs_embeds=h[0], attention_mask=None, cache=None,
-                              position_ids=pos)
-    for i, layer in enumerate(inner.layers):
-        h = step(f"decoder layer {i} (model.layers.{i})", f"model.layers.{i}", layer, h, attention_mask=mask,
-                 position_embeddings=pe, position_ids=pos)
-    h = step("the final norm", "model.norm", inner.norm, h)
-    head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"  # tied: the embeddings, read again
-    step("the output layer (the logits)", "lm_head", model.lm_head, h, weights=head)
-    took = time.monotonic() - t0
-    if hashed is None:
-        log(f"verified: transformers' {type(model).__name__} gives the source's logits on {TOKENS} fixed tokens, "
-            f"layer by layer ({len(inner.layers)} layers, one in memory at a time; {took:.1f} s)")
-        return set()
-    log(f"verified: transformers' {type(model).__name__} gives the source's logits: it ran the output's weights on "
-        f"{TOKENS} fixed tokens, layer by layer ({len(inner.layers)} layers, one in memory at a time), and each of the "
-        f"{len(hashed.proved)} weights it loaded is bit-identical to the source's, so is every logit, on any input "
-        f"({took:.1f} s)")
-    return hashed.proved
+    try:
+        h = step("the embeddings", "model.embed_tokens", inner.embed_tokens, [ids, ids])
+        rotary = type(inner.rotary_emb)(config=model.config)  # its inv_freq is computed, not stored
+        pe = rotary(h[0], pos)
+        mask = create_causal_mask(config=model.config, inputs_embeds=h[0], attention_mask=None, cache=None,
+                                  position_ids=pos)
+        for i, layer in enumerate(inner.layers):
+            h = step(f"decoder layer {i} (model.layers.{i})", f"model.layers.{i}", layer, h, attention_mask=mask,
+                     position_embeddings=pe, position_ids=pos)
+        h = step("the final norm", "model.norm", inner.norm, h)
+        head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"  # tied: the embeddings, read again
+        step("the output layer (the logits)", "lm_head", model.lm_head, h, weights=head)
+        took = time.monotonic() - t0
+        if hashed is None:
+            log(f"verified: transformers' {type(model).__name__} gives the source's logits on {TOKENS} fixed tokens, "
+                f"layer by layer ({len(inner.layers)} layers, one in memory at a time; {took:.1f} s)")
+            return set()
+        log(f"verified: transformers' {type(model).__name__} gives the source's logits: it ran the output's weights "
+            f"on {TOKENS} fixed tokens, layer by layer ({len(inner.layers)} layers, one in memory at a time), and each "
+            f"of the {len(hashed.proved)} weights it loaded is bit-identical to the source's, so is every logit, on "
+            f"any input ({took:.1f} s)")
+        return hashed.proved
+    finally:
+        if hashed is not None:
+            hashed.close()

@@ -140,6 +140,16 @@ def _cat(parts: Sequence[Tensor], dim: int) -> Tensor:
     return ops.cat(parts, dim, out=buffers(tuple(shape), parts[0].dtype))
 
 
+def _reshaped(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """t.reshape(shape); where that copies (a part of each kv group, q's heads), into a buffer within merged_into."""
+    buffers = _INTO.get()
+    if buffers is None or _ops(t) is _NumpyOps or t.is_contiguous():
+        return t.reshape(shape)
+    out = buffers(tuple(shape), t.dtype)
+    out.view(t.shape).copy_(t)
+    return out
+
+
 def _split_dim(full: Tensor, tp: int, dim: int, what: str) -> list[Tensor]:
     if tp < 1 or full.shape[dim] % tp:
         raise ToolkitError(f"{what}: cannot split dim {dim} of a tensor of shape {tuple(full.shape)} into tp = {tp} "
@@ -277,7 +287,7 @@ class QKV:
                                f"({self.num_heads} + 2 x {g}) x {d} = {(per_group + 2) * g * d}: check the dims")
         tail = full.shape[1:]
         q, k, v = _ops(full).split(full.reshape(g, (per_group + 2) * d, *tail), [per_group * d, d, d], 1)
-        return tuple(_own(t.reshape(-1, *tail)) for t in (q, k, v))
+        return tuple(_own(_reshaped(t, (t.shape[0] * t.shape[1], *tail))) for t in (q, k, v))
 
 
 @dataclass(frozen=True)
