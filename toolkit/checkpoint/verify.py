@@ -216,14 +216,17 @@ class _Hashed:
 class _Named:
     """A side whose tensors carry Hugging Face names: read by the names transformers' modules have."""
 
-    def __init__(self, source: Source, dtype: torch.dtype | None, hashed: _Hashed | None, output: bool):
-        self.source, self.dtype, self.hashed, self.output = source, dtype, hashed, output
+    def __init__(self, source: Source, dtype: torch.dtype | None, hashed: _Hashed | None, output: bool,
+                 buffers: _Buffers):
+        self.source, self.dtype, self.hashed, self.output, self.buffers = source, dtype, hashed, output, buffers
         # sources hand out one parameter's tensors at a time (q, k and v together for a torch_dist source)
         self.entry_of = {n: e.hf_names for e in iter_entries(source.dims(), 1, 1) for n in e.hf_names}
 
     def get(self, names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
-        with views():  # no compact copy (a torch_dist source's TP = 1 merges): hashed and loaded at once, then freed
+        # no compact copy (a torch_dist source's TP = 1 merges): hashed and loaded at once, then freed; a torch_dist
+        # tensor of several chunks is assembled in a reused buffer
+        with views(), merged_into(self.buffers):
             for group in dict.fromkeys(self.entry_of.get(n, (n,)) for n in names):
                 out.update(zip(group, self.source.read(list(group))))
         if self.hashed is not None:
@@ -232,13 +235,15 @@ class _Named:
         return {n: cast(out[n], self.dtype) for n in names}
 
     def done(self) -> None:
-        """What get() handed out is no longer referenced."""
+        """What get() handed out is no longer referenced: its buffers serve the next call."""
         if self.hashed is not None:
-            self.hashed.settle()
+            self.hashed.settle()  # the hashes read the buffers
+        self.buffers.recycle()
 
 
 class _Buffers:
-    """The memory a Megatron side's merges are written into, reused module after module (rules.merged_into): a
+    """The memory a side's merges (a Megatron side's TP shards, a torch_dist tensor's chunks) are written into,
+    reused module after module (rules.merged_into): a
     fresh page costs this VM more than the copy into it (docs/performance.md). Buffers handed out since the last
     recycle() are in use; recycle() frees them for the next module. A shape with no free buffer drops the free
     ones (the embeddings' shapes come once, a decoder layer's again and again), so what it holds stays one
@@ -329,7 +334,7 @@ def side(source: Source, dtype: torch.dtype | None, hashed: _Hashed | None = Non
     compares the logits, but a mistake in the map itself would cancel out on its side)."""
     if source.layout and hasattr(source, "_get"):
         return _Megatron(source, dtype, hashed, output, buffers or _Buffers())
-    return _Named(source, dtype, hashed, output)
+    return _Named(source, dtype, hashed, output, buffers or _Buffers())
 
 
 def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_folder: Path | None, log,

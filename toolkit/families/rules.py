@@ -126,6 +126,12 @@ def merged_into(buffers):
         _INTO.reset(token)
 
 
+def buffer(shape: tuple[int, ...], dtype):
+    """Fresh memory for a tensor assembled from pieces (torch.empty), or within merged_into the caller's buffer."""
+    buffers = _INTO.get()
+    return _torch().empty(shape, dtype=dtype) if buffers is None else buffers(tuple(shape), dtype)
+
+
 def _cat(parts: Sequence[Tensor], dim: int) -> Tensor:
     """torch.cat of a merge's shards (into a reused buffer within merged_into); of one shard (a TP = 1 source:
     torch_dist, a TP1 layout) that shard itself (owned, _own, unless views() are allowed), not a copy of it."""

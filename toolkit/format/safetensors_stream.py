@@ -183,7 +183,7 @@ class Reader:
                                "model or layout")
         begin, stop = self._info[name]["data_offsets"]
         at, dtype = self._base + begin, self.dtype(name)
-        if getattr(_mapping, "on", False) and stop > begin and at % dtype.itemsize == 0:
+        if mapping() and stop > begin and at % dtype.itemsize == 0:
             return self._map(name, at, stop - begin, dtype)
         out = torch.empty(stop - begin, dtype=torch.uint8)
         view, done = memoryview(out.numpy()), 0
@@ -195,15 +195,7 @@ class Reader:
         return out.view(self.dtype(name)).reshape(self.shape(name))
 
     def _map(self, name: str, at: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-        import torch  # lazy: reading a header needs no torch (the copy-only conversion never imports it)
-
-        if os.fstat(self._f.fileno()).st_size < at + n:  # a map past the end would fault when touched
-            raise ToolkitError(f"{self.path}: short read of {name}: the file was truncated while converting")
-        start = at - at % mmap.ALLOCATIONGRANULARITY
-        m = mmap.mmap(self._f.fileno(), at + n - start, flags=mmap.MAP_PRIVATE,
-                      prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
-        m.madvise(mmap.MADV_WILLNEED)  # read-ahead for pages not in the cache
-        return torch.frombuffer(m, dtype=torch.uint8, count=n, offset=at - start).view(dtype).reshape(self.shape(name))
+        return map_bytes(self._f.fileno(), at, n, dtype, self.shape(name), f"{self.path}: short read of {name}")
 
     def close(self) -> None:
         self._f.close()
@@ -213,6 +205,23 @@ class Reader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def mapping() -> bool:
+    """Whether this thread is inside mapped(): other readers of raw bytes (torch_dist's) map them too."""
+    return getattr(_mapping, "on", False)
+
+
+def map_bytes(fd: int, at: int, n: int, dtype: torch.dtype, shape, what: str) -> torch.Tensor:
+    """Bytes at..at+n of the open file fd as a tensor of dtype and shape: a copy-on-write map of them (mapped())."""
+    import torch  # lazy: reading a header needs no torch (the copy-only conversion never imports it)
+
+    if os.fstat(fd).st_size < at + n:  # a map past the end would fault when touched
+        raise ToolkitError(f"{what}: the file was truncated while converting")
+    start = at - at % mmap.ALLOCATIONGRANULARITY
+    m = mmap.mmap(fd, at + n - start, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+    m.madvise(mmap.MADV_WILLNEED)  # read-ahead for pages not in the cache
+    return torch.frombuffer(m, dtype=torch.uint8, count=n, offset=at - start).view(dtype).reshape(tuple(shape))
 
 
 class Writer:
