@@ -289,19 +289,15 @@ def test_merge_buffers_are_reused_module_after_module_and_never_shared():
     assert torch.equal(g, gate) and g.data_ptr() not in first
 
 
-def test_torch_dist_reads_within_mapped_equal_loads_and_a_truncated_file_is_one_line(tmp_path, monkeypatch):
-    """The verification reads torch_dist chunks as maps of the bytes torch.load reads (Reader.locate; copied from
-    the map into a merge buffer where they start at an offset their dtype cannot be viewed at), and a tensor of
-    several chunks is assembled in the merge buffers: the same tensors as torch.load of each chunk into fresh
-    memory, and a .distcp cut short after it was opened is refused in one line, never a fault on touch."""
+def mapped_reads_equal_loads(it_dir, monkeypatch):
+    """Every tensor of the torch_dist checkpoint at it_dir, read as the verification reads it (within mapped() and
+    merged_into: maps of the bytes torch.load reads, or copies from them at odd offsets, assembled in reused
+    buffers), equals the plain read (torch.load of each chunk); within mapped() no chunk's bytes are loaded. Returns
+    the open Reader (the caller closes it)."""
     from toolkit.checkpoint import torch_dist
     from toolkit.checkpoint.verify import _Buffers
     from toolkit.families.rules import merged_into
 
-    hf = tmp_path / "hf"
-    _write_hf(hf, layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, dtype=torch.bfloat16)
-    convert(hf, tmp_path / "td", "torch_dist", tp=2, pp=2, verify=False, progress=False, log=lambda *_: None)
-    it_dir = next((tmp_path / "td").glob("iter_*"))
     reader = torch_dist.Reader(it_dir)
     buffers = _Buffers()
     real_load = torch_dist.safe_load.load_buffer
@@ -311,16 +307,30 @@ def test_torch_dist_reads_within_mapped_equal_loads_and_a_truncated_file_is_one_
         return real_load(*args, **kwargs)
 
     monkeypatch.setattr(torch_dist.safe_load, "load_buffer", meta_only)
-    try:  # both kinds are here: bytes that can be viewed in place, and bytes at odd offsets
+    for fqn in reader.tensor_names():
+        loaded = reader.get(fqn)
+        assert not st.mapping()
+        with st.mapped(), merged_into(buffers):
+            got = reader.get(fqn)
+            assert torch.equal(got, loaded), fqn
+        del got
+        buffers.recycle()
+    return reader
+
+
+def test_torch_dist_reads_within_mapped_equal_loads_and_a_truncated_file_is_one_line(tmp_path, monkeypatch):
+    """The verification reads torch_dist chunks as maps of the bytes torch.load reads (Reader.locate; copied from
+    the map into a merge buffer where they start at an offset their dtype cannot be viewed at), and a tensor of
+    several chunks is assembled in the merge buffers: the same tensors as torch.load of each chunk into fresh
+    memory (for Megatron-Core's own files: test_megatron_torch_dist), and a .distcp cut short after it was opened is
+    refused in one line, never a fault on touch."""
+    hf = tmp_path / "hf"
+    _write_hf(hf, layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, dtype=torch.bfloat16)
+    convert(hf, tmp_path / "td", "torch_dist", tp=2, pp=2, verify=False, progress=False, log=lambda *_: None)
+    it_dir = next((tmp_path / "td").glob("iter_*"))
+    reader = mapped_reads_equal_loads(it_dir, monkeypatch)
+    try:  # both kinds were there: bytes that can be viewed in place, and bytes at odd offsets
         assert {reader.locate(f, key)[1] % 2 for f in reader.tensor_names() for *_, key in reader.chunks(f)} == {0, 1}
-        for fqn in reader.tensor_names():
-            loaded = reader.get(fqn)
-            assert not st.mapping()
-            with st.mapped(), merged_into(buffers):
-                got = reader.get(fqn)
-                assert torch.equal(got, loaded), fqn
-            del got
-            buffers.recycle()
         distcp = sorted(it_dir.glob("*.distcp"))[-1]
         os.truncate(distcp, distcp.stat().st_size // 2)
         last = max((info.offset, key[0]) for key, info in reader._where.items()

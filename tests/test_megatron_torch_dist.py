@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, UNINTERRUPTED, free_port, launch, read_metrics
+from test_convert_verify import mapped_reads_equal_loads
 
 from toolkit.checkpoint.convert import convert
 from toolkit.checkpoint.inspect import inspect
@@ -57,6 +58,13 @@ def test_tp2_pp2_torch_dist_run_resumes_at_tp1_pp2_dp2(uninterrupted, saved, tmp
     assert got == pytest.approx(straight[STOP:], rel=1e-5)
     last = tmp_path / "run" / "checkpoints" / "step_00000006"
     assert json.loads((last / "toolkit_meta.json").read_text())["layout"]["dp"] == 2 and list(last.glob("*.distcp"))
+
+
+@pytest.mark.slow
+def test_verification_reads_megatron_cores_own_files_as_maps(saved, monkeypatch):
+    """The verification's reads of a torch_dist checkpoint (maps of the bytes torch.load reads, assembled in reused
+    buffers) give what torch.load of each chunk gives, on the files Megatron-Core's own save wrote."""
+    mapped_reads_equal_loads(saved / "checkpoints" / "step_00000003", monkeypatch).close()
 
 
 @pytest.mark.slow

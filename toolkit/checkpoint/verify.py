@@ -22,8 +22,8 @@ names transformers' modules carry. A Megatron side (source or output) is read by
 shards with its rule and placing the rule's parts (q, k, v; gate, up) by the family's `modules` table (e.g.
 toolkit/families/llama.py MODULES), written apart from the conversion map. So a mistake in the map (q and k
 swapped) does not cancel out on the way back: the two sides' tensors of that name then hash differently (the check
-names it), and were they not hashed, the two sides' hidden states would disagree. A Megatron side's merges are
-written into buffers reused module after module (_Buffers): fresh pages cost this VM more than the copies.
+names it), and were they not hashed, the two sides' hidden states would disagree. A side's merges are written
+into buffers reused module after module (_Buffers): fresh pages cost this VM more than the copies.
 """
 from __future__ import annotations
 
@@ -190,7 +190,10 @@ class _Hashed:
                 self.source[name] = self.pool.submit(self._record, cast(t, self.written))
                 self.running.append(self.source[name])
             return
-        if name in self.source and (name, WEIGHT) not in self.proved:
+        if name not in self.source:  # the reference's weights of a module are read first: this is a bug, not input
+            raise ToolkitError(f"verification: {name} was read from the output before the source; nothing was "
+                               "written (please report this)")
+        if (name, WEIGHT) not in self.proved:
             self.outputs.append((name, self.pool.submit(self._record, t)))
             self.running.append(self.outputs[-1][1])
 
@@ -243,11 +246,10 @@ class _Named:
 
 class _Buffers:
     """The memory a side's merges (a Megatron side's TP shards, a torch_dist tensor's chunks) are written into,
-    reused module after module (rules.merged_into): a
-    fresh page costs this VM more than the copy into it (docs/performance.md). Buffers handed out since the last
-    recycle() are in use; recycle() frees them for the next module. A shape with no free buffer drops the free
-    ones (the embeddings' shapes come once, a decoder layer's again and again), so what it holds stays one
-    module's merges."""
+    reused module after module (rules.merged_into): a fresh page costs this VM more than the copy into it
+    (docs/performance.md). Buffers handed out since the last recycle() are in use; recycle() frees them for the
+    next module. A shape with no free buffer drops the free ones (the embeddings' shapes come once, a decoder
+    layer's again and again), so what it holds stays one module's merges."""
 
     def __init__(self):
         self.free: dict[tuple, list[torch.Tensor]] = {}
@@ -330,8 +332,8 @@ class _Megatron:
 def side(source: Source, dtype: torch.dtype | None, hashed: _Hashed | None = None, output: bool = False,
          buffers: _Buffers | None = None):
     """Sharded Megatron sources (the toolkit's layout, Megatron-LM's legacy files) are read shard by shard through
-    the modules table; a torch_dist source holds whole tensors and is read through the map (so for it the check
-    compares the logits, but a mistake in the map itself would cancel out on its side)."""
+    the modules table; a torch_dist source holds whole tensors and is read through the map (so for it a mistake in
+    the map itself would cancel out on its side)."""
     if source.layout and hasattr(source, "_get"):
         return _Megatron(source, dtype, hashed, output, buffers or _Buffers())
     return _Named(source, dtype, hashed, output, buffers or _Buffers())
