@@ -30,7 +30,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -201,8 +201,7 @@ class _Hashed:
         """Every hash asked for so far is done (so the tensors it reads may be freed or overwritten), and each
         output tensor's record equals the source's of its name."""
         running, outputs, self.running, self.outputs = self.running, self.outputs, [], []
-        for future in running:
-            future.exception()  # waits; a failure is raised by result() below or by the side's own settle
+        wait(running)  # all of them, before anything is raised: none reads a buffer after this returns
         for name, future in outputs:
             if self.source[name].result() != future.result():
                 raise ToolkitError(f"verification failed: {name} ({WEIGHT}) reads back different from the source's "
@@ -210,7 +209,7 @@ class _Hashed:
                                    "mapping or conversion error); nothing was written")
             self.proved.add((name, WEIGHT))
         for future in running:
-            future.result()
+            future.result()  # a hash that failed
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
