@@ -215,12 +215,27 @@ class _Hashed:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-class _Named:
-    """A side whose tensors carry Hugging Face names: read by the names transformers' modules have."""
+class _Side:
+    """One side of the check (the reference or the output): get(names) hands out its weights by Hugging Face name,
+    hashed on the way when `hashed` is given; done() once they are no longer referenced."""
 
     def __init__(self, source: Source, dtype: torch.dtype | None, hashed: _Hashed | None, output: bool,
                  buffers: _Buffers):
         self.source, self.dtype, self.hashed, self.output, self.buffers = source, dtype, hashed, output, buffers
+
+    def done(self) -> None:
+        """What get() handed out is no longer referenced: its buffers serve the next call."""
+        if self.hashed is not None:
+            self.hashed.settle()  # the hashes read the buffers
+        self.buffers.recycle()
+
+
+class _Named(_Side):
+    """A side whose tensors carry Hugging Face names: read by the names transformers' modules have."""
+
+    def __init__(self, source: Source, dtype: torch.dtype | None, hashed: _Hashed | None, output: bool,
+                 buffers: _Buffers):
+        super().__init__(source, dtype, hashed, output, buffers)
         # sources hand out one parameter's tensors at a time (q, k and v together for a torch_dist source)
         self.entry_of = {n: e.hf_names for e in iter_entries(source.dims(), 1, 1) for n in e.hf_names}
 
@@ -235,12 +250,6 @@ class _Named:
             for n in names:
                 self.hashed.check(n, out[n], self.output)
         return {n: cast(out[n], self.dtype) for n in names}
-
-    def done(self) -> None:
-        """What get() handed out is no longer referenced: its buffers serve the next call."""
-        if self.hashed is not None:
-            self.hashed.settle()  # the hashes read the buffers
-        self.buffers.recycle()
 
 
 class _Buffers:
@@ -270,12 +279,12 @@ class _Buffers:
         self.used = []
 
 
-class _Megatron:
+class _Megatron(_Side):
     """A Megatron side: each parameter merged from its TP shards by its rule, its parts placed by family.modules."""
 
     def __init__(self, source: Source, dtype: torch.dtype | None, hashed: _Hashed | None, output: bool,
                  buffers: _Buffers):
-        self.source, self.dtype, self.hashed, self.output, self.buffers = source, dtype, hashed, output, buffers
+        super().__init__(source, dtype, hashed, output, buffers)
         tp, pp, vpp = source.layout
         dims = source.dims(tp)
         family = family_named(dims.family)
@@ -320,12 +329,6 @@ class _Megatron:
                 self.hashed.check(n, merged[(p, c, m, e)][part], self.output)
             out[n] = cast(merged[(p, c, m, e)][part], self.dtype)
         return out
-
-    def done(self) -> None:
-        """What get() handed out is no longer referenced: its merge buffers serve the next call."""
-        if self.hashed is not None:
-            self.hashed.settle()  # the hashes read the buffers
-        self.buffers.recycle()
 
 
 def side(source: Source, dtype: torch.dtype | None, hashed: _Hashed | None = None, output: bool = False,
