@@ -54,6 +54,12 @@ SIZES = {  # Llama-shaped configs; parameter counts are printed by the run
                num_key_value_heads=8, vocab_size=32000),  # OpenLLaMA-3B's shape with GQA 32/8: 3.0B
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=32, vocab_size=32000),  # Llama-2-7B's shape: 6.7B, 12.6 GiB in bf16
+    # Llama-2-70B's shapes with 2 (4) of its 80 decoder layers: what one layer and the embeddings cost at 70B, in
+    # time and memory, on a disk that cannot hold 70B's 129 GiB eight times over (docs/performance.md)
+    "70b-2l": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=2, num_attention_heads=64,
+                   num_key_value_heads=8, vocab_size=32000),
+    "70b-4l": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=4, num_attention_heads=64,
+                   num_key_value_heads=8, vocab_size=32000),
 }
 
 
