@@ -11,8 +11,9 @@ runs, each `--reps` times in a fresh process, and reports the median of each fig
             writes); run first and last, and the ratios are taken against the mean of the two
   hf->tp2pp2, tp2pp2->tp4pp1, tp4pp1->hf   `toolkit convert --quiet --verbose`, first with --no-verify, then
             with the default verification (the bit-exact read-back and the layer-by-layer logit check)
-  hf->torch_dist, torch_dist->megatron_lm, megatron_lm->hf   the same two modes: Megatron-Core's torch_dist
-            (written at TP2 x PP2), read into Megatron-LM's legacy layout at TP2 x PP2, read back to Hugging Face
+  hf->torch_dist, torch_dist->megatron_lm, megatron_lm->hf, torch_dist->hf   the same two modes: Megatron-Core's
+            torch_dist (written at TP2 x PP2), read into Megatron-LM's legacy layout at TP2 x PP2, each read back
+            to Hugging Face
 and prints wall time, its ratio to cp's wall time (the targets: 1.3 with --no-verify, 2 verified), CPU seconds
 (user + system, wait4: less sensitive to a shared machine than wall time), the 1-minute load average at its end,
 the throughput ratio to cp, the GiB copied file to file (os.copy_file_range, and pwritev from a map for tensors of
@@ -64,7 +65,7 @@ SIZES = {  # Llama-shaped configs; parameter counts are printed by the run
 
 
 STEPS = ("hf->tp2pp2", "tp2pp2->tp4pp1", "tp4pp1->hf", "hf->torch_dist", "torch_dist->megatron_lm",
-         "megatron_lm->hf")
+         "megatron_lm->hf", "torch_dist->hf")
 """The conversions bench_size runs, in order (--steps names a subset)."""
 
 
@@ -180,7 +181,8 @@ def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | N
              ("hf->torch_dist", "hf", "td", ["--to", "torch_dist", "--tp", "2", "--pp", "2"]),
              ("torch_dist->megatron_lm", "td", "mlm", ["--to", "megatron_lm", "--tp", "2", "--pp", "2",
                                                       "--vocab-size", str(SIZES[name]["vocab_size"])]),
-             ("megatron_lm->hf", "mlm", "back2", ["--to", "hf", "--vocab-size", str(SIZES[name]["vocab_size"])])]
+             ("megatron_lm->hf", "mlm", "back2", ["--to", "hf", "--vocab-size", str(SIZES[name]["vocab_size"])]),
+             ("torch_dist->hf", "td", "back3", ["--to", "hf", "--vocab-size", str(SIZES[name]["vocab_size"])])]
     assert tuple(s[0] for s in steps) == STEPS
     steps = [s for s in steps if not only or s[0] in only]
     plan = [("cp", "hf", ["bash", "-c", cp.format(out=root / "copy")], root / "copy")]

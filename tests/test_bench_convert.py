@@ -15,14 +15,14 @@ def test_bench_convert_tiny(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     steps = ["hf->tp2pp2", "tp2pp2->tp4pp1", "tp4pp1->hf", "hf->torch_dist", "torch_dist->megatron_lm",
-             "megatron_lm->hf"]
+             "megatron_lm->hf", "torch_dist->hf"]
     assert [r["step"] for r in rows] == ["cp", *(f"{s} {m}" for m in ("no-verify", "verify") for s in steps),
                                          "cp (again)"]
     assert all(r["gib"] > 0 and r["peak_rss_mib"] > 0 for r in rows)
     assert all(r["stream_s"] is not None and r["peak_anon_mib"] > 0 and {"read", "split", "write"} <= set(r["phases"])
                for r in rows[1:-1])
-    assert all("verify" in r["phases"] for r in rows[7:13]) and not any("verify" in r["phases"] for r in rows[1:7])
-    assert proc.stdout.count(" cp wall ") == 14 and "anon" in proc.stdout
+    assert all("verify" in r["phases"] for r in rows[8:15]) and not any("verify" in r["phases"] for r in rows[1:8])
+    assert proc.stdout.count(" cp wall ") == 16 and "anon" in proc.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["rows.json"]  # the work folder is cleaned up
 
 

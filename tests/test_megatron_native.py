@@ -14,6 +14,7 @@ nothing.
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import pickletools
@@ -126,9 +127,12 @@ class _Payload:
 
 
 def _refused(src, tmp_path, marker, what="refused rather than unpickled"):
-    with pytest.raises(ToolkitError, match=what):
-        convert_to_hf(src, tmp_path / "hf", vocab_size=VOCAB)
-    assert not marker.exists() and not (tmp_path / "hf").exists()
+    """Refused verified, and with --no-verify, where the torch-free reader (toolkit/format/pt_zip.py) opens the files
+    first and hands what it does not take to the full path."""
+    for verify in (True, False):
+        with pytest.raises(ToolkitError, match=what):
+            convert(src, tmp_path / "hf", "hf", vocab_size=VOCAB, verify=verify, progress=False, log=lambda *_: None)
+        assert not marker.exists() and not (tmp_path / "hf").exists()
 
 
 @pytest.mark.slow
@@ -140,7 +144,7 @@ def test_real_legacy_checkpoint_converts_bit_exact(native, tmp_path):
     assert REAL_GLOBALS <= _pickle_globals(f)
     out = convert_to_hf(native["legacy"], tmp_path / "hf", vocab_size=VOCAB)
     _equal_to(out, native["tied"])
-    probe = ("import sys, signal; from toolkit.format.safe_load import load, Record; a = load(sys.argv[1])['args']; "
+    probe = ("import sys, signal; from toolkit.format.safe_load import load; from toolkit.format.records import Record; a = load(sys.argv[1])['args']; "
              "assert isinstance(a.attention_backend, Record) and a.attention_backend.value == 5, a; "
              "assert a.exit_signal is signal.SIGTERM and 'megatron' not in sys.modules; print('ok')")
     proc = subprocess.run([sys.executable, "-c", probe, str(f)], cwd=REPO, capture_output=True, text=True)
@@ -155,6 +159,37 @@ def test_real_legacy_checkpoint_converts_bit_exact(native, tmp_path):
         assert all(source.spans(names) is not None for names in source._entries)
     finally:
         source.close()
+
+
+NO_TORCH = r'''
+import json, sys
+from toolkit.cli import main
+out, *pairs = sys.argv[1:]
+codes = [main(["convert", src, f"{out}/{name}", "--to", "hf", "--vocab-size", "%d", "--no-verify", "--quiet"])
+         for src, name in zip(pairs[0::2], pairs[1::2])]
+print("RESULT " + json.dumps({"codes": codes, "loaded": [m for m in ("torch", "transformers") if m in sys.modules]}))
+''' % VOCAB
+
+
+@pytest.mark.slow
+def test_real_megatron_checkpoints_convert_without_torch_as_the_full_path_does(native, tmp_path):
+    """`--no-verify` to Hugging Face reads what Megatron-Core's own code wrote without importing torch
+    (toolkit/checkpoint/pickled_copy.py): a legacy checkpoint whose args hold AttnBackend, Signals and numpy RNG
+    state (TP1 x PP2 x VPP2, tied), Qwen2's legacy one (TP2), torch_dist from dist_checkpointing.save (TP2; Qwen3 at
+    TP1 x PP2), and checkpoints with Megatron's optimizer state (not carried to Hugging Face). Each output is byte
+    for byte what the verified full path writes."""
+    kinds = ["legacy", "legacy_qwen2", "torch_dist", "torch_dist_qwen3", "legacy_distopt", "optim_distopt"]
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH, str(tmp_path / "fast"),
+                           *[x for k in kinds for x in (str(native[k]), k)]], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.split("RESULT ", 1)[1]) == {"codes": [0] * len(kinds), "loaded": []}, proc.stderr
+    assert proc.stdout.count("file to file, torch-free") == len(kinds), proc.stdout  # none went through memory
+    for k in kinds:
+        full = convert(native[k], tmp_path / "full" / k, "hf", vocab_size=VOCAB, progress=False, log=lambda *_: None)
+        fast = tmp_path / "fast" / k
+        assert sorted(p.name for p in fast.iterdir()) == sorted(p.name for p in full.iterdir())
+        assert [p.name for p in full.iterdir() if p.read_bytes() != (fast / p.name).read_bytes()] == [], k
 
 
 @pytest.mark.slow
@@ -266,9 +301,10 @@ def test_damaged_torch_dist_gives_one_line_and_writes_nothing(native, tmp_path, 
         (it / "__0_1.distcp").write_bytes((it / "__0_1.distcp").read_bytes()[:5000])
     else:
         (src / "latest_checkpointed_iteration.txt").write_text("9")
-    with pytest.raises(ToolkitError, match=message) as e:
-        convert_to_hf(src, tmp_path / "hf", vocab_size=VOCAB)
-    assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
+    for verify in (True, False):  # --no-verify: the torch-free reader declines it, the full path says why
+        with pytest.raises(ToolkitError, match=message) as e:
+            convert(src, tmp_path / "hf", "hf", vocab_size=VOCAB, verify=verify, progress=False, log=lambda *_: None)
+        assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
     if damage != "missing_distcp":
         return
     proc = subprocess.run([sys.executable, "-m", "toolkit", "convert", str(src), str(tmp_path / "hf"), "--to", "hf",

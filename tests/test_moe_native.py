@@ -5,13 +5,17 @@ dp_reshardable) at EP1 and EP2, where Megatron-Core chains a second optimizer fo
 own default format for that state (distopt_*.pt, the same save_parameter_state files) is checked on a real EP2 run."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import launch, run_ranks
+from conftest import REPO, launch, run_ranks
 from safetensors.torch import load_file
+from test_megatron_native import NO_TORCH
 from test_moe import moe  # noqa: F401  (the module-scoped fixture: a tiny Qwen3-MoE as transformers saves it)
 
 from toolkit.checkpoint.convert import convert
@@ -61,6 +65,25 @@ def test_megatron_lm_moe_checkpoints_both_ways_against_megatron_core(moe, native
     wide = convert(legacy, tmp_path / "wide", "megatron_lm", tp=2, ep=2, vocab_size=VOCAB, **QUIET)
     again = load_file(str(convert(wide, tmp_path / "again", "hf", vocab_size=VOCAB, **QUIET) / "model.safetensors"))
     assert all(torch.equal(again[k], disk[k]) for k in disk)
+
+
+@pytest.mark.slow
+def test_moe_checkpoints_convert_without_torch_as_the_full_path_does(native, tmp_path):
+    """`--no-verify` to Hugging Face reads Megatron-Core's expert-parallel files without torch
+    (toolkit/checkpoint/pickled_copy.py): the legacy layout at EP2 (each rank file its own experts) and torch_dist
+    with the experts stacked by global index (EP2, with the distributed optimizer's state, not carried to Hugging
+    Face); byte for byte what the verified full path writes."""
+    kinds = ["legacy", "dp_reshardable_ep2"]
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH, str(tmp_path / "fast"),
+                           *[x for k in kinds for x in (str(native["root"] / k), k)]], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.split("RESULT ", 1)[1]) == {"codes": [0, 0], "loaded": []}, proc.stderr
+    assert proc.stdout.count("file to file, torch-free") == len(kinds), proc.stdout
+    for k in kinds:
+        full = convert(native["root"] / k, tmp_path / "full" / k, "hf", vocab_size=VOCAB, **QUIET)
+        assert {p.name: p.read_bytes() for p in full.iterdir()} == {
+            p.name: p.read_bytes() for p in (tmp_path / "fast" / k).iterdir()}, k
 
 
 def _by_name(tag) -> tuple[dict, dict]:

@@ -7,7 +7,8 @@ import random
 
 import torch
 
-from toolkit.checkpoint.torch_dist_optim import OptimizerState, is_optimizer_key
+from toolkit.checkpoint.dist_keys import is_optimizer_key
+from toolkit.checkpoint.torch_dist_optim import OptimizerState
 
 W = {"embedding.word_embeddings.weight": (8, 4), "decoder.layers.mlp.linear_fc1.weight": (2, 6, 4)}
 

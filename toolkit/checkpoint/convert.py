@@ -18,9 +18,9 @@ peak memory is a few times the largest parameter, whatever the model size. The o
 beside DST, verified, then renamed into place; an existing DST is replaced only with overwrite=True, and only
 once the new one is complete.
 
-A conversion that only moves bytes between safetensors layouts (`--no-verify`, no cast, weights only) is made by
-toolkit/checkpoint/copy_only.py without torch; convert() tries it first, and the `toolkit convert` command before
-it imports this module.
+A conversion that only moves bytes into a safetensors layout (`--no-verify`, no cast, weights only; from a
+safetensors, Megatron-LM or torch_dist source) is made by toolkit/checkpoint/copy_only.py without torch; convert()
+tries it first, and the `toolkit convert` command before it imports this module.
 """
 from __future__ import annotations
 

@@ -1,21 +1,24 @@
-"""`toolkit convert --no-verify` between Hugging Face folders and the toolkit's Megatron layouts, as file-to-file
-copies, without loading torch.
+"""`toolkit convert --no-verify` to Hugging Face folders and the toolkit's Megatron layouts, from those and from
+Megatron-LM's legacy and Megatron-Core's torch_dist checkpoints, as file-to-file copies, without loading torch.
 
 Such a conversion moves bytes and nothing else: every output tensor is byte ranges of the source files
-(toolkit/checkpoint/byte_ranges.py works out which, by running the family's own rules on numpy address arrays), and
-the files on both sides are safetensors, whose headers are JSON. So this path reads the headers, plans each
-parameter's ranges, and copies them in the kernel (os.copy_file_range, or pwritev from maps for row-sized ranges),
-through the same targets, write-behind threads, all-or-nothing output folder and source checksum check as the full
-path (toolkit/checkpoint/convert.py). Its output is byte-identical to the full path's. What it saves is the full
-path's fixed cost: importing torch took 1.3-1.8 s on the 2-core test machine, as long as copying 2 GiB
-(docs/performance.md).
+(toolkit/checkpoint/byte_ranges.py works out which, by running the family's own rules on numpy address arrays).
+The target's files are safetensors, whose headers are JSON; the source's are safetensors too, or torch.save zips
+whose tensors' offsets a reader of our own finds without torch (toolkit/checkpoint/pickled_copy.py). So this path
+reads the headers, plans each parameter's ranges, and copies them in the kernel (os.copy_file_range, or pwritev
+from maps for row-sized ranges), through the same targets, write-behind threads, all-or-nothing output folder and
+source checksum check as the full path (toolkit/checkpoint/convert.py). Its output is byte-identical to the full
+path's. What it saves is the full path's fixed cost: importing torch took 1.3-1.8 s on the 2-core test machine,
+as long as copying 2 GiB (docs/performance.md).
 
-It takes a conversion only when nothing in it needs tensors: no verification, no dtype cast, no vocabulary
-change, weights only (a Hugging Face target, --weights-only, or a source without optimizer state), and a toolkit
-source that stores its Hugging Face config (conversions do; a training run's is made from its recipe, which needs
-transformers). Anything else, and anything unexpected in the source (a file that does not open, a tensor the
-rules cannot address, copies of a replicated tensor that differ), returns None before or while writing: the
-partial output is removed and the full path converts it, reporting any problem in its own words.
+It takes a conversion only when nothing in it needs tensors: no verification, no dtype cast, weights only (a
+Hugging Face target, --weights-only, or a source without optimizer state), a toolkit source that stores its
+Hugging Face config (conversions do; a training run's is made from its recipe, which needs transformers), and
+--vocab-size only for a Megatron-LM or torch_dist source (it is their true vocabulary; for the others it would
+not change anything). Anything else, and anything unexpected in the source (a file that does not open, a pickle
+naming anything outside the reader's allow-list, a tensor the rules cannot address, copies of a replicated tensor
+that differ), returns None before or while writing: the partial output is removed and the full path converts it,
+reporting any problem in its own words.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import time
 from pathlib import Path
 
 from toolkit.checkpoint import byte_ranges, output
+from toolkit.checkpoint.pickled_copy import open_megatron
 from toolkit.checkpoint.safetensors_sources import HFSource, ToolkitWeights, follow_pointer, stored_config
 from toolkit.checkpoint.source_base import WEIGHT, Source
 from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, report, writers
@@ -31,7 +35,7 @@ from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
 from toolkit.families.rules import views
 from toolkit.format import manifest
-from toolkit.format.names import META
+from toolkit.format.names import META, POINTER
 
 
 class _NotByCopy(Exception):
@@ -46,13 +50,13 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
     """convert.convert's conversion, made here when it only copies bytes (the module docstring): (DST, True), or
     (None, whether it had begun: its "converting" line and the reason it stopped are printed) when the full path
     must make it (nothing is left behind then)."""
-    if (not byte_ranges.ENABLED or verify or dtype is not None or vocab_size is not None or fp32 or dp is not None
+    if (not byte_ranges.ENABLED or verify or dtype is not None or fp32 or dp is not None
             or config is not None or to not in ("hf", "megatron")
             or (to == "hf" and (tp, pp, vpp, ep) != (1, 1, 1, 1))):
         return None, False
     src, dst = Path(src), Path(dst)
     output.check_destination(src, dst, overwrite)  # the full path's first check: its refusals are the same
-    source = _open(src, weights_only or to == "hf")
+    source = _open(src, weights_only or to == "hf", vocab_size)
     if source is None:
         return None, False
     begun = False
@@ -65,6 +69,8 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
             log(f"converting {source.describe()} at {src} -> {to}"
                 + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
                 + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write; file to file, torch-free)")
+            if to != "hf" and getattr(source, "optimizer_note", None):
+                log(f"optimizer state: {source.optimizer_note}")
             begun = True
             _copy(source, target, pp, vpp, progress, log, verbose, check)
             output.replace(tmp, dst)
@@ -76,10 +82,17 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
     return dst, True
 
 
-def _open(src: Path, weights_only: bool) -> Source | None:
+def _open(src: Path, weights_only: bool, vocab_size: int | None) -> Source | None:
     """The source, when it is one this path reads (None otherwise, or when it does not open: the full path then
-    says why). Its checksums are left to check while converting (source.unchecked), as the full path does."""
+    says why). Its checksums are left to check while converting (source.unchecked), as the full path does.
+    `vocab_size`: the true vocabulary of a Megatron-LM checkpoint (which its padded rows do not tell); a source of
+    another kind is left to the full path when one is given."""
     if not src.is_dir() or src.is_symlink():
+        return None
+    if (not any((src / name).exists() for name in ("config.json", META, POINTER))
+            and ((src / "latest_checkpointed_iteration.txt").is_file() or src.name.startswith("iter_"))):
+        return open_megatron(src, vocab_size, weights_only)  # as sources.open_source tells the kinds apart
+    if vocab_size is not None:
         return None
     try:
         if (src / "config.json").is_file():

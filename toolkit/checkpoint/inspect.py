@@ -18,7 +18,7 @@ from toolkit.families import dims_from_hf, iter_entries
 from toolkit.format import manifest, paths
 from toolkit.format import safetensors_stream as st
 from toolkit.format.names import POINTER, TAG_GLOB
-from toolkit.format.safe_load import check_file
+from toolkit.format.safe_load import check_file, load
 from toolkit.metrics import count_params
 from toolkit.recipe.schema import Recipe
 
@@ -137,16 +137,15 @@ def inspect_megatron_lm(path: Path) -> dict:
     """Megatron-LM's legacy layout, from its arguments (read safely, memory-mapped) and file list."""
 
     it_dir = megatron_lm.iteration_dir(path)
-    if torch_dist.is_torch_dist(it_dir):
+    if megatron_lm.is_torch_dist(it_dir):
         return _inspect_torch_dist(path, it_dir)
     files = sorted(it_dir.glob("mp_rank_*/model_optim_rng.pt"))
     paths.check_tree(path, files, f"Megatron-LM checkpoint {path}")
     if not files:
         raise ToolkitError(f"{it_dir} holds no mp_rank_*/model_optim_rng.pt files")
-    state = megatron_lm.safe_load(files[0], mmap=True)
+    state = load(files[0], mmap=True, deepspeed=False)
     args = state["args"]
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    tp, pp, vpp = megatron_lm.layout_of_args(args)
     ep = megatron_lm.expert_parallel_size(args)
     ranks = [megatron_lm.rank_file(it_dir, t, p, pp, e, ep) for p in range(pp) for t in range(tp) for e in range(ep)]
     problems = [f"{f.relative_to(it_dir)} is missing" for f in ranks if not f.is_file()]

@@ -5,7 +5,9 @@ Layout: <root>/latest_checkpointed_iteration.txt and <root>/iter_XXXXXXX/mp_rank
 --expert-model-parallel-size > 1, as Megatron-LM's get_checkpoint_name names them), each holding `args` (an
 argparse.Namespace), `iteration`, `model` (or model0, model1, ... per virtual chunk), and optimizer and RNG state. An
 expert-parallel rank's file holds its own routed experts (`mlp.experts.local_experts.{x}`, x its local index) and
-a copy of everything else. Files are read with torch.load(weights_only=True) and an explicit allow-list.
+a copy of everything else. Files are read by the caller's loader: torch.load(weights_only=True) with an explicit
+allow-list (toolkit/format/safe_load.py), or without torch where only the weights' byte offsets are needed
+(toolkit/format/pt_zip.py, for `toolkit convert --no-verify`). This module imports neither.
 """
 from __future__ import annotations
 
@@ -17,13 +19,6 @@ from toolkit.families import family_named
 from toolkit.families.entries import rank_key
 from toolkit.families.mapping import local_spec_name
 from toolkit.format import paths
-from toolkit.format.safe_load import load as load_weights_only
-
-
-def safe_load(path: Path, mmap: bool = False) -> dict:
-    """A Megatron-LM file's contents; mmap=True maps the tensors' storage instead of reading it all. Only tensors,
-    Megatron-LM's arguments and numpy RNG state are loaded; anything else is refused rather than unpickled."""
-    return load_weights_only(path, mmap=mmap, deepspeed=False)
 
 
 def iteration_dir(path: Path) -> Path:
@@ -43,6 +38,11 @@ def iteration_dir(path: Path) -> Path:
     return folder
 
 
+def is_torch_dist(it_dir: Path) -> bool:
+    """Whether an iteration folder is Megatron-Core's torch_dist (toolkit/checkpoint/torch_dist.py), not legacy."""
+    return (it_dir / "metadata.json").is_file() or (it_dir / ".metadata").is_file()
+
+
 def rank_dir(tp: int, pp: int, pp_size: int, ep: int = 0, ep_size: int = 1) -> str:
     name = f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
     return name + (f"_{ep:03d}" if ep_size > 1 else "")
@@ -52,17 +52,17 @@ def rank_file(it_dir: Path, tp: int, pp: int, pp_size: int, ep: int = 0, ep_size
     return it_dir / rank_dir(tp, pp, pp_size, ep, ep_size) / "model_optim_rng.pt"
 
 
-def read(path: Path, mmap: bool = False) -> tuple[argparse.Namespace, dict, int, dict]:
+def read(path: Path, load) -> tuple[argparse.Namespace, dict, int, dict]:
     """(args, {rank_key(pp_rank, tp_rank, ep_rank, ep): [chunk state dicts with local-spec names]}, iteration,
-    {that rank key: the file's "optimizer" and "opt_param_scheduler" (None without them)})."""
+    {that rank key: the file's "optimizer" and "opt_param_scheduler" (None without them)}); `load(file)` gives a rank
+    file's contents."""
     it_dir = iteration_dir(path)
     paths.check_tree(path, it_dir.glob("mp_rank_*/model_optim_rng.pt"), f"Megatron-LM checkpoint {path}")
     first = min(it_dir.glob("mp_rank_*/model_optim_rng.pt"), default=None)
     if first is None:
         raise ToolkitError(f"{it_dir} holds no mp_rank_*/model_optim_rng.pt files")
-    args = safe_load(first, mmap)["args"]
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    args = load(first)["args"]
+    tp, pp, vpp = layout_of_args(args)
     ep = expert_parallel_size(args)
     ranks = [(p, t, e) for p in range(pp) for t in range(tp) for e in range(ep)]
     missing = [str(rank_file(it_dir, t, p, pp, e, ep)) for p, t, e in ranks
@@ -72,7 +72,7 @@ def read(path: Path, mmap: bool = False) -> tuple[argparse.Namespace, dict, int,
                            f"{', '.join(missing[:4])}")
     shards, iteration, optimizers = {}, None, {}
     for p, t, e in ranks:
-        state = safe_load(rank_file(it_dir, t, p, pp, e, ep), mmap)
+        state = load(rank_file(it_dir, t, p, pp, e, ep))
         iteration = state.get("iteration", iteration)
         optimizers[rank_key(p, t, e, ep)] = {k: state.get(k) for k in ("optimizer", "opt_param_scheduler")}
         shards[rank_key(p, t, e, ep)] = model_chunks(state, vpp)
@@ -155,6 +155,12 @@ def hf_config(args: argparse.Namespace, vocab_size: int, where: Path | str = "th
                       norm_topk_prob=not getattr(args, "moe_router_pre_softmax", False),
                       router_aux_loss_coef=float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0))
     return config
+
+
+def layout_of_args(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(tp, pp, vpp) that Megatron-LM's arguments were saved at."""
+    return (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
 
 
 def expert_parallel_size(args: argparse.Namespace) -> int:

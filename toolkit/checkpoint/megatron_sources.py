@@ -9,11 +9,14 @@ from pathlib import Path
 import torch
 
 from toolkit.checkpoint import megatron_flat, megatron_lm, megatron_plain, torch_dist, torch_dist_optim
+from toolkit.checkpoint.dist_keys import is_optimizer_key, sharded_name
+from toolkit.checkpoint.pickled_copy import tiling_axis
 from toolkit.checkpoint.pt_ranges import FileRanges
-from toolkit.checkpoint.source_base import WEIGHT, Source, _ShardedSource
+from toolkit.checkpoint.source_base import NO_OPTIMIZER_STATE, WEIGHT, Source, _ShardedSource
 from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import check_megatron_shards, iter_entries, raise_problems, rank_key
 from toolkit.families.rules import concat
+from toolkit.format import safe_load
 from toolkit.format.names import chunk_key, split_key
 from toolkit.format.safetensors_stream import dtype_name
 
@@ -26,6 +29,12 @@ def vocab_needed(where: Path, args) -> str:
             f"{args.padded_vocab_size} if nothing was padded) so the padding rows are dropped")
 
 
+def rank_state(path: Path) -> dict:
+    """A Megatron-LM rank file's contents, its tensors memory-mapped: only tensors, Megatron-LM's arguments and numpy
+    RNG state are loaded; anything else is refused rather than unpickled."""
+    return safe_load.load(path, mmap=True, deepspeed=False)
+
+
 class MegatronLMSource(_ShardedSource):
     """Megatron-LM's legacy layout. Its files are pickles: read with weights_only=True and an allow-list, memory-
     mapped so only the tensors read are paged in."""
@@ -34,7 +43,7 @@ class MegatronLMSource(_ShardedSource):
 
     def __init__(self, path: Path, vocab_size: int | None, weights_only: bool = False):
 
-        args, self._shards, self.step, states = megatron_lm.read(path, mmap=True)
+        args, self._shards, self.step, states = megatron_lm.read(path, rank_state)
         self._it_dir, self._files = megatron_lm.iteration_dir(path), {}
         self.args = args  # Megatron-LM's, for the plain optimizer's param groups (megatron_plain.wd_mult)
         optimizers = {k: v["optimizer"] for k, v in states.items()}
@@ -44,8 +53,7 @@ class MegatronLMSource(_ShardedSource):
             raise ToolkitError(vocab_needed(path, args))
         self.config = megatron_lm.hf_config(args, vocab_size)
         self.divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
-        self.layout = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                       getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+        self.layout = megatron_lm.layout_of_args(args)
         self.ep = megatron_lm.expert_parallel_size(args)
         self._index()
         if self._dims.padded_vocab != args.padded_vocab_size:
@@ -58,7 +66,7 @@ class MegatronLMSource(_ShardedSource):
         self._optim = None
         if not weights_only and not problems:
             if all(o is None for o in optimizers.values()):
-                self.optimizer_note = "it holds no optimizer state (saved with --no-save-optim?): weights only"
+                self.optimizer_note = NO_OPTIMIZER_STATE
             elif not getattr(args, "use_distributed_optimizer", False):  # by position in model_optim_rng.pt
                 self._optim = megatron_plain.PlainLegacyState(
                     megatron_lm.iteration_dir(path), args, self._dims, self.layout, self.dtype() != torch.float32,
@@ -67,7 +75,7 @@ class MegatronLMSource(_ShardedSource):
                 self._optim = megatron_flat.LegacyFlatState(
                     megatron_lm.iteration_dir(path), args, self._dims, self.layout, self.dtype() != torch.float32,
                     optimizers, lambda p, t, c, name: self._shards[rank_key(p, t, 0, self.ep)][c][name],
-                    lambda f: megatron_lm.safe_load(f, mmap=True), ep=self.ep)
+                    rank_state, ep=self.ep)
             if self._optim is not None:
                 problems += self._optim.problems
                 self.optimizer_note = self._optim.note
@@ -121,7 +129,7 @@ class _RankFile:
     def __init__(self, path: Path, chunks: list[dict], vpp: int):
         self._chunks, self._spans = chunks, {}
         try:
-            metas = megatron_lm.model_chunks(megatron_lm.load_weights_only(path, map_location="meta"), vpp)
+            metas = megatron_lm.model_chunks(safe_load.load(path, map_location="meta"), vpp)
             pairs = [(t, m[n]) for c, m in zip(chunks, metas) for n, t in c.items()
                      if torch.is_tensor(t) and torch.is_tensor(m.get(n))]
             self.ranges = FileRanges(path, [t for t, _ in pairs], [m for _, m in pairs])
@@ -173,8 +181,7 @@ class TorchDistSource(Source):
         self.scheduler = self._r.common.get("opt_param_scheduler")
         self.config = megatron_lm.hf_config(args, vocab_size)
         self.divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
-        self.layout = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                       getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+        self.layout = megatron_lm.layout_of_args(args)
         dims = self.dims(self.layout[0])
         if dims.padded_vocab != args.padded_vocab_size:
             raise ToolkitError(f"--vocab-size {vocab_size} pads to {dims.padded_vocab} rows at tp={self.layout[0]}, "
@@ -182,7 +189,7 @@ class TorchDistSource(Source):
         self._entries = {e.hf_names: e for e in iter_entries(dims, 1, 1) if e.reads_back}
         problems, wanted = [], set()
         for e in iter_entries(dims, 1, 1):
-            name, index = torch_dist.sharded_name(e.megatron_name)
+            name, index = sharded_name(e.megatron_name)
             wanted.add(name)
             want = (dims.layers, dims.experts)[:len(index)] + tuple(e.rule.shard_shape(e.hf_shapes, 1))
             fqn = self._r.names.get(name)
@@ -195,12 +202,12 @@ class TorchDistSource(Source):
         if dims.tied:  # Megatron keeps a copy of the embeddings at pp > 1: ignored, as HF has no lm_head then
             wanted.add("output_layer.weight")
         extra = sorted(fqn for n, fqn in self._r.names.items() if n not in wanted
-                       and not torch_dist_optim.is_optimizer_key(fqn))
+                       and not is_optimizer_key(fqn))
         if extra:
             problems.append(Problem("tensors", f"{len(extra)} the {dims.family} map does not know: {', '.join(extra[:6])}",
                                     f"convert a {dims.family} model (local or Transformer Engine spec)"))
         if not weights_only and not problems:  # Adam's moments (and fp32 mains) by parameter name
-            read = {self._r.names[torch_dist.sharded_name(e.megatron_name)[0]] for e in self._entries.values()}
+            read = {self._r.names[sharded_name(e.megatron_name)[0]] for e in self._entries.values()}
             self._optim = torch_dist_optim.OptimizerState(self._r, {f: self._r.shape(f) for f in read},
                                                           self.dtype() != torch.float32)
             if self._optim.sharding == {"dp_reshardable"}:  # flat buffers: the layout recomputed, then proved
@@ -216,7 +223,7 @@ class TorchDistSource(Source):
         if field != WEIGHT and isinstance(self._optim, megatron_flat.FlatState):
             return self._optim.read(hf_names, field, lambda: self.read(hf_names))
         entry = self._entries[tuple(hf_names)]
-        name, index = torch_dist.sharded_name(entry.megatron_name)
+        name, index = sharded_name(entry.megatron_name)
         fqn = self._r.names[name] if field == WEIGHT else self._optim.key(field, self._r.names[name])
         tensor = self._r.get(fqn, index)
         return list(entry.to_hf([tensor if field == WEIGHT else tensor.float()]).values())
@@ -229,10 +236,10 @@ class TorchDistSource(Source):
         if field != WEIGHT:
             return None
         entry = self._entries[tuple(hf_names)]
-        name, index = torch_dist.sharded_name(entry.megatron_name)
+        name, index = sharded_name(entry.megatron_name)
         fqn = self._r.names[name]
         pieces = self._r.chunks(fqn, index)
-        dim = _tiling_axis(pieces, self._r.shape(fqn)[len(index):])
+        dim = tiling_axis(pieces, self._r.shape(fqn)[len(index):])
         if dim is None:
             return None
         inputs = [(self._slices, (fqn, chunk, index, sizes)) for _, sizes, chunk in
@@ -247,23 +254,6 @@ class TorchDistSource(Source):
 
     def dtype(self) -> torch.dtype:
         return self._r.dtype(self._r.names["embedding.word_embeddings.weight"])
-
-
-def _tiling_axis(pieces: list, shape: tuple[int, ...]) -> int | None:
-    """The axis along which these (offsets, sizes, _) pieces tile a tensor of `shape` end to end, each whole on every
-    other axis (0 for a single piece that is the whole tensor); None when they do not."""
-    for dim in range(max(1, len(shape))):
-        if not shape or any(o[e] or s[e] != shape[e] for o, s, _ in pieces for e in range(len(shape)) if e != dim):
-            continue
-        at = 0
-        for o, s, _ in sorted(pieces, key=lambda p: p[0][dim]):
-            if o[dim] != at:
-                break
-            at += s[dim]
-        else:
-            if at == shape[dim]:
-                return dim
-    return None
 
 
 class _ChunkSlices:

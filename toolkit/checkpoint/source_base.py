@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     import torch
 
 WEIGHT = "weight"
+NO_OPTIMIZER_STATE = "it holds no optimizer state (saved with --no-save-optim?): weights only"
+"""The note of a Megatron source without optimizer state, whichever reader opened it."""
 
 
 class Source:

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from toolkit.adapters.megatron import scheduler_state
-from toolkit.checkpoint import megatron_flat, megatron_lm, torch_dist
+from toolkit.checkpoint import megatron_flat, megatron_lm
 from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
 from toolkit.checkpoint.deepspeed_plain import is_plain
-from toolkit.checkpoint.megatron_sources import MegatronLMSource, TorchDistSource
+from toolkit.checkpoint.megatron_sources import MegatronLMSource, TorchDistSource, rank_state
 from toolkit.checkpoint.safetensors_sources import HFSource, ToolkitWeights, follow_pointer, stored_config
 from toolkit.checkpoint.source_base import WEIGHT, Source  # noqa: F401 (WEIGHT, Source: re-exported)
 from toolkit.checkpoint.torch_dist_optim import param_groups
@@ -89,9 +89,9 @@ class ToolkitMegatronSource(ToolkitWeights):
                                   data_parallel_size=self.meta["layout"]["dp"])
         self._flat = megatron_flat.LegacyFlatState(
             tag_dir, args, self._dims, self.layout, self.dtype() != torch.float32,
-            {k: megatron_lm.safe_load(f, mmap=True) for k, f in natives.items()},
+            {k: rank_state(f) for k, f in natives.items()},
             lambda p, t, c, name: self._models[rank_key(p, t, 0, ep)].get(chunk_key(c, name)),
-            lambda f: megatron_lm.safe_load(f, mmap=True), files, ep)
+            rank_state, files, ep)
         self._flat.what = "distopt_*.pt buffers"
         raise_problems(f"{tag_dir}: its distributed optimizer's state does not fit the model", self._flat.problems)
         self.optimizer_note = self._flat.note
@@ -197,7 +197,7 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
         return source
     if (src / "latest_checkpointed_iteration.txt").is_file() or src.name.startswith("iter_"):
         it_dir = megatron_lm.iteration_dir(src)
-        if torch_dist.is_torch_dist(it_dir):
+        if megatron_lm.is_torch_dist(it_dir):
             return TorchDistSource(it_dir, vocab_size, weights_only)
         return MegatronLMSource(src, vocab_size, weights_only)
     if is_plain(src):

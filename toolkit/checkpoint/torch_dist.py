@@ -18,10 +18,8 @@ expert-parallel size.
 """
 from __future__ import annotations
 
-import io
 import json
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -30,16 +28,10 @@ from toolkit.errors import ToolkitError
 from toolkit.families.mapping import local_spec_name
 from toolkit.families.rules import buffer
 from toolkit.format import paths, safe_load
+from toolkit.format.pt_zip import Slice
 from toolkit.format import safetensors_stream as st
 
-LAYERS = "decoder.layers."
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 _SKIP = ("_extra_state",)  # Transformer Engine / Megatron module metadata (bytes), not weights
-
-
-def is_torch_dist(it_dir: Path) -> bool:
-    return (it_dir / "metadata.json").is_file() or (it_dir / ".metadata").is_file()
 
 
 class Reader:
@@ -189,7 +181,7 @@ class Reader:
         fd = self._fds[info.relative_path]
         where = f"{self.dir / info.relative_path} (bytes {info.offset}..{info.offset + info.length}, {fqn})"
         try:
-            meta = safe_load.load_buffer(_Slice(fd, info.offset, info.length), where, map_location="meta")
+            meta = safe_load.load_buffer(Slice(fd, info.offset, info.length), where, map_location="meta")
         except ToolkitError:
             return None  # read through memory, where the same load reports what is wrong with the chunk
         at = getattr(meta.untyped_storage(), "_checkpoint_offset", None) if torch.is_tensor(meta) else None
@@ -236,55 +228,9 @@ class Reader:
                                                                  f"{where}: short read"))
             return out
         with open(self.dir / info.relative_path, "rb", buffering=0) as f:
-            tensor = safe_load.load_buffer(_Slice(f.fileno(), info.offset, info.length), where)
+            tensor = safe_load.load_buffer(Slice(f.fileno(), info.offset, info.length), where)
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != sizes or tensor.dtype != dtype:
             got = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ToolkitError(f"{where} holds {got}, but {self.dir / '.metadata'} says {sizes} {dtype}: the metadata "
                                "disagrees with the files; re-copy the checkpoint")
         return tensor
-
-
-class _Slice(io.RawIOBase):
-    """Bytes offset..offset+length of an open file as a file of their own, read with positioned reads: one chunk's
-    torch.save file, which torch.load then reads straight into its tensor (no copy of the whole chunk first)."""
-
-    def __init__(self, fd: int, offset: int, length: int):
-        super().__init__()
-        self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = max(0, pos + (0 if whence == io.SEEK_SET else self.pos if whence == io.SEEK_CUR else self.length))
-        return self.pos
-
-    def readinto(self, buffer) -> int:
-        view = memoryview(buffer).cast("B")
-        n = max(0, min(len(view), self.length - self.pos))
-        done = 0
-        while done < n:
-            got = os.preadv(self.fd, [view[done:n]], self.offset + self.pos + done)
-            if got <= 0:
-                break  # the file is shorter than its metadata says: torch.load reports the truncated record
-            done += got
-        self.pos += done
-        return done
-
-
-def sharded_name(local_name: str) -> tuple[str, tuple[int, ...]]:
-    """(local-spec name without its layer and expert indices, those indices) of a toolkit name at pp = vpp = ep = 1:
-    a layer's parameter sits at (layer,) of its stacked tensor, a routed expert's at (layer, expert), the rest at ()."""
-    m = _LAYER.match(local_name)
-    if m is None:
-        return local_name, ()
-    x = _EXPERT.match(m.group(2))
-    if x is None:
-        return LAYERS + m.group(2), (int(m.group(1)),)
-    return f"{LAYERS}mlp.experts.experts.{x.group(2)}", (int(m.group(1)), int(x.group(1)))

@@ -25,16 +25,13 @@ import re
 
 import torch
 
+from toolkit.checkpoint.source_base import NO_OPTIMIZER_STATE
 from toolkit.errors import Problem
 from toolkit.format.names import MASTER
 
 _KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param|param)\.(.+)$")
 _FIELD = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": MASTER, "param": MASTER}
 READ = (None, "fully_reshardable")  # param_state_sharding_type: None is the plain optimizer
-
-
-def is_optimizer_key(fqn: str) -> bool:
-    return re.match(r"^(?:chained_\d+\.)?optimizer\.", fqn) is not None
 
 
 def optimizer_parts(state) -> list[dict]:
@@ -114,7 +111,7 @@ class OptimizerState:
         self._where: dict[tuple[str, str], str] = {}
         parts = optimizer_parts(reader.common.get("optimizer"))
         if not parts:
-            self.note = "it holds no optimizer state (saved with --no-save-optim?): weights only"
+            self.note = NO_OPTIMIZER_STATE
             return
         kinds = {p.get("param_state_sharding_type") for p in parts}
         self.sharding, self.scalers, self.groups = kinds, [saved_scaler(p) for p in parts], param_groups(parts)

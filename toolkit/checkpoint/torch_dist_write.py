@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint import torch_dist
+from toolkit.checkpoint.dist_keys import sharded_name
 from toolkit.checkpoint.byte_ranges import addressing
 from toolkit.checkpoint.megatron_flat import SAVED_AS
 from toolkit.checkpoint.megatron_lm_optim import optimizer_plan
@@ -206,7 +206,7 @@ class TorchDistTarget:
         self._global: dict[tuple, tuple[str, tuple]] = {}  # hf_names -> (sharded key, index on its leading axes)
         self.total = 0
         for e in iter_entries(self.dims, 1, 1):
-            name, index = torch_dist.sharded_name(e.megatron_name)
+            name, index = sharded_name(e.megatron_name)
             self._global[e.hf_names] = (sharded_key(name), index)
             shape = e.rule.shard_shape(e.hf_shapes, 1)
             full = torch.Size((self.dims.layers, self.dims.experts)[:len(index)] + tuple(shape))

@@ -4,9 +4,10 @@ Every .pt file the toolkit reads goes through torch.load(weights_only=True): tor
 builds tensors and plain containers and refuses any other class or function. The only other objects allowed are
 the records DeepSpeed and Megatron-LM store (`allowed()` below). Megatron's own classes that a real Megatron-LM run
 pickles into `args` (enums such as AttnBackend, configs) are never imported: each name is mapped to an inert
-stand-in (`Record`) that only keeps the values it is given, so loading runs no Megatron code either. DeepSpeed's engine and Megatron's distributed
-optimizer call torch.load themselves (DeepSpeed with weights_only=False); `weights_only_everywhere` forces those
-calls through the same unpickler while a checkpoint is loaded (TORCH_FORCE_WEIGHTS_ONLY_LOAD).
+stand-in (`Record`, toolkit/format/records.py) that only keeps the values it is given, so loading runs no Megatron
+code either. DeepSpeed's engine and Megatron's distributed optimizer call torch.load themselves (DeepSpeed with
+weights_only=False); `weights_only_everywhere` forces those calls through the same unpickler while a checkpoint is
+loaded (TORCH_FORCE_WEIGHTS_ONLY_LOAD).
 """
 from __future__ import annotations
 
@@ -15,76 +16,16 @@ import io
 import os
 import pickle
 import re
-import signal
 import sys
-import types
 from contextlib import contextmanager
 from pathlib import Path, PosixPath
 
-import numpy as np
 import torch
 
 from toolkit.errors import ToolkitError
+from toolkit.format.records import DCP_CLASSES, DCPUnpickler, megatron_lm_records, numpy_records
 
 REFUSED = "refused rather than unpickled"
-
-
-class Record:
-    """An inert stand-in for a Megatron class named in a pickle (an enum member such as AttnBackend.auto, or a config
-    object): it keeps the constructor arguments (`args`, `value`) and the pickled state (`state`) and runs nothing."""
-
-    name = "?"
-
-    def __new__(cls, *args):
-        self = object.__new__(cls)
-        self.args, self.state = args, None
-        return self
-
-    def __setstate__(self, state) -> None:
-        self.state = state
-
-    @property
-    def value(self):
-        return self.args[0] if len(self.args) == 1 else self.args
-
-    def __eq__(self, other) -> bool:
-        return type(other) is type(self) and (other.args, other.state) == (self.args, self.state)
-
-    def __hash__(self) -> int:
-        return hash((self.name, repr(self.args)))
-
-    def __repr__(self) -> str:
-        return f"<{self.name} {self.value!r}>"
-
-
-MEGATRON_RECORDS = ("megatron.core.transformer.enums.AttnBackend", "megatron.core.transformer.enums.CudaGraphScope",
-                    "megatron.core.transformer.enums.AttnMaskType", "megatron.core.transformer.enums.ModelType",
-                    "megatron.core.transformer.enums.LayerType", "megatron.core.enums.ModelType",
-                    "megatron.core.enums.Fp8Recipe", "megatron.core.enums.Fp4Recipe",
-                    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
-                    "megatron.core.rerun_state_machine.RerunDiagnostic", "megatron.core.rerun_state_machine.RerunMode",
-                    "megatron.core.rerun_state_machine.RerunState")
-"""The Megatron-Core 0.16 classes that Megatron-LM checkpoints pickle (Megatron's own list of checkpoint classes,
-megatron/core/safe_globals.py), each read as a Record."""
-_RECORDS = {name: type(name.rsplit(".", 1)[1], (Record,), {"name": name, "__module__": __name__})
-            for name in MEGATRON_RECORDS}
-
-
-def _megatron_lm_records() -> list:
-    """What Megatron-LM's `args` and common state hold besides tensors: stdlib records (Signals is an enum, BytesIO
-    and PosixPath hold bytes and a path) and the Megatron classes above as Records."""
-
-    return [signal.Signals, io.BytesIO, PosixPath, types.SimpleNamespace,
-            *[(cls, name) for name, cls in _RECORDS.items()]]
-
-
-def _numpy_records() -> list:
-    """numpy's RNG state (Megatron-LM stores np.random.get_state() as arrays)."""
-
-    reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
-    dtypes = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32, np.int32, np.float16, np.uint8, np.int8, np.bool_)]
-    # numpy 1.x wrote the same function under its old module name
-    return [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, *dtypes]
 
 
 def _deepspeed_records() -> list:
@@ -101,7 +42,7 @@ def allowed(deepspeed: bool | None = None) -> list:
     dtypes, and with `deepspeed` (default: when DeepSpeed is already imported) DeepSpeed's records."""
     if deepspeed is None:  # a file naming DeepSpeed's records makes load() import DeepSpeed and retry
         deepspeed = "deepspeed" in sys.modules
-    return [argparse.Namespace, *_megatron_lm_records(), *_numpy_records(), *(_deepspeed_records() if deepspeed else [])]
+    return [argparse.Namespace, *megatron_lm_records(), *numpy_records(), *(_deepspeed_records() if deepspeed else [])]
 
 
 def refusal(path: Path, error: BaseException) -> ToolkitError:
@@ -193,76 +134,16 @@ def load_buffer(data, where: str, map_location="cpu"):
         raise refusal(where, e) from None
 
 
-class DCPRecord:
-    """An inert stand-in for one of torch DCP's `.metadata` records (its dataclasses and enums): the pickled fields
-    become attributes (`.fqn`, `.chunks`, `.relative_path`, ...), an enum member keeps its value, and nothing of
-    torch.distributed.checkpoint is imported (0.9 s of start-up here) or run."""
-
-    name = "?"
-    fields: tuple[str, ...] = ()  # a record pickled as a tuple (TensorProperties), its fields in order
-
-    def __init__(self, *args):  # an enum member is unpickled as Class(value); a dataclass skips __init__
-        self.args = args
-
-    @property
-    def value(self):
-        return self.args[0] if len(getattr(self, "args", ())) == 1 else getattr(self, "args", ())
-
-    def __setstate__(self, state) -> None:
-        if isinstance(state, tuple) and self.fields and len(state) == len(self.fields):
-            state = dict(zip(self.fields, state))
-        elif isinstance(state, tuple) and len(state) == 2 and all(x is None or isinstance(x, dict) for x in state):
-            state = {**(state[0] or {}), **(state[1] or {})}  # (dict, slots)
-        if not isinstance(state, dict) or not all(isinstance(k, str) and k.isidentifier() and not k.startswith("__")
-                                                  for k in state):
-            raise pickle.UnpicklingError(f"{self.name} holds a state that is not its fields")
-        self.__dict__.update(state)
-
-    def __repr__(self) -> str:
-        return f"<{self.name} {self.__dict__!r}>"
-
-
-DCP_RECORDS = {
-    "torch.distributed.checkpoint.metadata": ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-                                              "StorageMeta", "_MEM_FORMAT_ENCODING"),
-    "torch.distributed.checkpoint.planner": ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"),
-    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",)}
-"""The torch DCP classes a `.metadata` pickle names (torch 2.13), each read as a DCPRecord."""
-_DCP_DEFAULTS = {"_StorageInfo": {"transform_descriptors": None},  # its __getstate__ leaves out None fields
-                 "MetadataIndex": {"offset": None, "index": None},  # its __init__ leaves out a None offset
-                 "Metadata": {"planner_data": None, "storage_data": None, "storage_meta": None, "version": None},
-                 "TensorProperties": {"fields": ("dtype", "layout", "requires_grad", "memory_format_encoding",
-                                                 "pin_memory")}}
-
-
 def _dcp_classes() -> dict[tuple[str, str], object]:
     """What torch DCP's `.metadata` pickle names: its own dataclasses and enums (as DCPRecords), torch.Size, dtypes
     and layouts."""
-    out: dict[tuple[str, str], object] = {
-        (module, n): type(n, (DCPRecord,), {"name": f"{module}.{n}", "__module__": __name__,
-                                            **_DCP_DEFAULTS.get(n, {})})
-        for module, names in DCP_RECORDS.items() for n in names}
+    out: dict[tuple[str, str], object] = dict(DCP_CLASSES)
     out[("torch", "Size")] = torch.Size
     out[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
     out[("pathlib", "PosixPath")] = PosixPath  # StorageMeta.checkpoint_id of a plain dcp.save: a path, no I/O
     out.update({("torch", n): getattr(torch, n) for n in dir(torch)
                 if isinstance(getattr(torch, n, None), (torch.dtype, torch.layout, torch.memory_format))})
     return out
-
-
-class _DCPUnpickler(pickle.Unpickler):
-    def __init__(self, file, classes: dict):
-        super().__init__(file)
-        self.classes = classes
-
-    def find_class(self, module: str, name: str):
-        if (module, name) not in self.classes:
-            raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed")
-        return self.classes[(module, name)]
-
-    def persistent_load(self, pid):
-        raise pickle.UnpicklingError("persistent ids are not allowed")
 
 
 def load_dcp_metadata(path: Path):
@@ -273,7 +154,7 @@ def load_dcp_metadata(path: Path):
         raise ToolkitError(f"{path} is missing: the torch_dist checkpoint is incomplete (its save did not finish)")
     try:
         with open(path, "rb") as f:
-            return _DCPUnpickler(f, _dcp_classes()).load()
+            return DCPUnpickler(f, _dcp_classes()).load()
     except Exception as e:  # noqa: BLE001 - pickle raises many kinds of error on damaged input
         raise refusal(path, e if isinstance(e, pickle.UnpicklingError) else EOFError(str(e) or type(e).__name__)) \
             from None
