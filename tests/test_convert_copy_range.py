@@ -19,12 +19,12 @@ from tiny_hf import write_llama
 from toolkit.checkpoint import byte_ranges
 from toolkit.checkpoint import convert as convert_mod
 from toolkit.checkpoint.convert import convert
-from toolkit.checkpoint.pt_skeleton import Skeleton
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
 from toolkit.format import file_copy as fc
 from toolkit.format import safetensors_stream as st
 from toolkit.format.names import model_file, optim_file
+from toolkit.format.pt_write import Skeleton
 
 # (source, destination, options): HF -> Megatron (split), a relayout with optimizer state (merge + split, moves
 # between pipeline stages), Megatron -> HF (merge), HF -> HF (whole tensors moved)
@@ -40,7 +40,7 @@ STEPS = {"hf->tp2pp2": ("hf", "tp2pp2", dict(to="megatron", tp=2, pp=2)),
 # (Megatron-LM legacy TP2 x PP2 rank files and a torch_dist TP2 x PP2 checkpoint, written by the toolkit in the
 # fixture: the legacy weights' offsets come from a map_location="meta" load of the pickles, megatron_sources._RankFile;
 # the torch_dist chunks' from one of each chunk's record, torch_dist.Reader.locate. Megatron-LM legacy outputs are
-# written into their rank files' skeletons, pt_skeleton.Skeleton.write_ranges.)
+# written into their rank files' skeletons, pt_write.Skeleton.write_ranges.)
 
 
 def _write_hf(folder: Path) -> None:

@@ -69,7 +69,7 @@ def test_verification_memory_does_not_grow_with_layers(tmp_path, to):
     """Two models that differ only in layer count (2 vs 16, 11 MiB per fp32 layer) convert from HF with the default
     verification in fresh processes; their peak RSS differs by far less than the 14 extra layers (a whole-model load,
     as the check did before, would add them at least once). The same for Megatron-LM's legacy layout written as one
-    rank file, a single pickle of the whole model (its writer held the stage in memory before pt_skeleton), in
+    rank file, a single pickle of the whole model (its writer once held the stage in memory: now pt_write), in
     anonymous memory: the read-back maps that file, whose pages count in its RSS."""
     peaks = {}
     for layers in (2, 16):

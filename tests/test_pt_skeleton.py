@@ -1,5 +1,6 @@
-"""Files written before their bytes: a torch.save skeleton filled in place (toolkit/checkpoint/pt_skeleton.py, how
-Megatron-LM legacy rank files are written in bounded memory), and the safetensors writer's parallel file-to-file
+"""Files written before their bytes: a torch.save skeleton filled in place (toolkit/format/pt_write.py with
+toolkit/checkpoint/pt_skeleton.py's slots for torch's tensors, how Megatron-LM legacy rank files are written in
+bounded memory), and the safetensors writer's parallel file-to-file
 copies (file_copy._run_copies). Tiny tensors; well under a second."""
 from __future__ import annotations
 
@@ -10,23 +11,28 @@ import os
 import pytest
 import torch
 
-from toolkit.checkpoint.pt_skeleton import Skeleton
+from toolkit.checkpoint.pt_skeleton import slots
 from toolkit.format import file_copy as fc
+from toolkit.format import pt_write
+from toolkit.format.safetensors_stream import dtype_name
 
 
 def test_a_skeleton_filled_in_place_loads_as_the_object_saved_whole(tmp_path):
-    """Weights put in any order, a small tensor and views of one shared buffer written by finish(): torch.load gives
-    what torch.save of the filled object gives, views still sharing one storage; a weight never put is refused."""
+    """Weights written in any order, a small tensor and views of one shared buffer (torch tensors, through
+    pt_skeleton.slots) written by finish(): torch.load gives what torch.save of the filled object gives, views still
+    sharing one storage; a weight never written, or of the wrong size, is refused."""
     weights = {"b": torch.randn(3, 5), "a": torch.randn(7).to(torch.bfloat16)}
     buffer = torch.arange(12, dtype=torch.float32)
     full = {"args": argparse.Namespace(tp=2), "model": {**weights, "x._extra_state": None},
             "optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": buffer[:4].view(2, 2)},
                                     1: {"exp_avg": buffer[4:]}}}}
-    slots = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in weights.items()}
-    skeleton = {**full, "model": {**slots, "x._extra_state": None}}
-    file = Skeleton(tmp_path / "rank.pt", skeleton, list(slots.values()))
+    later = {k: pt_write.Tensor.empty(v.shape, dtype_name(v.dtype)) for k, v in weights.items()}
+    obj, fills = slots({**full, "model": {**later, "x._extra_state": None}})
+    assert len(fills) == 2  # the step's storage and the buffer's, once: its two views share it
+    file = pt_write.Skeleton(tmp_path / "rank.pt", obj, list(later.values()), fills)
     for k in ("a", "b"):
-        assert file.write(slots[k], weights[k]) == weights[k].nbytes
+        raw = weights[k].reshape(-1).view(torch.uint8).numpy()
+        assert file.write(later[k], raw) == weights[k].nbytes
     file.finish()
     got = torch.load(tmp_path / "rank.pt", weights_only=False)
     assert got["args"] == full["args"] and got["model"]["x._extra_state"] is None
@@ -37,12 +43,12 @@ def test_a_skeleton_filled_in_place_loads_as_the_object_saved_whole(tmp_path):
     assert torch.equal(state[0]["exp_avg"], buffer[:4].view(2, 2)) and torch.equal(state[1]["exp_avg"], buffer[4:])
     assert state[0]["exp_avg"].untyped_storage().data_ptr() == state[1]["exp_avg"].untyped_storage().data_ptr()
 
-    slot = torch.empty(4)
-    half = Skeleton(tmp_path / "half.pt", {"w": slot, "v": torch.empty(2)}, [slot])
+    slot = pt_write.Tensor.empty((4,), "F32")
+    half = pt_write.Skeleton(tmp_path / "half.pt", *slots({"w": slot, "v": torch.empty(2)})[:1], [slot])
     with pytest.raises(RuntimeError, match="1 tensors of .* were never written"):
         half.finish()
-    with pytest.raises(RuntimeError, match="put for a"):
-        Skeleton(tmp_path / "shape.pt", {"w": slot}, [slot]).put(slot, torch.zeros(5))
+    with pytest.raises(RuntimeError, match="20 bytes for a"):
+        pt_write.Skeleton(tmp_path / "shape.pt", {"w": slot}, [slot]).write(slot, torch.zeros(5).numpy())
 
 
 def test_parallel_copies_write_every_range_and_raise_a_failure_after_all_finish(tmp_path, monkeypatch):

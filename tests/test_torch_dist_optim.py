@@ -102,7 +102,7 @@ def test_bucket_cuts_follow_ddp_size_and_shared_embedding_rules():
 
 
 def test_the_two_layer_specs_register_the_input_norm_in_different_places():
-    from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, TE_ORDER, registration_order
+    from toolkit.checkpoint.megatron_lm import LOCAL_ORDER, TE_ORDER, registration_order
 
     names = ["output_layer.weight", "decoder.layers.1.mlp.linear_fc2.weight", "decoder.final_layernorm.weight",
              "decoder.layers.0.self_attention.linear_proj.weight", "decoder.layers.0.input_layernorm.weight",

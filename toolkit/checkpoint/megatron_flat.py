@@ -24,11 +24,10 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable
 
 import torch
 
-from toolkit.checkpoint.megatron_lm import rank_dir
+from toolkit.checkpoint.megatron_lm import ORDERS, rank_dir, registration_order
 from toolkit.checkpoint.torch_dist_optim import optimizer_parts, param_groups, saved_scaler, saved_step
 from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import Entry, iter_entries
@@ -40,38 +39,8 @@ _BUCKET = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d
 FIELDS = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 SAVED_AS = {v: k for k, v in FIELDS.items()}
 """Our optimizer field -> Megatron's name for it (the distributed optimizer's)."""
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
-LOCAL_ORDER = ("input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight",
-               "self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
-               "self_attention.k_layernorm.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight",
-               "mlp.linear_fc2.weight")
-"""A local-spec TransformerLayer's parameters in registration order (SelfAttention builds linear_proj before
-linear_qkv, then the q/k norms)."""
-TE_ORDER = ("self_attention.linear_proj.weight", "input_layernorm.weight", *LOCAL_ORDER[2:])
-"""Transformer Engine's: TELayerNormColumnParallelLinear registers its norm weight before its weight."""
-ORDERS = {"local": LOCAL_ORDER, "transformer_engine": TE_ORDER}
-
-
 def is_flat_key(fqn: str) -> bool:
     return _BUCKET.match(fqn) is not None
-
-
-def registration_order(names: Iterable[str], order: tuple[str, ...]) -> list[str]:
-    """A chunk's local-spec parameter names in the order its GPTModel registers them (a mixture of experts' MLP:
-    its router, then each local expert's linear_fc1 and linear_fc2, where a dense MLP's linears are)."""
-    def key(name: str):
-        if name == "embedding.word_embeddings.weight":
-            return (0,)
-        m = _LAYER.match(name)
-        if m:
-            rest, mlp = m.group(2), order.index("mlp.linear_fc1.weight")
-            expert = _EXPERT.match(rest)
-            if expert:
-                return (1, int(m.group(1)), mlp, 1 + int(expert.group(1)), int(expert.group(2)))
-            return (1, int(m.group(1)), mlp if rest == "mlp.router.weight" else order.index(rest), 0, 0)
-        return (2,) if name == "decoder.final_layernorm.weight" else (3,)  # then output_layer.weight
-    return sorted(names, key=key)
 
 
 def lay_out(params: list[tuple[str, int]], sizes: list[int]) -> dict[str, tuple[int, int, int]] | None:

@@ -12,6 +12,8 @@ allow-list (toolkit/format/safe_load.py), or without torch where only the weight
 from __future__ import annotations
 
 import argparse
+import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from toolkit.errors import ToolkitError
@@ -165,3 +167,33 @@ def layout_of_args(args: argparse.Namespace) -> tuple[int, int, int]:
 
 def expert_parallel_size(args: argparse.Namespace) -> int:
     return int(getattr(args, "expert_model_parallel_size", None) or 1)
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
+LOCAL_ORDER = ("input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight",
+               "self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
+               "self_attention.k_layernorm.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight",
+               "mlp.linear_fc2.weight")
+"""A local-spec TransformerLayer's parameters in registration order (SelfAttention builds linear_proj before
+linear_qkv, then the q/k norms)."""
+TE_ORDER = ("self_attention.linear_proj.weight", "input_layernorm.weight", *LOCAL_ORDER[2:])
+"""Transformer Engine's: TELayerNormColumnParallelLinear registers its norm weight before its weight."""
+ORDERS = {"local": LOCAL_ORDER, "transformer_engine": TE_ORDER}
+
+
+def registration_order(names: Iterable[str], order: tuple[str, ...]) -> list[str]:
+    """A chunk's local-spec parameter names in the order its GPTModel registers them (a mixture of experts' MLP:
+    its router, then each local expert's linear_fc1 and linear_fc2, where a dense MLP's linears are)."""
+    def key(name: str):
+        if name == "embedding.word_embeddings.weight":
+            return (0,)
+        m = _LAYER.match(name)
+        if m:
+            rest, mlp = m.group(2), order.index("mlp.linear_fc1.weight")
+            expert = _EXPERT.match(rest)
+            if expert:
+                return (1, int(m.group(1)), mlp, 1 + int(expert.group(1)), int(expert.group(2)))
+            return (1, int(m.group(1)), mlp if rest == "mlp.router.weight" else order.index(rest), 0, 0)
+        return (2,) if name == "decoder.final_layernorm.weight" else (3,)  # then output_layer.weight
+    return sorted(names, key=key)

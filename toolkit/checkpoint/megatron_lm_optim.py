@@ -37,8 +37,10 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, SAVED_AS, buffer_entries, coalesced
+from toolkit.checkpoint.megatron_flat import SAVED_AS, buffer_entries, coalesced
+from toolkit.checkpoint.megatron_lm import LOCAL_ORDER
 from toolkit.checkpoint.megatron_plain import positions, wd_groups, wd_mult
+from toolkit.checkpoint.pt_skeleton import slots
 from toolkit.checkpoint.torch_dist_optim import expert_groups
 from toolkit.families.entries import iter_entries
 
@@ -160,6 +162,11 @@ class DistOptimWriter:
             states.append(optimizer)
         return {"optimizer": self._chained(states), "opt_param_scheduler": self.scheduler}
 
+    def extra_slots(self, p: int, t: int, e: int = 0) -> tuple[dict, list]:
+        """extra() for the torch-free writer of the rank file (pt_skeleton.slots): its objects, and the bytes of its
+        tensors, written when the file is finished (after the stage's parameters filled the buffers)."""
+        return slots(self.extra(p, t, e))
+
     def finish(self, p: int, t: int, e: int, folder: Path) -> None:
         """Once the stage is complete and its model_optim_rng.pt finished: writes the rank's distrib_optim.pt (the
         dense state only in expert-parallel rank 0's, as Megatron-Core's ChainedOptimizer saves it)."""
@@ -195,7 +202,7 @@ class PlainOptimWriter(DistOptimWriter):
 
     def extra(self, p: int, t: int, e: int = 0) -> dict:
         """The optimizer's state_dict in the rank's model_optim_rng.pt (each of a mixture of experts' two): views of
-        the scratch buffers, which the stage's parameters fill before the file is finished (pt_skeleton.Skeleton.
+        the scratch buffers, which the stage's parameters fill before the file is finished (pt_write.Skeleton.
         finish writes them)."""
         tp, states = self.target.layout[0], []
         for b, chosen in zip(self._buffers_of(e), (self.groups, self.expert_groups)):

@@ -12,27 +12,32 @@ entries of model_optim_rng.pt: toolkit/checkpoint/megatron_lm_optim.py), and Meg
 `--use-distributed-optimizer --no-load-rng`.
 
 Memory: a rank file is a single pickle of its whole pipeline stage, so it is written before its weights are known:
-torch.save of the stage's state dict with unwritten tensors (toolkit/checkpoint/pt_skeleton.py), when the stage's
-first parameter comes; each weight's bytes are then written into it as the parameter is converted (copied in from
-the source's files where they are byte ranges of them: byte_ranges.plan, Skeleton.write_ranges), and the file is
-finished once its stage is complete. No stage is ever held in memory: a conversion holds the parameter in hand.
+the zip torch.save writes, laid out by a writer of our own with the weights' bytes left as holes
+(toolkit/format/pt_write.py), when the stage's first parameter comes; each weight's bytes are then written into it
+as the parameter is converted (copied in from the source's files where they are byte ranges of them:
+byte_ranges.plan, Skeleton.write_ranges), and the file is finished once its stage is complete. No stage is ever
+held in memory: a conversion holds the parameter in hand.
+
+This module does not import torch: `toolkit convert --no-verify` writes weights-only Megatron-LM checkpoints without
+it (toolkit/checkpoint/copy_only.py). The full path hands in torch's pieces and the optimizer writer
+(toolkit/checkpoint/megatron_lm_optim.py), whose tensors pt_skeleton.slots turns into the writer's.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from pathlib import Path
 
-import torch
-
 from toolkit.checkpoint.byte_ranges import addressing
-from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, registration_order
-from toolkit.checkpoint.megatron_lm import rank_dir
-from toolkit.checkpoint.megatron_lm_optim import optimizer_writer
-from toolkit.checkpoint.pt_skeleton import Skeleton
+from toolkit.checkpoint.megatron_lm import LOCAL_ORDER, rank_dir, registration_order
 from toolkit.families import family_named
 from toolkit.families.entries import holders, iter_entries, raise_problems, rank_key
 from toolkit.families.mapping import check_dims
+from toolkit.format import pt_write
+from toolkit.format import safetensors_stream as st
+from toolkit.format.pt_write import Skeleton, Tensor
+from toolkit.format.pt_zip import ITEMSIZE
 
 WEIGHT = "weight"
 _LINEAR = re.compile(r"^(decoder\.layers\.\d+\..*linear_(?:proj|qkv|fc1|fc2))\.weight$")
@@ -52,10 +57,13 @@ def moe_args(dims, config: dict, ep: int) -> dict:
             "moe_token_dispatcher_type": "alltoall", "expert_model_parallel_size": ep}
 
 
-def model_args(dims, config: dict, tp: int, pp: int, vpp: int, divisible_by: int, dtype: torch.dtype,
-               ckpt_format: str, ep: int = 1) -> argparse.Namespace:
+def model_args(dims, config: dict, tp: int, pp: int, vpp: int, divisible_by: int, dtype, ckpt_format: str,
+               ep: int = 1) -> argparse.Namespace:
     """Megatron-LM's model arguments for a model of dims.family at tp x pp x vpp (x ep) (the family's own Megatron
-    fields, add_qkv_bias or qk_layernorm, and the experts included: the readers take the family from them)."""
+    fields, add_qkv_bias or qk_layernorm, and the experts included: the readers take the family from them). `dtype`:
+    torch's (then params_dtype is it), or a safetensors name (then params_dtype is pt_write's name for torch's, which
+    only pt_write pickles)."""
+    name = st.dtype_name(dtype)
     rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000)
     return argparse.Namespace(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -65,8 +73,9 @@ def model_args(dims, config: dict, tp: int, pp: int, vpp: int, divisible_by: int
         max_position_embeddings=config.get("max_position_embeddings"), norm_epsilon=config.get("rms_norm_eps", 1e-5),
         rotary_base=int(rope), untie_embeddings_and_output_weights=not dims.tied, padded_vocab_size=dims.padded_vocab,
         make_vocab_size_divisible_by=divisible_by, normalization="RMSNorm", swiglu=True,
-        position_embedding_type="rope", add_position_embedding=False, add_bias_linear=False, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, ckpt_format=ckpt_format,
+        position_embedding_type="rope", add_position_embedding=False, add_bias_linear=False,
+        params_dtype=pt_write.torch_dtype(name) if isinstance(dtype, str) else dtype, bf16=name == "BF16",
+        fp16=name == "F16", ckpt_format=ckpt_format,
         **family_named(dims.family).megatron_fields, **moe_args(dims, config, ep))
 
 
@@ -83,6 +92,11 @@ def _registered(chunk: dict) -> dict:
     return {k: chunk[k] for k in sorted(chunk, key=rank.__getitem__)}
 
 
+def _raw(piece, dtype: str):
+    """A torch piece's bytes in `dtype` (the full path's streamed writes)."""
+    return piece.to(st.torch_dtype(dtype)).contiguous().reshape(-1).view(st.torch_dtype("U8")).numpy()
+
+
 class _StageEnd:
     """The last write of a stage: finishes its rank files (and the optimizer's) once the writes before it are done."""
 
@@ -96,20 +110,26 @@ class _StageEnd:
 
 class MegatronLMTarget:
     """A Megatron-LM legacy checkpoint root; see the module docstring. The distributed optimizer's state too
-    (`distrib_optim.pt`, toolkit/checkpoint/megatron_lm_optim.py) when the source carries a Megatron optimizer's."""
+    (`distrib_optim.pt`, toolkit/checkpoint/megatron_lm_optim.py) when the source carries a Megatron optimizer's and
+    `optimizer_writer` (megatron_lm_optim.optimizer_writer) is given. `dtype`: torch's, a safetensors name, or None
+    for the source's."""
 
     raw_bytes = True  # weights whose bytes are source byte ranges are copied in (byte_ranges.plan, write_ranges)
     concurrent_writes = True  # rank files are written in place (pt_skeleton); a stage's end is a barrier (WriteBehind)
 
-    def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype: torch.dtype | None, ep: int = 1,
-                 weights_only: bool = False):
+    def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype, ep: int = 1,
+                 weights_only: bool = False, optimizer_writer=None):
         self.root, self.source, self.layout, self.ep = root, source, (tp, pp, vpp), ep
         self.dims = source.dims(tp)
         raise_problems(f"the model cannot be laid out at tp={tp} pp={pp} vpp={vpp} ep={ep}",
                        check_dims(self.dims, tp, pp, vpp, ep))
         self.step = int(source.step or 0)
         self.tag_dir = root / f"iter_{self.step:07d}"
-        self.out_dtype = dtype or source.dtype()
+        self.dtype_name = st.dtype_name(dtype) if dtype is not None else source.dtype_name()
+        # torch's dtype, where the optimizer writer needs it (the full path)
+        self.out_dtype = dtype if dtype is None or not isinstance(dtype, str) else None
+        if self.out_dtype is None and optimizer_writer is not None and not weights_only:
+            self.out_dtype = source.dtype()
         entries = list(iter_entries(self.dims, pp, vpp, ep))
         self._stages = {p: [e for e in entries if e.pp_rank == p] for p in range(pp)}
         self._count = {p: len(self._stages[p]) for p in range(pp)}
@@ -117,18 +137,18 @@ class MegatronLMTarget:
         self._files: dict[tuple, Skeleton] = {}  # the open rank files, by rank_key
         self.writers: list[Skeleton] = []  # every rank file, for the copy statistics
         self._slots: dict[int, dict] = {}  # stage -> (rank_key, chunk, name) -> its unwritten tensor in the file
-        self.total = sum(torch.Size(e.rule.shard_shape(e.hf_shapes, tp)).numel() * len(holders(e, ep))
-                         for e in entries) * tp * self.out_dtype.itemsize
-        self._args = model_args(self.dims, source.config, tp, pp, vpp, source.divisible_by, self.out_dtype, "torch",
+        self.total = sum(math.prod(e.rule.shard_shape(e.hf_shapes, tp)) * len(holders(e, ep))
+                         for e in entries) * tp * ITEMSIZE[self.dtype_name]
+        self._args = model_args(self.dims, source.config, tp, pp, vpp, source.divisible_by, self.dtype_name, "torch",
                                 ep)
         self.optim, self.note = None, None
-        if not weights_only:
+        if not weights_only and optimizer_writer is not None:
             self.optim, self.note = optimizer_writer(self, source)
         self.fields = (WEIGHT, *(self.optim.fields if self.optim else ()))
         if self.optim:
             self.total += self.optim.total
 
-    def writes(self, entry, field: str, hf_tensors: list[torch.Tensor]) -> list | None:
+    def writes(self, entry, field: str, hf_tensors: list) -> list | None:
         """(rank file, its tensor, TP shard) for each rank file holding this parameter (every expert-parallel rank
         holding it), for convert's write-behind thread, which writes them in order; its optimizer fields go into the
         optimizer's buffers here. After a stage's last parameter, the stage is finished in the same order.
@@ -151,7 +171,7 @@ class MegatronLMTarget:
                 for e in holders(entry, self.ep):
                     key = rank_key(p, t, e, self.ep)
                     slot = self._slots[p][(key, entry.chunk, entry.megatron_name)]
-                    writes.append((self._files[key], slot, piece if planning else piece.to(self.out_dtype)))
+                    writes.append((self._files[key], slot, piece if planning else _raw(piece, self.dtype_name)))
         if field == self.fields[-1]:
             self._seen[p].add((entry.chunk, entry.megatron_name, entry.ep_rank))
             if len(self._seen[p]) == self._count[p]:
@@ -159,7 +179,7 @@ class MegatronLMTarget:
         return writes
 
     def _open_stage(self, p: int) -> None:
-        """Every rank file of stage p, written with its weights left unwritten (pt_skeleton.Skeleton): the local-spec
+        """Every rank file of stage p, written with its weights left unwritten (pt_write.Skeleton): the local-spec
         state dict, with the `_extra_state` entries, and what the optimizer writer puts beside the model."""
         tp, pp, vpp = self.layout
         entries = self._stages.pop(p)
@@ -169,7 +189,7 @@ class MegatronLMTarget:
             slots, stage_slots = [], self._slots.setdefault(p, {})
             for entry in (x for x in entries if e in holders(x, self.ep)):
                 chunk = chunks[entry.chunk]
-                slot = torch.empty(entry.rule.shard_shape(entry.hf_shapes, tp), dtype=self.out_dtype)  # not touched
+                slot = Tensor.empty(entry.rule.shard_shape(entry.hf_shapes, tp), self.dtype_name)
                 chunk[entry.megatron_name] = stage_slots[(key, entry.chunk, entry.megatron_name)] = slot
                 slots.append(slot)
                 linear = _LINEAR.match(entry.megatron_name)
@@ -179,12 +199,12 @@ class MegatronLMTarget:
                     chunk["output_layer._extra_state"] = None
             chunks = [_registered(c) for c in chunks]
             models = {"model": chunks[0]} if vpp == 1 else {f"model{c}": s for c, s in enumerate(chunks)}
-            extra = self.optim.extra(p, t, e) if self.optim else {}
+            extra, fills = self.optim.extra_slots(p, t, e) if self.optim else ({}, [])
             folder = self.tag_dir / rank_dir(t, p, pp, e, self.ep)
             folder.mkdir(parents=True, exist_ok=True)
             self._files[key] = Skeleton(folder / "model_optim_rng.pt", {
                 "args": self._args, "checkpoint_version": 3.0, "iteration": self.step,
-                "num_floating_point_operations_so_far": 0, **models, **extra}, slots)
+                "num_floating_point_operations_so_far": 0, **models, **extra}, slots, fills)
             self.writers.append(self._files[key])
 
     def _finish_stage(self, p: int) -> None:

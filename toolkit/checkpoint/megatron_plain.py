@@ -27,7 +27,8 @@ import json
 
 import torch
 
-from toolkit.checkpoint.megatron_flat import LOCAL_ORDER, buffer_entries, registration_order
+from toolkit.checkpoint.megatron_flat import buffer_entries
+from toolkit.checkpoint.megatron_lm import LOCAL_ORDER, registration_order
 from toolkit.checkpoint.torch_dist_optim import optimizer_parts, param_groups, saved_scaler
 from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import iter_entries

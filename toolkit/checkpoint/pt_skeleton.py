@@ -1,26 +1,21 @@
-"""A torch.save file written before the bytes of its tensors exist, then filled in place: how a Megatron-LM legacy
-rank file (one pickle of a whole pipeline stage, toolkit/checkpoint/megatron_lm_write.py) is written in bounded
-memory.
+"""torch.save files around tensors whose bytes come later, on the torch side.
 
-Skeleton(path, obj) runs torch.save(obj, path) under torch.serialization.skip_data: every storage gets its zip record,
-of its size, with nothing written in it. obj's tensors may be unwritten torch.empty ones, which take address space but
-no resident memory. The file is then loaded back with map_location="meta", which gives each storage's offset in the
-file, paired with obj's tensors in the order both walks visit them. put(tensor, data) writes data's bytes where that
-tensor of obj lies in the file; finish() writes the bytes of every storage not put, from the storage itself (small
-tensors, memory-mapped optimizer buffers), and checks that each tensor meant to be put was. torch.load does not check
-the records' CRC-32, which skip_data leaves those of the empty records (as in save_pool.save_ranges).
+slots(obj) hands an object with torch tensors (the optimizer state a Megatron-LM legacy rank file holds beside the
+model) to the torch-free writer of torch.save files (toolkit/format/pt_write.py), which lays the file out and writes
+those tensors' bytes when it is finished. bytes_around(template, file) gives the bytes torch.save itself writes
+around one tensor's data (torch's skip_data: the data left as a hole), for the writers that copy a tensor's bytes
+into a torch.save item of their own (toolkit/checkpoint/torch_dist_write.py, save_pool.save_ranges). torch.load does
+not check the records' CRC-32, which skip_data leaves those of the empty records.
 """
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from toolkit.format import safe_load
-from toolkit.format.file_copy import copy_ranges, pwrite_all, start_writeback
+from toolkit.format import pt_write, safe_load
+from toolkit.format.safetensors_stream import dtype_name
 
 
 def tensors(obj, path: tuple = ()) -> Iterator[tuple[tuple, torch.Tensor]]:
@@ -58,90 +53,34 @@ def bytes_around(template, file: Path, through_object: bool = False) -> tuple[by
     return head, tail, found[0] if len(head) == at else None
 
 
-def _key(t: torch.Tensor) -> tuple[int, int]:
-    s = t.untyped_storage()
-    return s.data_ptr(), s.nbytes()
+def slots(obj) -> tuple[object, list]:
+    """obj for pt_write (a torch.save file written without torch.save) with each torch tensor in it a pt_write.Tensor:
+    the same view of a pt_write.Storage (tensors sharing a storage share it, as torch.save keeps them), and for each
+    storage, (a tensor over all of it, a function giving its bytes) for pt_write.Skeleton to write at its finish
+    (small tensors, memory-mapped optimizer buffers filled meanwhile). Dicts, lists and tuples are walked; other
+    objects are left as they are."""
+    made: dict[tuple[int, int], pt_write.Storage] = {}
+    fills: list = []
+    seen: dict[int, tuple] = {}  # id(tensor) -> (it, its pt_write.Tensor): one object listed twice stays one
 
+    def convert(x):
+        if torch.is_tensor(x) and id(x) in seen:
+            return seen[id(x)][1]
+        if torch.is_tensor(x):
+            storage = x.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in made or not key[1]:
+                made[key] = pt_write.Storage(dtype_name(x.dtype), storage.nbytes() // x.element_size())
+                whole = pt_write.Tensor(made[key], 0, (made[key].numel,), (1,))
+                fills.append((whole, lambda s=storage: torch.empty(0, dtype=torch.uint8).set_(s).numpy()))
+            elif made[key].dtype != dtype_name(x.dtype):
+                raise RuntimeError(f"internal: a storage viewed as {made[key].dtype} and {x.dtype}")
+            seen[id(x)] = (x, pt_write.Tensor(made[key], x.storage_offset(), tuple(x.shape), tuple(x.stride())))
+            return seen[id(x)][1]
+        if isinstance(x, dict):
+            return type(x)((k, convert(v)) for k, v in x.items())
+        if isinstance(x, (list, tuple)):
+            return type(x)(convert(v) for v in x)
+        return x
 
-class Skeleton:
-    """One torch.save file of `obj`, its tensors' bytes written later (see the module docstring). `later`: the tensors
-    of obj whose bytes come through put(); the others' are written by finish() from their own storage."""
-
-    def __init__(self, path: Path, obj, later: list[torch.Tensor]):
-        self.path, self.obj = Path(path), obj
-        with torch.serialization.skip_data():
-            torch.save(obj, self.path)
-        meta = safe_load.load(self.path, deepspeed=False, map_location="meta")
-        self._offset: dict[tuple[int, int], int] = {}
-        mine, theirs = list(tensors(obj)), list(tensors(meta))
-        if [p for p, _ in mine] != [p for p, _ in theirs]:
-            raise RuntimeError(f"internal: {self.path} reads back with other tensors than were saved")
-        for (_, t), (_, m) in zip(mine, theirs):
-            at = getattr(m.untyped_storage(), "_checkpoint_offset", None)
-            if not isinstance(at, int) or m.untyped_storage().nbytes() != t.untyped_storage().nbytes():
-                raise RuntimeError(f"internal: no record offset for a tensor of {self.path}")
-            self._offset.setdefault(_key(t), at)
-        self._later = {_key(t) for t in later if t.untyped_storage().nbytes()}
-        self._put: set[tuple[int, int]] = set()
-        self._fd = os.open(self.path, os.O_RDWR)
-        self.kernel_bytes = self.gathered_bytes = self.user_bytes = 0  # how write_ranges' bytes went
-        self._lock = threading.Lock()
-
-    def write(self, tensor: torch.Tensor, data: torch.Tensor) -> int:
-        """put(tensor, data); returns the byte count (a write of convert's write-behind thread: `w.write(k, t)`)."""
-        self.put(tensor, data)
-        return data.numel() * data.element_size()
-
-    def declared(self, tensor: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, int]:
-        """(shape, dtype, byte count) of a tensor of obj whose bytes come later (byte_ranges.plan asks)."""
-        return tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size()
-
-    def write_ranges(self, tensor: torch.Tensor, ranges: list[tuple[int | None, int, int]]) -> int:
-        """The bytes of `tensor` of obj (a whole storage) copied into the file from byte ranges of other files
-        ((fd, offset, count), None for zeros: file_copy.copy_ranges), in order; returns the byte count."""
-        key, size = self._whole(tensor), tensor.numel() * tensor.element_size()
-        if sum(n for _, _, n in ranges) != size:
-            raise RuntimeError(f"internal: {size} bytes for a tensor of {self.path}, {sum(n for _, _, n in ranges)} "
-                               "in the ranges")
-        kernel, gathered, user = copy_ranges(self._fd, self._offset[key], ranges)
-        with self._lock:  # the write-behind threads may fill two tensors of this file at once
-            self.kernel_bytes, self.gathered_bytes = self.kernel_bytes + kernel, self.gathered_bytes + gathered
-            self.user_bytes += user
-        start_writeback(self._fd, self._offset[key], size)
-        self._put.add(key)
-        return size
-
-    def _whole(self, tensor: torch.Tensor) -> tuple[int, int]:
-        if tensor.storage_offset() or tensor.numel() * tensor.element_size() != tensor.untyped_storage().nbytes():
-            raise RuntimeError(f"internal: a {tuple(tensor.shape)} {tensor.dtype} tensor of {self.path} is not a "
-                               "whole storage")
-        return _key(tensor)
-
-    def put(self, tensor: torch.Tensor, data: torch.Tensor) -> None:
-        """The bytes of `data` (same shape and dtype) where `tensor` of obj (a whole storage) lies in the file."""
-        if data.shape != tensor.shape or data.dtype != tensor.dtype:
-            raise RuntimeError(f"internal: {tuple(data.shape)} {data.dtype} put for a {tuple(tensor.shape)} "
-                               f"{tensor.dtype} tensor of {self.path}")
-        key = self._whole(tensor)
-        raw = data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        pwrite_all(self._fd, memoryview(raw), self._offset[key])
-        start_writeback(self._fd, self._offset[key], raw.size)
-        self._put.add(key)
-
-    def finish(self) -> None:
-        """Write every storage not put from its own bytes; check every tensor meant for put() came; close."""
-        try:
-            if self._later - self._put:
-                raise RuntimeError(f"internal: {len(self._later - self._put)} tensors of {self.path} were never "
-                                   "written")
-            done = set(self._put)
-            for _, t in tensors(self.obj):
-                key = _key(t)
-                if key in done or not key[1]:
-                    continue
-                raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
-                pwrite_all(self._fd, memoryview(raw), self._offset[key])
-                done.add(key)
-        finally:
-            os.close(self._fd)
-        self.obj = None
+    return convert(obj), fills
