@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import io
 import os
 import shutil
 import zlib
@@ -280,19 +281,26 @@ def test_torch_dist_items_copied_file_to_file_hold_what_the_streaming_path_write
 
 
 def test_torch_save_bytes_around_a_large_tensor_take_no_memory_and_leave_no_file(tmp_path):
-    """The bytes torch.save writes around a tensor's data are made from a save into a scratch file with a hole
-    (an in-memory buffer would hold the tensor's size: 250 MiB here), which is then removed."""
+    """The bytes torch.save writes around a tensor's data (a torch_dist item's) are laid out without the tensor
+    (pt_write.item_around: 250 MiB here), in a process that does not import torch, and no file is made; torch.load
+    reads a small one filled in."""
     import subprocess
     import sys
 
-    code = ("import resource, sys, torch; from pathlib import Path; "
+    code = ("import resource, sys; from pathlib import Path; "
             "from toolkit.checkpoint.torch_dist_write import _around; "
             "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
-            "head, tail = _around(Path(sys.argv[1]), (1, 32000, 4096), torch.bfloat16); "
+            "head, tail = _around((1, 32000, 4096), 'BF16'); "
             "grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before; "
-            "assert 0 < len(head) < 4096 and 0 < len(tail) < 4096, (len(head), len(tail)); print(grew // 1024)")
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[1])
+            "assert 0 < len(head) < 4096 and 0 < len(tail) < 4096, (len(head), len(tail)); "
+            "assert 'torch' not in sys.modules; print(grew // 1024)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert int(proc.stdout.split()[-1]) < 32, f"RSS grew {proc.stdout.split()[-1]} MiB"
     assert list(tmp_path.iterdir()) == []
+    from toolkit.checkpoint.torch_dist_write import _around
+
+    head, tail = _around((2, 3), "F32")
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert torch.equal(torch.load(io.BytesIO(head + t.numpy().tobytes() + tail), weights_only=True), t)

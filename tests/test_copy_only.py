@@ -1,5 +1,6 @@
-"""`toolkit convert --no-verify` between Hugging Face folders, toolkit Megatron layouts and Megatron-LM's legacy layout
-copies bytes without loading torch (toolkit/checkpoint/copy_only.py). It must write byte for byte what the full, verified path writes;
+"""`toolkit convert --no-verify` between Hugging Face folders, toolkit Megatron layouts, Megatron-LM's legacy layout
+and Megatron-Core's torch_dist copies bytes without loading torch (toolkit/checkpoint/copy_only.py). It must write
+byte for byte what the full, verified path writes;
 decline every conversion that needs tensors; hand a parameter it cannot copy to the full path with nothing left
 behind; and let the full path report a damaged source in its own words."""
 from __future__ import annotations
@@ -21,14 +22,18 @@ from toolkit.format.names import META, model_file
 
 REPO = Path(__file__).resolve().parents[1]
 # each step's source is an earlier step's output: split, merge + split across stages and virtual chunks, merge; then
-# Megatron-LM's legacy layout (pickles: toolkit/format/pt_write.py writes them, pt_zip.py reads them) and back
+# Megatron-LM's legacy layout and Megatron-Core's torch_dist (pickles and torch.save zips: toolkit/format/pt_write.py
+# writes them, pt_zip.py reads them) and back
 STEPS = [("hf", "tp2pp2", ["--to", "megatron", "--tp", "2", "--pp", "2"]),
          ("tp2pp2", "tp1pp2vpp2", ["--to", "megatron", "--tp", "1", "--pp", "2", "--vpp", "2"]),
          ("tp1pp2vpp2", "tp4", ["--to", "megatron", "--tp", "4", "--pp", "1"]),
          ("tp4", "back", ["--to", "hf"]),
          ("tp2pp2", "mlm", ["--to", "megatron_lm", "--tp", "1", "--pp", "2", "--vpp", "2"]),
          ("mlm", "mlm_tp2", ["--to", "megatron_lm", "--tp", "2", "--vocab-size", "500"]),
-         ("mlm_tp2", "mlm_back", ["--to", "hf", "--vocab-size", "500"])]
+         ("mlm_tp2", "mlm_back", ["--to", "hf", "--vocab-size", "500"]),
+         ("tp4", "td", ["--to", "torch_dist", "--tp", "2", "--pp", "2"]),
+         ("td", "td_mlm", ["--to", "megatron_lm", "--tp", "2", "--pp", "2", "--vocab-size", "500"]),
+         ("td_mlm", "td_back", ["--to", "hf", "--vocab-size", "500"])]
 CHILD = r'''
 import json, sys
 from toolkit.cli import main
@@ -78,12 +83,13 @@ def test_copied_without_torch_byte_for_byte_as_the_full_path_writes(chain, step)
 
 def test_the_chain_comes_back_bit_exact(chain):
     fast, _ = chain
-    for back in ("back", "mlm_back"):
+    for back in ("back", "mlm_back", "td_back"):
         assert (fast / back / "model.safetensors").read_bytes() == (fast / "hf" / "model.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("kw", [dict(verify=True), dict(dtype="fp32"), dict(vocab_size=512), dict(to="torch_dist"),
-                                dict(to="megatron_lm", dtype="fp32"), dict(to="hf", tp=2)], ids=str)
+@pytest.mark.parametrize("kw", [dict(verify=True), dict(dtype="fp32"), dict(vocab_size=512), dict(to="deepspeed"),
+                                dict(to="torch_dist", dtype="fp32"), dict(to="megatron_lm", dtype="fp32"),
+                                dict(to="hf", tp=2)], ids=str)
 def test_conversions_that_need_tensors_are_declined_untouched(tmp_path, kw):
     _write_hf(tmp_path / "hf", False)
     args = dict(to="megatron", verify=False, progress=False, log=lambda *_: None) | kw

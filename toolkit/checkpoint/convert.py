@@ -32,7 +32,7 @@ import torch
 from toolkit.checkpoint import byte_ranges, copy_only, output
 from toolkit.checkpoint.deepspeed_plain import is_plain
 from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed, reshard_plain
-from toolkit.checkpoint.megatron_lm_optim import optimizer_writer
+from toolkit.checkpoint.megatron_lm_optim import optimizer_plan, optimizer_writer
 from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.plain_to_hf import convert_plain_to_hf
 from toolkit.checkpoint.sources import WEIGHT, Source, follow_pointer, open_source
@@ -99,7 +99,8 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
         with output.scratch_folder(dst, "partial") as tmp, check:
             cast = DTYPES[dtype] if dtype else None
             target = (HFTarget(tmp, source, cast) if to == "hf"
-                      else TorchDistTarget(tmp, source, tp, pp, vpp, cast, weights_only, ep) if to == "torch_dist"
+                      else TorchDistTarget(tmp, source, tp, pp, vpp, cast, weights_only, ep, optimizer_plan)
+                      if to == "torch_dist"
                       else MegatronLMTarget(tmp, source, tp, pp, vpp, cast, ep, weights_only, optimizer_writer)
                       if to == "megatron_lm"
                       else MegatronTarget(tmp, source, tp, pp, vpp, cast, weights_only, ep, _rank_state))

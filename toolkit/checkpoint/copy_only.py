@@ -1,11 +1,11 @@
-"""`toolkit convert --no-verify` to Hugging Face folders, the toolkit's Megatron layouts and Megatron-LM's legacy
-layout, from those and from Megatron-Core's torch_dist checkpoints, as file-to-file copies, without loading torch.
+"""`toolkit convert --no-verify` between Hugging Face folders, the toolkit's Megatron layouts, Megatron-LM's legacy
+layout and Megatron-Core's torch_dist, as file-to-file copies, without loading torch.
 
 Such a conversion moves bytes and nothing else: every output tensor is byte ranges of the source files
 (toolkit/checkpoint/byte_ranges.py works out which, by running the family's own rules on numpy address arrays).
 The files are safetensors, whose headers are JSON, or torch.save zips: a reader of our own finds where a source's
-tensors lie without torch (toolkit/checkpoint/pickled_copy.py), and the Megatron-LM writer lays its rank files out
-without torch (toolkit/format/pt_write.py). So this path
+tensors lie without torch (toolkit/checkpoint/pickled_copy.py), and the Megatron-LM and torch_dist writers lay their
+files out without torch (toolkit/format/pt_write.py). So this path
 reads the headers, plans each parameter's ranges, and copies them in the kernel (os.copy_file_range, or pwritev
 from maps for row-sized ranges), through the same targets, write-behind threads, all-or-nothing output folder and
 source checksum check as the full path (toolkit/checkpoint/convert.py). Its output is byte-identical to the full
@@ -33,6 +33,7 @@ from toolkit.checkpoint.source_base import WEIGHT, Source
 from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, report, writers
 from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.targets import HFTarget, MegatronTarget
+from toolkit.checkpoint.torch_dist_write import TorchDistTarget
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
 from toolkit.families.rules import views
@@ -53,7 +54,7 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
     (None, whether it had begun: its "converting" line and the reason it stopped are printed) when the full path
     must make it (nothing is left behind then)."""
     if (not byte_ranges.ENABLED or verify or dtype is not None or fp32 or dp is not None
-            or config is not None or to not in ("hf", "megatron", "megatron_lm")
+            or config is not None or to not in ("hf", "megatron", "megatron_lm", "torch_dist")
             or (to == "hf" and (tp, pp, vpp, ep) != (1, 1, 1, 1))):
         return None, False
     src, dst = Path(src), Path(dst)
@@ -66,6 +67,7 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
         with output.scratch_folder(dst, "partial") as tmp, SourceCheck(source.unchecked) as check:
             target = (HFTarget(tmp, source, None) if to == "hf"
                       else MegatronLMTarget(tmp, source, tp, pp, vpp, None, ep, True) if to == "megatron_lm"
+                      else TorchDistTarget(tmp, source, tp, pp, vpp, None, True, ep) if to == "torch_dist"
                       else MegatronTarget(tmp, source, tp, pp, vpp, None, True, ep))
             manifest.require_space(dst.parent, target.total, manifest.free_bytes(tmp), str(dst),
                                    "the tensors to write")

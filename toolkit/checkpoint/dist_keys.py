@@ -1,5 +1,6 @@
 """Megatron-Core's sharded keys in a `torch_dist` checkpoint (toolkit/checkpoint/torch_dist.py), without torch: which
-key and index a toolkit parameter name has there, and which keys are optimizer state."""
+key and index a toolkit parameter name has there, which keys are optimizer state, and Megatron's names of the
+optimizer's fields."""
 from __future__ import annotations
 
 import re
@@ -7,6 +8,9 @@ import re
 LAYERS = "decoder.layers."
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+FIELDS = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+SAVED_AS = {v: k for k, v in FIELDS.items()}
+"""Our optimizer field -> Megatron's name for it (the distributed optimizer's)."""
 
 
 def sharded_name(local_name: str) -> tuple[str, tuple[int, ...]]:

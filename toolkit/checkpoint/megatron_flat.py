@@ -27,6 +27,7 @@ import re
 
 import torch
 
+from toolkit.checkpoint.dist_keys import FIELDS, SAVED_AS
 from toolkit.checkpoint.megatron_lm import ORDERS, rank_dir, registration_order
 from toolkit.checkpoint.torch_dist_optim import optimizer_parts, param_groups, saved_scaler, saved_step
 from toolkit.errors import Problem, ToolkitError
@@ -36,9 +37,8 @@ from toolkit.format import paths
 ALIGN = 64
 _BUCKET = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
                      r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
-FIELDS = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-SAVED_AS = {v: k for k, v in FIELDS.items()}
-"""Our optimizer field -> Megatron's name for it (the distributed optimizer's)."""
+
+
 def is_flat_key(fqn: str) -> bool:
     return _BUCKET.match(fqn) is not None
 

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint.megatron_flat import SAVED_AS, buffer_entries, coalesced
+from toolkit.checkpoint.dist_keys import SAVED_AS
+from toolkit.checkpoint.megatron_flat import buffer_entries, coalesced
 from toolkit.checkpoint.megatron_lm import LOCAL_ORDER
 from toolkit.checkpoint.megatron_plain import positions, wd_groups, wd_mult
 from toolkit.checkpoint.pt_skeleton import slots
@@ -72,7 +73,7 @@ def optimizer_plan(target, source) -> tuple[dict | None, str | None]:
     meta = getattr(source, "optimizer_meta", None) or {}
     step = float(meta.get("step") or target.step)
     scalers = [s for s in json.loads(meta.get("grad_scalers") or "[]") if s]
-    scaler = {k: torch.tensor(v) if k == "scale" else v for k, v in scalers[0].items()} if scalers else None
+    scaler = dict(scalers[0]) if scalers else None  # the scale a float: a tensor in the files (_scaler)
     groups = [{**g, "step": step} for g in source.optimizer_groups]  # one step, as Megatron's load asserts
     experts = {wd_mult(e.megatron_name, len(e.rule.shard_shape(e.hf_shapes, 1)), source.args)
                for e in iter_entries(target.dims, 1, 1, 1) if e.ep_rank is not None}
@@ -80,6 +81,11 @@ def optimizer_plan(target, source) -> tuple[dict | None, str | None]:
             "groups": groups, "expert_groups": expert_groups(groups, experts) if getattr(target, "ep", 1) > 1 else None,
             "step": step, "scheduler": source.scheduler, "scaler": scaler,
             "distributed": source.optimizer_distributed, "args": source.args}, None
+
+
+def _scaler(plan_scaler: dict) -> dict:
+    """The grad scaler's state as Megatron-Core's state_dict holds it: the scale a tensor."""
+    return {k: torch.tensor(v) if k == "scale" else v for k, v in plan_scaler.items()}
 
 
 def optimizer_writer(target, source) -> tuple[DistOptimWriter | None, str | None]:
@@ -158,7 +164,7 @@ class DistOptimWriter:
         for groups in (self.groups, self.expert_groups)[:len(self._buffers_of(e))]:
             optimizer = {"optimizer": {"param_groups": [dict(g) for g in groups]}}
             if self.scaler:
-                optimizer["grad_scaler"] = dict(self.scaler)
+                optimizer["grad_scaler"] = _scaler(self.scaler)
             states.append(optimizer)
         return {"optimizer": self._chained(states), "opt_param_scheduler": self.scheduler}
 
@@ -227,7 +233,7 @@ class PlainOptimWriter(DistOptimWriter):
             if self.has_master:  # Float16OptimizerWithFloat16Params's state_dict
                 optimizer = {"optimizer": optimizer, "fp32_from_fp16_params": mains}
                 if self.scaler:
-                    optimizer["grad_scaler"] = dict(self.scaler)
+                    optimizer["grad_scaler"] = _scaler(self.scaler)
             states.append(optimizer)
         return {"optimizer": self._chained(states), "opt_param_scheduler": self.scheduler}
 

@@ -92,10 +92,6 @@ def _registered(chunk: dict) -> dict:
     return {k: chunk[k] for k in sorted(chunk, key=rank.__getitem__)}
 
 
-def _raw(piece, dtype: str):
-    """A torch piece's bytes in `dtype` (the full path's streamed writes)."""
-    return piece.to(st.torch_dtype(dtype)).contiguous().reshape(-1).view(st.torch_dtype("U8")).numpy()
-
 
 class _StageEnd:
     """The last write of a stage: finishes its rank files (and the optimizer's) once the writes before it are done."""
@@ -171,7 +167,8 @@ class MegatronLMTarget:
                 for e in holders(entry, self.ep):
                     key = rank_key(p, t, e, self.ep)
                     slot = self._slots[p][(key, entry.chunk, entry.megatron_name)]
-                    writes.append((self._files[key], slot, piece if planning else _raw(piece, self.dtype_name)))
+                    data = piece if planning else st.tensor_bytes(piece, self.dtype_name)
+                    writes.append((self._files[key], slot, data))
         if field == self.fields[-1]:
             self._seen[p].add((entry.chunk, entry.megatron_name, entry.ep_rank))
             if len(self._seen[p]) == self._count[p]:

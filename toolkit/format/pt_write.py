@@ -65,6 +65,21 @@ def torch_dtype(name: str) -> Global:
 _REBUILD = Global("torch._utils", "_rebuild_tensor_v2")
 
 
+class Obj:
+    """An instance of another library's class, pickled as Python pickles one by default: the class's __new__, then
+    its state (BUILD; none when `state` is None). A dataclass of torch DCP's `.metadata`."""
+
+    def __init__(self, cls: Global, state=None):
+        self.cls, self.state = cls, state
+
+
+class Call:
+    """func(*args) of another library, pickled as a REDUCE: torch.Size, an enum member, a layout."""
+
+    def __init__(self, func: Global, args: tuple):
+        self.func, self.args = func, args
+
+
 class Storage:
     """A storage of the file: dtype (safetensors name) and element count; its bytes are written later."""
 
@@ -121,6 +136,16 @@ class _Pickler(pickle._Pickler):
 
     dispatch[Global] = _global
 
+    def _obj(self, obj: Obj) -> None:
+        self.save(obj.cls)
+        self.write(pickle.EMPTY_TUPLE + pickle.NEWOBJ)
+        self.memoize(obj)
+        if obj.state is not None:
+            self.save(obj.state)
+            self.write(pickle.BUILD)
+
+    dispatch[Obj] = _obj
+
     def persistent_id(self, obj):
         if not isinstance(obj, Storage):
             return None
@@ -130,11 +155,14 @@ class _Pickler(pickle._Pickler):
     def reducer_override(self, obj):
         if isinstance(obj, Tensor):
             return _REBUILD, (obj.storage, obj.offset, obj.shape, obj.stride, False, collections.OrderedDict())
+        if isinstance(obj, Call):
+            return obj.func, obj.args
         return NotImplemented
 
 
 def dumps(obj) -> tuple[bytes, list[tuple[str, Storage]]]:
-    """torch.save's pickle of obj, and its storages (record key, Storage) in key order."""
+    """torch.save's pickle of obj, and its storages (record key, Storage) in key order. A plain pickle (DCP's
+    `.metadata`) when obj holds no tensors."""
     storages: dict[int, tuple[str, Storage]] = {}
     buf = io.BytesIO()
     _Pickler(buf, storages).dump(obj)
@@ -147,65 +175,90 @@ def _padding(at: int, fixed: int) -> bytes:
     return struct.pack("<HH", 0x4246, pad) + b"Z" * pad
 
 
+def layout(obj, archive: str) -> tuple[list[tuple[int, bytes]], dict[int, int], int]:
+    """The zip torch.save writes of obj, with its storages' data left out: ([(offset, bytes)] to write, {id(storage):
+    offset of its data}, the zip's size). `archive`: its folder (torch.save names it after the file it writes, or
+    "archive" when it writes to a file object)."""
+    data, storages = dumps(obj)
+    serial = str(int.from_bytes(hashlib.sha1(data).digest()[:16], "big")).zfill(40)[:40]  # deterministic
+    records = [("data.pkl", data), (".format_version", b"1"), (".storage_alignment", str(ALIGN).encode()),
+               ("byteorder", b"little"), *[(f"data/{key}", s) for key, s in storages],
+               ("version", b"3\n"), (".data/serialization_id", serial.encode())]
+    chunks, offsets, central, at = [], {}, [], 0
+    for name, body in records:
+        name_b = f"{archive}/{name}".encode()
+        size = body.nbytes if isinstance(body, Storage) else len(body)
+        crc = 0 if isinstance(body, Storage) else zlib.crc32(body)
+        big = size >= _LIMIT
+        extra = struct.pack("<HHQQ", 1, 16, size, size) if big else b""
+        extra += _padding(at, 30 + len(name_b) + len(extra))
+        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if big else 20, 0, 0, 0, 0x21, crc,
+                           _LIMIT if big else size, _LIMIT if big else size, len(name_b), len(extra))
+        start = at + len(head) + len(name_b) + len(extra)
+        chunks.append((at, head + name_b + extra + (b"" if isinstance(body, Storage) else body)))
+        if isinstance(body, Storage):
+            offsets[id(body)] = start  # a hole until its bytes come
+        central.append((name_b, crc, size, at))
+        at = start + size
+    tail = _central(central, at)
+    chunks.append((at, tail))
+    return chunks, offsets, at + len(tail)
+
+
+def _central(entries: list, at: int) -> bytes:
+    """The central directory (and ZIP64's end records where needed) of a zip whose records end at `at`."""
+    out = bytearray()
+    for name_b, crc, size, offset in entries:
+        fields = [v for v in (size, size, offset) if v >= _LIMIT] if size >= _LIMIT else (
+            [offset] if offset >= _LIMIT else [])
+        extra = struct.pack(f"<HH{len(fields)}Q", 1, 8 * len(fields), *fields) if fields else b""
+        wide = size >= _LIMIT
+        out += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45 if fields else 20, 45 if fields else 20, 0, 0, 0,
+                           0x21, crc, _LIMIT if wide else size, _LIMIT if wide else size, len(name_b),
+                           len(extra), 0, 0, 0, 0, _LIMIT if offset >= _LIMIT else offset)
+        out += name_b + extra
+    count, start, length = len(entries), at, len(out)
+    if start >= _LIMIT or length >= _LIMIT or count >= 0xFFFF:
+        out += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, length, start)
+        out += struct.pack("<IIQI", 0x07064B50, 0, start + length, 1)
+        count, start, length = min(count, 0xFFFF), min(start, _LIMIT), min(length, _LIMIT)
+    out += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, length, start, 0)
+    return bytes(out)
+
+
+def item_around(tensor: Tensor) -> tuple[bytes, bytes]:
+    """The bytes torch.save writes to a file object before and after the data of `tensor` (a whole storage),
+    alone: a torch DCP item (toolkit/checkpoint/torch_dist_write.py) is these with the tensor's bytes between."""
+    chunks, offsets, size = layout(tensor, "archive")
+    start = offsets[id(tensor.storage)]
+    head = b"".join(c for at, c in chunks if at < start)
+    tail = b"".join(c for at, c in chunks if at > start)
+    if len(head) != start or start + tensor.storage.nbytes + len(tail) != size or tensor.offset:
+        raise RuntimeError(f"internal: the zip of a {tensor.shape} {tensor.dtype} tensor is not head, data, tail")
+    return head, tail
+
+
+def zip_bytes(obj) -> bytes:
+    """torch.save(obj) to a file object, for an obj without tensors (a torch DCP item of a saved object)."""
+    chunks, offsets, size = layout(obj, "archive")
+    if offsets:
+        raise RuntimeError("internal: zip_bytes of an object with tensors")
+    return b"".join(c for _, c in chunks)
+
+
 class File:
     """A torch.save file of `obj` laid out with its storages' bytes still to write (the module docstring)."""
 
     def __init__(self, path: Path, obj):
         self.path = Path(path)
-        data, storages = dumps(obj)
-        archive = self.path.stem  # the zip's folder, as torch.save names it after the file
-        serial = str(int.from_bytes(hashlib.sha1(data).digest()[:16], "big")).zfill(40)[:40]
-        records = [("data.pkl", data), (".format_version", b"1"), (".storage_alignment", str(ALIGN).encode()),
-                   ("byteorder", b"little"), *[(f"data/{key}", s) for key, s in storages],
-                   ("version", b"3\n"), (".data/serialization_id", serial.encode())]
-        self._offset: dict[int, int] = {}
-        central, at = [], 0
+        chunks, self._offset, self.size = layout(obj, self.path.stem)  # the zip's folder: the file's name
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            for name, body in records:
-                name_b = f"{archive}/{name}".encode()
-                size = body.nbytes if isinstance(body, Storage) else len(body)
-                crc = 0 if isinstance(body, Storage) else zlib.crc32(body)
-                big = size >= _LIMIT
-                extra = struct.pack("<HHQQ", 1, 16, size, size) if big else b""
-                extra += _padding(at, 30 + len(name_b) + len(extra))
-                head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if big else 20, 0, 0, 0, 0x21, crc,
-                                   _LIMIT if big else size, _LIMIT if big else size, len(name_b), len(extra))
-                os.pwrite(fd, head + name_b + extra, at)
-                start = at + len(head) + len(name_b) + len(extra)
-                if isinstance(body, Storage):
-                    self._offset[id(body)] = start  # a hole until its bytes come
-                elif body:
-                    os.pwrite(fd, body, start)
-                central.append((name_b, crc, size, at))
-                at = start + size
-            self.size = self._central(fd, central, at)
+            for at, data in chunks:
+                pwrite_all(fd, memoryview(data), at)
             os.ftruncate(fd, self.size)
         finally:
             os.close(fd)
-        self.storages = [s for _, s in storages]
-
-    @staticmethod
-    def _central(fd: int, entries: list, at: int) -> int:
-        """Writes the central directory (and ZIP64's end records where needed) at `at`; returns the file size."""
-        out = bytearray()
-        for name_b, crc, size, offset in entries:
-            fields = [v for v in (size, size, offset) if v >= _LIMIT] if size >= _LIMIT else (
-                [offset] if offset >= _LIMIT else [])
-            extra = struct.pack(f"<HH{len(fields)}Q", 1, 8 * len(fields), *fields) if fields else b""
-            wide = size >= _LIMIT
-            out += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45 if fields else 20, 45 if fields else 20, 0, 0, 0,
-                               0x21, crc, _LIMIT if wide else size, _LIMIT if wide else size, len(name_b),
-                               len(extra), 0, 0, 0, 0, _LIMIT if offset >= _LIMIT else offset)
-            out += name_b + extra
-        count, start, length = len(entries), at, len(out)
-        if start >= _LIMIT or length >= _LIMIT or count >= 0xFFFF:
-            out += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, length, start)
-            out += struct.pack("<IIQI", 0x07064B50, 0, start + length, 1)
-            count, start, length = min(count, 0xFFFF), min(start, _LIMIT), min(length, _LIMIT)
-        out += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, length, start, 0)
-        os.pwrite(fd, bytes(out), at)
-        return at + len(out)
 
     def offset(self, tensor: Tensor) -> int:
         """The byte offset in the file of a tensor's first element."""

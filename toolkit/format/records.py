@@ -66,15 +66,16 @@ def numpy_records() -> list:
     """numpy's RNG state (Megatron-LM stores np.random.get_state() as arrays)."""
 
     reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
-    dtypes = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32, np.int32, np.float16, np.uint8, np.int8, np.bool_)]
+    dtypes = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32, np.int32, np.float16, np.uint8,
+                                          np.int8, np.bool_)]
     # numpy 1.x wrote the same function under its old module name
     return [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, *dtypes]
 
 
 def by_name(records: list) -> dict[str, object]:
     """{"module.name": object} of a list in torch.serialization.safe_globals' form (objects, or (object, name))."""
-    return {(r[1] if isinstance(r, tuple) else f"{r.__module__}.{r.__qualname__}"): (r[0] if isinstance(r, tuple) else r)
-            for r in records}
+    return {(r[1] if isinstance(r, tuple) else f"{r.__module__}.{r.__qualname__}"):
+            (r[0] if isinstance(r, tuple) else r) for r in records}
 
 
 class DCPRecord:

@@ -64,6 +64,14 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, TORCH_NAMES[name])
 
 
+def tensor_bytes(tensor: torch.Tensor, dtype: str | None = None):
+    """A tensor's bytes (a flat uint8 numpy array over them, or over a contiguous copy), cast to `dtype` first when
+    given: what a writer writes of a tensor from memory."""
+    if dtype is not None:
+        tensor = tensor.to(torch_dtype(dtype))
+    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch_dtype("U8")).numpy()
+
+
 def dtype_name(dtype: torch.dtype | str) -> str:
     """The safetensors name of a torch dtype (a name is returned as it is, once checked)."""
     if isinstance(dtype, str):
@@ -308,9 +316,7 @@ class Writer:
         if list(tensor.shape) != info["shape"] or dtype_name(tensor.dtype) != info["dtype"]:
             raise ToolkitError(f"{self.path}: {name} is {tuple(tensor.shape)} {tensor.dtype}, declared "
                                f"{tuple(info['shape'])} {info['dtype']}")
-        import torch  # lazy: a Writer laid out and filled by byte ranges needs no torch
-
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        data = tensor_bytes(tensor)
         pwrite_all(self._f.fileno(), memoryview(data), self._base + info["data_offsets"][0])
         start_writeback(self._f.fileno(), self._base + info["data_offsets"][0], data.size)
         self._advance(name)
@@ -326,11 +332,9 @@ class Writer:
             raise ToolkitError(f"{self.path}: {name} takes {stop - begin} bytes of {info['dtype']}, the pieces to "
                                f"write hold {sum(p.numel() * p.element_size() for p in pieces)} of "
                                f"{sorted({str(p.dtype) for p in pieces})}")
-        import torch  # lazy: a Writer laid out and filled by byte ranges needs no torch
-
         at = self._base + begin
         for p in pieces:
-            data = p.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            data = tensor_bytes(p)
             pwrite_all(self._f.fileno(), memoryview(data), at)
             at += data.size
         start_writeback(self._f.fileno(), self._base + begin, stop - begin)
