@@ -4,6 +4,7 @@ torch.save writes for the same object, torch.load reads its files (memory-mapped
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import zipfile
 
@@ -114,3 +115,34 @@ def test_zip64_past_4_gib(tmp_path):
     assert got["big"].shape == (2**32 + 1024,) and int(got["big"][2**32 + 1000]) == 7
     assert got["after"].tolist() == [1.0, 2.0, 3.0, 4.0]
     assert pt_zip.load(f.path)["after"].span()[0] == f.offset(after)
+
+
+def test_torch_dist_files_pickle_as_torchs_own_classes_pickle(tmp_path):
+    """What `--to torch_dist` writes without torch: `.metadata` loaded with torch DCP's own classes and pickled
+    again gives the same bytes (the dataclasses are named and built as Python pickles them), and so do common.pt's
+    pickle through torch.save and each `.distcp` item's, a standalone torch.save zip holding one tensor."""
+    import pickle
+
+    from tiny_hf import write_llama
+    from toolkit.checkpoint.convert import convert
+
+    write_llama(tmp_path / "hf")
+    out = convert(tmp_path / "hf", tmp_path / "td", "torch_dist", tp=2, pp=2, verify=False, progress=False,
+                  log=lambda *_: None)
+    it = out / "iter_0000000"
+    ours = (it / ".metadata").read_bytes()
+    real = pickle.loads(ours)  # torch's classes: the file is this test's own
+    assert type(real).__module__ == "torch.distributed.checkpoint.metadata"
+    assert pickle.dumps(real, protocol=2) == ours
+    common = torch.load(it / "common.pt", weights_only=False)
+    torch.save(common, tmp_path / "common.pt")
+    with zipfile.ZipFile(it / "common.pt") as a, zipfile.ZipFile(tmp_path / "common.pt") as b:
+        assert a.read("common/data.pkl") == b.read("common/data.pkl")
+    index, info = next((i, s) for i, s in real.storage_data.items() if i.fqn == "embedding.word_embeddings.weight")
+    item = (it / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    tensor = torch.load(io.BytesIO(item), weights_only=True)
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    with zipfile.ZipFile(io.BytesIO(item)) as a, zipfile.ZipFile(buf) as b:
+        assert a.read("archive/data.pkl") == b.read("archive/data.pkl")
+        assert [n for n in a.namelist()] == [n for n in b.namelist()]

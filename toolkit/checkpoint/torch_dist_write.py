@@ -70,12 +70,15 @@ def _index(fqn: str, offsets: tuple | None) -> Obj:
         {"offset": _size(offsets)} if offsets is not None else {})})
 
 
+_STRIDED = Call(Global("torch.serialization", "_get_layout"), ("torch.strided",))
+_CONTIGUOUS = Call(Global(_MD, "_MEM_FORMAT_ENCODING"), (0,))
+"""torch.strided and DCP's contiguous-format encoding: one object each, as torch's are (the pickle refers back)."""
+
+
 def _properties(dtype: str) -> Obj:
     """DCP's TensorProperties(dtype) as it pickles: its __getstate__'s tuple (dtype, layout, requires_grad, memory
     format, pin_memory)."""
-    return Obj(Global(_MD, "TensorProperties"), (pt_write.torch_dtype(dtype), Call(Global(
-        "torch.serialization", "_get_layout"), ("torch.strided",)), False, Call(Global(_MD, "_MEM_FORMAT_ENCODING"),
-                                                                                 (0,)), False))
+    return Obj(Global(_MD, "TensorProperties"), (pt_write.torch_dtype(dtype), _STRIDED, False, _CONTIGUOUS, False))
 
 
 def _scalar(value: float) -> tuple[pt_write.Tensor, bytes]:
