@@ -146,3 +146,20 @@ def test_torch_dist_files_pickle_as_torchs_own_classes_pickle(tmp_path):
     with zipfile.ZipFile(io.BytesIO(item)) as a, zipfile.ZipFile(buf) as b:
         assert a.read("archive/data.pkl") == b.read("archive/data.pkl")
         assert [n for n in a.namelist()] == [n for n in b.namelist()]
+
+
+def test_meta_loads_find_every_storage_where_it_lies(tmp_path):
+    """torch.load(map_location="meta") works the storages' offsets out from miniz's layout (data descriptors, "FB"
+    padding) without reading the headers: every offset it gives is where the bytes are, also past 4 GiB."""
+    sk, _ = _file(tmp_path)
+    meta = safe_load.load(sk.path, deepspeed=False, map_location="meta")
+    refs = pt_zip.load(sk.path)
+    for name in ("a.weight", "b.weight", "c.weight", "norm"):
+        assert meta["model"][name].untyped_storage()._checkpoint_offset == refs["model"][name].span()[0] - (
+            refs["model"][name].storage_offset * pt_zip.ITEMSIZE[refs["model"][name].dtype]), name
+    big = pt_write.Tensor.empty((2**32 + 1024,), "U8")
+    files = [pt_write.Tensor.empty((4,), "F32") for _ in range(3)]
+    f = pt_write.File(tmp_path / "big.pt", {"small": files[0], "big": big, "after": files[1], "last": files[2]})
+    meta = torch.load(f.path, weights_only=True, map_location="meta")
+    for name, t in (("small", files[0]), ("big", big), ("after", files[1]), ("last", files[2])):
+        assert meta[name].untyped_storage()._checkpoint_offset == f.offset(t), name

@@ -7,10 +7,12 @@ A torch.save file is a zip, stored uncompressed: `<archive>/data.pkl` (a pickle,
 persistent id `("storage", torch.<Type>Storage, key, "cpu", numel)`), one record `<archive>/data/<key>` per storage,
 and `byteorder`, `version` and the other small records torch writes (toolkit/format/pt_zip.py reads the same).
 File(path, obj) pickles obj, whose tensors are Tensor views of Storage slots (dtype and size: no bytes), and lays
-the zip out with every storage record's data left as a hole, 64-byte aligned as torch aligns it; offset(storage)
-says where its bytes go, and the caller writes them there (file to file, or from memory). The zip's own CRC-32 is
-that of the small records; a storage record's is left 0, as torch.load does not check it (torch's skip_data leaves
-it wrong too). Objects other than tensors are pickled as torch.save pickles them; torch's dtypes are Globals
+the zip out with every storage record's data left as a hole, where torch's writer (miniz) puts it: 64-byte aligned
+by an "FB" extra field, each record's data followed by a data descriptor (torch.load with map_location="meta"
+works out the storages' offsets from that layout, without reading the headers). offset(storage) says where its
+bytes go, and the caller writes them there (file to file, or from memory). The zip's own CRC-32 is that of the
+small records; a storage record's is left 0, as torch.load does not check it (torch's skip_data leaves it wrong
+too). Objects other than tensors are pickled as torch.save pickles them; torch's dtypes are Globals
 (`torch_dtype`). ZIP64 records where a size or offset passes 4 GiB.
 """
 from __future__ import annotations
@@ -189,17 +191,24 @@ def layout(obj, archive: str) -> tuple[list[tuple[int, bytes]], dict[int, int], 
         name_b = f"{archive}/{name}".encode()
         size = body.nbytes if isinstance(body, Storage) else len(body)
         crc = 0 if isinstance(body, Storage) else zlib.crc32(body)
-        big = size >= _LIMIT
-        extra = struct.pack("<HHQQ", 1, 16, size, size) if big else b""
-        extra += _padding(at, 30 + len(name_b) + len(extra))
-        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if big else 20, 0, 0, 0, 0x21, crc,
-                           _LIMIT if big else size, _LIMIT if big else size, len(name_b), len(extra))
+        fields = ([size, size] if size >= _LIMIT else []) + ([at] if at >= _LIMIT else [])
+        extra = struct.pack(f"<HH{len(fields)}Q", 1, 8 * len(fields), *fields) if fields else b""
+        pad = -(at + 30 + len(name_b) + len(extra) + 4) % ALIGN  # torch's "FB" padding, always there
+        extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
+        flags = 0x08 if size else 0  # sizes and CRC-32 in a data descriptor after the data, as miniz writes them
+        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if fields else 20, flags, 0, 0, 0x21, 0, 0, 0,
+                           len(name_b), len(extra))
         start = at + len(head) + len(name_b) + len(extra)
         chunks.append((at, head + name_b + extra + (b"" if isinstance(body, Storage) else body)))
         if isinstance(body, Storage):
             offsets[id(body)] = start  # a hole until its bytes come
         central.append((name_b, crc, size, at))
         at = start + size
+        if size:
+            wide = size >= _LIMIT or central[-1][3] >= _LIMIT
+            descriptor = struct.pack("<IIQQ" if wide else "<IIII", 0x08074B50, crc, size, size)
+            chunks.append((at, descriptor))
+            at += len(descriptor)
     tail = _central(central, at)
     chunks.append((at, tail))
     return chunks, offsets, at + len(tail)
