@@ -5,12 +5,12 @@ Such a conversion moves bytes and nothing else: every output tensor is byte rang
 (toolkit/checkpoint/byte_ranges.py works out which, by running the family's own rules on numpy address arrays).
 The files are safetensors, whose headers are JSON, or torch.save zips: a reader of our own finds where a source's
 tensors lie without torch (toolkit/checkpoint/pickled_copy.py), and the Megatron-LM and torch_dist writers lay their
-files out without torch (toolkit/format/pt_write.py). So this path
-reads the headers, plans each parameter's ranges, and copies them in the kernel (os.copy_file_range, or pwritev
-from maps for row-sized ranges), through the same targets, write-behind threads, all-or-nothing output folder and
-source checksum check as the full path (toolkit/checkpoint/convert.py). Its output is byte-identical to the full
-path's. What it saves is the full path's fixed cost: importing torch took 1.3-1.8 s on the 2-core test machine,
-as long as copying 2 GiB (docs/performance.md).
+files out without torch (toolkit/format/pt_write.py). So this path reads the headers, plans each parameter's
+ranges, and copies them in the kernel (os.copy_file_range, or pwritev from maps for row-sized ranges), through the
+same targets, write-behind threads, all-or-nothing output folder and source checksum check as the full path
+(toolkit/checkpoint/convert.py). Its output is byte-identical to the full path's. What it saves is the full path's
+fixed cost: importing torch took 1.3-1.8 s on the 2-core test machine, as long as copying 2 GiB
+(docs/performance.md).
 
 It takes a conversion only when nothing in it needs tensors: no verification, no dtype cast, weights only (a
 Hugging Face target, --weights-only, or a source without optimizer state), a toolkit source that stores its
@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 from toolkit.checkpoint import byte_ranges, output
+from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.pickled_copy import open_megatron
 from toolkit.checkpoint.safetensors_sources import HFSource, ToolkitWeights, follow_pointer, stored_config
 from toolkit.checkpoint.source_base import WEIGHT, Source
 from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, report, writers
-from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.targets import HFTarget, MegatronTarget
 from toolkit.checkpoint.torch_dist_write import TorchDistTarget
 from toolkit.errors import ToolkitError

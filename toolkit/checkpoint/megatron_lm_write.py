@@ -92,7 +92,6 @@ def _registered(chunk: dict) -> dict:
     return {k: chunk[k] for k in sorted(chunk, key=rank.__getitem__)}
 
 
-
 class _StageEnd:
     """The last write of a stage: finishes its rank files (and the optimizer's) once the writes before it are done."""
 
@@ -111,7 +110,7 @@ class MegatronLMTarget:
     for the source's."""
 
     raw_bytes = True  # weights whose bytes are source byte ranges are copied in (byte_ranges.plan, write_ranges)
-    concurrent_writes = True  # rank files are written in place (pt_skeleton); a stage's end is a barrier (WriteBehind)
+    concurrent_writes = True  # rank files are written in place (pt_write); a stage's end is a barrier (WriteBehind)
 
     def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype, ep: int = 1,
                  weights_only: bool = False, optimizer_writer=None):
@@ -123,7 +122,7 @@ class MegatronLMTarget:
         self.tag_dir = root / f"iter_{self.step:07d}"
         self.dtype_name = st.dtype_name(dtype) if dtype is not None else source.dtype_name()
         # torch's dtype, where the optimizer writer needs it (the full path)
-        self.out_dtype = dtype if dtype is None or not isinstance(dtype, str) else None
+        self.out_dtype = None if isinstance(dtype, str) else dtype
         if self.out_dtype is None and optimizer_writer is not None and not weights_only:
             self.out_dtype = source.dtype()
         entries = list(iter_entries(self.dims, pp, vpp, ep))
