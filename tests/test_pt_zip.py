@@ -153,3 +153,33 @@ def test_dcp_metadata_reads_as_the_torch_loader_reads_it_without_torch(tmp_path)
     with pytest.raises(pt_zip.NotReadHere, match="posix.system"):
         pt_zip.load_dcp_metadata(tmp_path / ".metadata")
     assert not (tmp_path / "pwned").exists()
+
+
+def _zip_of(path, pkl: bytes) -> None:
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("f/data.pkl", pkl)
+        z.writestr("f/byteorder", b"little")
+
+
+@pytest.mark.parametrize("target", ["argparse\nNamespace", "torch\nbfloat16", "torch._utils\n_rebuild_tensor_v2"])
+def test_a_pickle_cannot_set_the_state_of_an_allowed_class_or_function(tmp_path, target):
+    """BUILD (set an object's attributes) on the allowed class argparse.Namespace itself, on a shared dtype stand-in
+    or on the rebuild function is refused, and nothing of theirs changes; on an instance of Namespace it is how
+    Megatron-LM's args load."""
+    import argparse
+
+    module, name = target.split("\n")
+    before = dict(vars(pt_zip.GLOBALS[f"{module}.{name}"])) if hasattr(pt_zip.GLOBALS[f"{module}.{name}"],
+                                                                         "__dict__") else None
+    pkl = b"\x80\x02c" + target.encode() + b"\n}X\x03\x00\x00\x00fooK\x01sb."  # GLOBAL, {"foo": 1}, BUILD
+    _zip_of(tmp_path / "f.pt", pkl)
+    with pytest.raises(pt_zip.NotReadHere, match="BUILD of a"):
+        pt_zip.load(tmp_path / "f.pt")
+    obj = pt_zip.GLOBALS[f"{module}.{name}"]
+    assert not hasattr(obj, "foo") and (before is None or dict(vars(obj)) == before)
+    assert not hasattr(argparse.Namespace, "foo")
+    (tmp_path / ".metadata").write_bytes(b"\x80\x02ctorch\nSize\n}X\x03\x00\x00\x00fooK\x01sb.")
+    with pytest.raises(pt_zip.NotReadHere, match="BUILD of a"):
+        pt_zip.load_dcp_metadata(tmp_path / ".metadata")
+    _zip_of(tmp_path / "g.pt", b"\x80\x02cargparse\nNamespace\n)\x81}X\x03\x00\x00\x00fooK\x01sb.")  # an instance
+    assert pt_zip.load(tmp_path / "g.pt").foo == 1

@@ -11,9 +11,11 @@ The pickle is read by an unpickler that knows a short allow-list and nothing els
 (which returns a TensorRef: no torch, no bytes read), the storage types and torch dtypes (as names), plain
 containers, and the records a real Megatron-LM `args` holds (toolkit/format/records.py: inert stand-ins for
 Megatron's classes, argparse, signal, numpy). It is a subset of what torch.load(weights_only=True) with the
-toolkit's allow-list accepts (toolkit/format/safe_load.py). Anything else, a compressed record, big-endian data or a
-record that does not match its storage, raises NotReadHere before any object of the file is built further, and
-the caller hands the file to torch's loader, which then reads it or refuses it in its own words.
+toolkit's allow-list accepts (toolkit/format/safe_load.py), and like torch's it sets the state (BUILD) only of
+instances of those records, never of an allowed class or function itself (records.GuardedUnpickler). Anything
+else, a compressed record, big-endian data or a record that does not match its storage, raises NotReadHere before
+any object of the file is built further, and the caller hands the file to torch's loader, which then reads it or
+refuses it in its own words.
 """
 from __future__ import annotations
 
@@ -24,10 +26,14 @@ import math
 import os
 import pickle
 import struct
+import types
 import zipfile
 from pathlib import Path, PosixPath
 
-from toolkit.format.records import DCP_CLASSES, DCPUnpickler, by_name, megatron_lm_records, numpy_records
+import numpy as np
+
+from toolkit.format.records import (DCP_CLASSES, DCPUnpickler, GuardedUnpickler, Record, by_name,
+                                    megatron_lm_records, numpy_records)
 
 STORAGES = {"BFloat16Storage": "BF16", "HalfStorage": "F16", "FloatStorage": "F32", "DoubleStorage": "F64",
             "LongStorage": "I64", "IntStorage": "I32", "ShortStorage": "I16", "CharStorage": "I8",
@@ -133,7 +139,10 @@ GLOBALS: dict[str, object] = {
 """Every global a pickle may name here, and what it stands for; any other is refused (NotReadHere)."""
 
 
-class _Unpickler(pickle.Unpickler):
+class _Unpickler(GuardedUnpickler):
+    buildable = (argparse.Namespace, types.SimpleNamespace, io.BytesIO, collections.OrderedDict, Record, np.ndarray,
+                 np.dtype)  # what a Megatron-LM rank file's objects set the state of
+
     def __init__(self, data: bytes, storage):
         super().__init__(io.BytesIO(data))
         self._storage = storage

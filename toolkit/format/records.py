@@ -127,9 +127,29 @@ DCP_CLASSES: dict[tuple[str, str], type] = {
 """(module, name) -> the DCPRecord class that stands in for it."""
 
 
-class DCPUnpickler(pickle.Unpickler):
+class GuardedUnpickler(pickle._Unpickler):
+    """Python's own (pure-Python) unpickler, with BUILD, which sets an object's state, allowed only on instances of
+    the record classes (`buildable`): a pickle cannot set attributes of an allowed class or function itself (such as
+    argparse.Namespace's), nor of a reader's shared stand-ins, as torch's weights-only unpickler refuses it too.
+    Subclasses add find_class."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+    buildable: tuple[type, ...] = ()
+
+    def _guarded_build(self) -> None:
+        inst = self.stack[-2]  # the state is on top
+        if not isinstance(inst, self.buildable):
+            raise pickle.UnpicklingError(f"BUILD of a {type(inst).__name__}, whose state this reader does not set")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _guarded_build
+
+
+class DCPUnpickler(GuardedUnpickler):
     """A `.metadata` unpickler that knows `classes` ({(module, name): object}) and no other global, and no
-    persistent id."""
+    persistent id; it sets the state of DCP's records only."""
+
+    buildable = (DCPRecord,)
 
     def __init__(self, file, classes: dict):
         super().__init__(file)
