@@ -3,9 +3,9 @@
 slots(obj) hands an object with torch tensors (the optimizer state a Megatron-LM legacy rank file holds beside the
 model) to the torch-free writer of torch.save files (toolkit/format/pt_write.py), which lays the file out and writes
 those tensors' bytes when it is finished. bytes_around(template, file) gives the bytes torch.save itself writes
-around one tensor's data (torch's skip_data: the data left as a hole), for the writers that copy a tensor's bytes
-into a torch.save item of their own (toolkit/checkpoint/torch_dist_write.py, save_pool.save_ranges). torch.load does
-not check the records' CRC-32, which skip_data leaves those of the empty records.
+around one tensor's data (torch's skip_data: the data left as a hole), for the writer that copies a tensor's bytes
+into a torch.save file of DeepSpeed's objects (save_pool.save_ranges, the universal checkpoint's files). torch.load
+does not check the records' CRC-32, which skip_data leaves those of the empty records.
 """
 from __future__ import annotations
 
@@ -30,18 +30,14 @@ def tensors(obj, path: tuple = ()) -> Iterator[tuple[tuple, torch.Tensor]]:
             yield from tensors(v, (*path, i))
 
 
-def bytes_around(template, file: Path, through_object: bool = False) -> tuple[bytes, bytes, torch.Tensor | None]:
+def bytes_around(template, file: Path) -> tuple[bytes, bytes, torch.Tensor | None]:
     """(the bytes torch.save writes before the data of `template`'s one tensor, those after it, that tensor as a
     map_location="meta" load gives it back; None when it holds not exactly one). `template` is saved under skip_data
-    into `file` (a hole where the data goes: no memory, unlike an in-memory buffer), by its path (the zip's folder is
-    then the file's name, as in a universal checkpoint's files) or through a file object (the folder is "archive",
-    as in a torch DCP item)."""
+    into `file` (a hole where the data goes: no memory, unlike an in-memory buffer), by its path: the zip's folder
+    is then the file's name, as in a universal checkpoint's files. Its other objects may be any torch.save takes
+    (DeepSpeed's records: what toolkit/format/pt_write.py does not write)."""
     with torch.serialization.skip_data():
-        if through_object:
-            with open(file, "wb") as f:
-                torch.save(template, f)
-        else:
-            torch.save(template, file)
+        torch.save(template, file)
     found = [t for _, t in tensors(safe_load.load(file, deepspeed=False, map_location="meta"))]
     at = getattr(found[0].untyped_storage(), "_checkpoint_offset", None) if len(found) == 1 else None
     if not isinstance(at, int):
