@@ -194,7 +194,6 @@ class Slice(io.RawIOBase):
         return done
 
 
-
 def load(path: Path, start: int = 0, length: int | None = None):
     """The object torch.save wrote into `path` (or into its bytes [start, start + length)), each tensor a
     TensorRef whose byte offsets are the file's. NotReadHere when this reader does not take the file."""
