@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -278,7 +279,20 @@ def test_merge_buffers_are_reused_module_after_module_and_never_shared():
     row = torch.randn(6, 8, generator=gen)
     with views(), merged_into(buffers):
         merged = RowParallel().merge(RowParallel().split(row, 2))
-    assert torch.equal(merged, row) and buffers.free == {}  # a shape not seen before: the spare ones dropped
+    assert torch.equal(merged, row)
+    del merged
+    buffers.recycle()
+    with views(), merged_into(buffers):
+        merged = RowParallel().merge(RowParallel().split(row + 1, 2))
+    assert torch.equal(merged, row + 1)
+    assert {b.data_ptr() for v in buffers.free.values() for b, _ in v} == first  # unused for one module: kept
+    del merged
+    buffers.recycle()
+    with views(), merged_into(buffers):
+        merged = RowParallel().merge(RowParallel().split(row.T.contiguous(), 2))  # a shape not seen before
+    assert {k[0] for k in buffers.free} == {(6, 8)}  # gate and up's, unused by the last module: dropped
+    del merged
+    buffers.recycle()
     qkv = QKV(num_heads=4, num_kv_heads=2, head_dim=2)
     q, k, v = torch.randn(8, 6, generator=gen), torch.randn(4, 6, generator=gen), torch.randn(4, 6, generator=gen)
     with views(), merged_into(buffers):
@@ -287,6 +301,28 @@ def test_merge_buffers_are_reused_module_after_module_and_never_shared():
     # without the block, merges make fresh tensors as before
     g, u = GatedMLP().merge(shards)
     assert torch.equal(g, gate) and g.data_ptr() not in first
+
+
+def test_merge_buffers_serve_two_sides_and_layers_that_alternate():
+    """The two sides of the check share one set of buffers and take turns: a side that merged nothing (a Hugging
+    Face folder) keeps the other's, and shapes that come every other layer (a torch_dist checkpoint's tensors at odd
+    offsets) find theirs; what is held stays bounded. Before, each turn dropped them: a 3B torch_dist -> Hugging Face
+    check allocated 3.8 GB of fresh buffers, 157 of 157 (docs/performance.md)."""
+    from toolkit.checkpoint.verify import _Buffers
+
+    buffers, fresh = _Buffers(), set()
+    sets = [[(64, 32), (32, 32)], [(16, 32), (64, 64)]]  # the shapes layer after layer, every other layer alike
+    for layer in range(8):
+        got = [buffers(shape, torch.bfloat16) for shape in sets[layer % 2]]
+        fresh |= {t.data_ptr() for t in got}
+        del got
+        buffers.recycle()  # the source side's turn is over
+        buffers.recycle()  # the output side (a Hugging Face folder) merged nothing
+        held = sum(b.numel() for v in buffers.free.values() for b, _ in v)
+        assert held <= sum(math.prod(shape) for group in sets for shape in group)  # both layers' sets, no more
+    assert len(fresh) == 4  # each shape allocated once, in the first two layers
+    buffers((128, 128), torch.bfloat16)  # the output layer's shape: those the last layer did not use go
+    assert {k[0] for k in buffers.free} == set(sets[1])
 
 
 def mapped_reads_equal_loads(it_dir, monkeypatch):
@@ -324,8 +360,17 @@ def test_torch_dist_reads_within_mapped_equal_loads_and_a_truncated_file_is_one_
     several chunks is assembled in the merge buffers: the same tensors as torch.load of each chunk into fresh
     memory (for Megatron-Core's own files: test_megatron_torch_dist), and a .distcp cut short after it was opened is
     refused in one line, never a fault on touch."""
+    from toolkit.checkpoint import torch_dist, torch_dist_write
+
     hf = tmp_path / "hf"
     _write_hf(hf, layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, dtype=torch.bfloat16)
+    convert(hf, tmp_path / "aligned", "torch_dist", tp=2, pp=2, verify=False, progress=False, log=lambda *_: None)
+    reader = torch_dist.Reader(next((tmp_path / "aligned").glob("iter_*")))
+    try:  # the toolkit's own items: every tensor's bytes on 64 bytes
+        assert {reader.locate(f, key)[1] % 64 for f in reader.tensor_names() for *_, key in reader.chunks(f)} == {0}
+    finally:
+        reader.close()
+    monkeypatch.setattr(torch_dist_write, "ITEM_ALIGN", 1)  # items back to back, as torch's FileSystemWriter writes
     convert(hf, tmp_path / "td", "torch_dist", tp=2, pp=2, verify=False, progress=False, log=lambda *_: None)
     it_dir = next((tmp_path / "td").glob("iter_*"))
     reader = mapped_reads_equal_loads(it_dir, monkeypatch)

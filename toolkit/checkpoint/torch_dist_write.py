@@ -86,32 +86,48 @@ def _scalar(value: float) -> tuple[pt_write.Tensor, bytes]:
     return pt_write.Tensor(pt_write.Storage("F32", 1), 0, (), ()), struct.pack("<f", value)
 
 
+ITEM_ALIGN = 64
+"""Each item's tensor bytes start on this many bytes in its .distcp file; the gap before it is never read (DCP reads
+an item by its offset and length). torch's FileSystemWriter puts items back to back, so there a tensor's bytes may
+start at an odd offset, where a reader that maps the file (the verification) cannot view them as bf16 and copies
+them: half of the bytes of a 1.1B checkpoint, before these items were aligned."""
+
+
 class _ItemFile:
     """One .distcp file: each item is a torch.save of one chunk, a standalone zip as torch's own FileSystemWriter
     writes it (pt_write: the bytes torch.save puts around such a tensor, kept per shape and dtype, with the tensor's
     bytes between); its byte range is recorded, and the kernel is asked to start writing it to disk at once. An item
     whose bytes are byte ranges of the source files (byte_ranges.plan) has them copied file to file (write_ranges).
     As with torch's skip_data, those items' zip records carry a CRC-32 of 0, which torch.load (and so
-    dist_checkpointing.load) does not check. Takes writes from several threads at once: an item's bytes are reserved
-    under a lock, then written in place. Items are keyed (sharded key, chunk offsets, or None for an object)."""
+    dist_checkpointing.load) does not check. Takes writes from several threads at once: a tensor item's bytes are
+    reserved when it is declared (by the conversion's thread, in its order, so the file's layout does not depend on
+    which writer thread comes first), then written in place. Items are keyed (sharded key, chunk offsets, or None for
+    an object)."""
 
     def __init__(self, path: Path):
         self.path, self.fd = path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.where: dict = {}  # item key -> (byte offset, length)
-        self._declared: dict = {}  # item key -> (shape, dtype) of the tensor it will hold
+        self._declared: dict = {}  # item key -> (shape, dtype) of the tensor it will hold, and its offset
         self.kernel_bytes = self.gathered_bytes = self.user_bytes = 0
         self._lock, self._end = threading.Lock(), 0  # the end of the bytes reserved so far
 
     def declare(self, key, shape: tuple, dtype: str) -> None:
-        self._declared[key] = (tuple(shape), dtype)
+        """The item `key` will hold a tensor of this shape and dtype: its bytes are reserved (once: byte_ranges.plan
+        declares it first, and the streaming path again when the plan gives it up)."""
+        if key not in self._declared:
+            head, tail = _around(tuple(shape), dtype)
+            size = len(head) + math.prod(shape) * ITEMSIZE[dtype] + len(tail)
+            self._declared[key] = (tuple(shape), dtype, self._reserve(size, len(head)))
 
     def declared(self, key) -> tuple[tuple, str, int]:
-        shape, dtype = self._declared[key]
+        shape, dtype, _ = self._declared[key]
         return shape, dtype, math.prod(shape) * ITEMSIZE[dtype]
 
-    def _reserve(self, size: int) -> int:
+    def _reserve(self, size: int, head: int = 0) -> int:
+        """The offset of an item of `size` bytes whose tensor data starts `head` bytes in: the data on ITEM_ALIGN."""
         with self._lock:
-            start, self._end = self._end, self._end + size
+            start = self._end + (-(self._end + head) % ITEM_ALIGN)
+            self._end = start + size
         return start
 
     def write(self, key, data) -> int:
@@ -127,7 +143,7 @@ class _ItemFile:
         if view.nbytes != size:
             raise ToolkitError(f"internal: {key[0]} takes {size} bytes, {view.nbytes} came")
         head, tail = _around(shape, dtype)
-        start = self._reserve(len(head) + size + len(tail))
+        start = self._declared[key][2]
         pwrite_all(self.fd, memoryview(head + view.tobytes() + tail) if size < 2**16 else memoryview(head), start)
         if size >= 2**16:
             pwrite_all(self.fd, view, start + len(head))
@@ -140,7 +156,7 @@ class _ItemFile:
         if sum(n for _, _, n in ranges) != size:
             raise ToolkitError(f"internal: {key[0]} takes {size} bytes, the ranges to copy hold "
                                f"{sum(n for _, _, n in ranges)}")
-        start = self._reserve(len(head) + size + len(tail))
+        start = self._declared[key][2]
         pwrite_all(self.fd, memoryview(head), start)
         kernel, gathered, user = copy_ranges(self.fd, start + len(head), ranges)
         pwrite_all(self.fd, memoryview(tail), start + len(head) + size)

@@ -256,27 +256,41 @@ class _Buffers:
     """The memory a side's merges (a Megatron side's TP shards, a torch_dist tensor's chunks) are written into,
     reused module after module (rules.merged_into): a fresh page costs this VM more than the copy into it
     (docs/performance.md). Buffers handed out since the last recycle() are in use; recycle() frees them for the
-    next module. A shape with no free buffer drops the free ones (the embeddings' shapes come once, a decoder
-    layer's again and again), so what it holds stays one module's merges."""
+    next modules. The two sides share one set and take turns, and a side that merged nothing (a Hugging Face folder)
+    recycles none: that keeps the free ones. Free buffers are kept while one of the last two modules used them: in
+    a torch_dist checkpoint of ours, whose records lie back to back, a layer's tensors at odd offsets (copied into
+    buffers) are not the next layer's, so the same shapes come every other layer. A shape with no free buffer
+    drops those the last module did not use (the embeddings' shapes come once), so what it holds stays about one
+    module's merges besides those in use."""
 
     def __init__(self):
-        self.free: dict[tuple, list[torch.Tensor]] = {}
+        self.free: dict[tuple, list[tuple[torch.Tensor, int]]] = {}  # (shape, dtype) -> [(buffer, generation)]
         self.used: list[tuple[tuple, torch.Tensor]] = []
+        self.generation = 0  # recycle() calls that freed something
 
     def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         spare = self.free.get((shape, dtype))
-        if not spare:
-            self.free = {}
-        buffer = spare.pop() if spare else torch.empty(shape, dtype=dtype)
+        if spare:
+            buffer = spare.pop()[0]
+        else:
+            self._keep(self.generation)
+            buffer = torch.empty(shape, dtype=dtype)
         self.used.append(((shape, dtype), buffer))
         return buffer
 
     def recycle(self) -> None:
         """Call only once nothing made since the last call is referenced any more."""
-        self.free = {}
+        if not self.used:
+            return
+        self.generation += 1
         for key, buffer in self.used:
-            self.free.setdefault(key, []).append(buffer)
+            self.free.setdefault(key, []).append((buffer, self.generation))
         self.used = []
+        self._keep(self.generation - 1)
+
+    def _keep(self, oldest: int) -> None:
+        """Drop the free buffers freed before generation `oldest`."""
+        self.free = {k: kept for k, v in self.free.items() if (kept := [b for b in v if b[1] >= oldest])}
 
 
 class _Megatron(_Side):
