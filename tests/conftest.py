@@ -27,6 +27,11 @@ from toolkit.proc import signal_tree as signal_process_tree  # noqa: F401
 use_own_extensions_cache()
 
 REPO = Path(__file__).resolve().parents[1]
+
+# DeepSpeed compiles its JIT ops with -g. The suite builds them through a c++ that leaves it out (tests/cxx_without_g;
+# every launch, the op builder and the Slurm jobs inherit CXX): async_io's sources then compiled in 56% of the time
+# (docs/testing.md). A CXX the user set is kept.
+os.environ.setdefault("CXX", str(REPO / "tests" / "cxx_without_g"))
 TINY = dict(preset="tiny")  # 2 layers, hidden 64, GQA 4 heads / 2 kv heads, vocab 512
 
 
