@@ -253,15 +253,15 @@ class _Named(_Side):
 
 
 class _Buffers:
-    """The memory a side's merges (a Megatron side's TP shards, a torch_dist tensor's chunks) are written into,
-    reused module after module (rules.merged_into): a fresh page costs this VM more than the copy into it
-    (docs/performance.md). Buffers handed out since the last recycle() are in use; recycle() frees them for the
-    next modules. The two sides share one set and take turns, and a side that merged nothing (a Hugging Face folder)
-    recycles none: that keeps the free ones. Free buffers are kept while one of the last two modules used them: in
-    a torch_dist checkpoint whose items lie back to back (as torch's writer puts them), a layer's tensors at odd
-    offsets (copied into buffers) are not the next layer's, so the same shapes come every other layer. A shape with no free buffer
-    drops those the last module did not use (the embeddings' shapes come once), so what it holds stays about one
-    module's merges besides those in use."""
+    """The memory a side's merges (a Megatron side's TP shards, a torch_dist tensor's chunks) are written into, reused
+    module after module (rules.merged_into): a fresh page costs this VM more than the copy into it
+    (docs/performance.md). Buffers handed out since the last recycle() are in use; recycle() frees them for the next
+    modules. The two sides share one set and take turns, and a side that merged nothing (a Hugging Face folder)
+    recycles none: that keeps the free ones. Free buffers are kept while one of the last two modules used them: in a
+    torch_dist checkpoint whose items lie back to back (as torch's writer puts them), a layer's tensors at odd
+    offsets (copied into buffers) are not the next layer's, so the same shapes come every other layer. A shape with
+    no free buffer drops those the last module did not use (the embeddings' shapes come once), so what it holds stays
+    about one module's merges besides those in use."""
 
     def __init__(self):
         self.free: dict[tuple, list[tuple[torch.Tensor, int]]] = {}  # (shape, dtype) -> [(buffer, generation)]
