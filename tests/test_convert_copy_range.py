@@ -18,7 +18,7 @@ import torch
 
 from tiny_hf import write_llama
 from toolkit.checkpoint import byte_ranges
-from toolkit.checkpoint import convert as convert_mod
+from toolkit.checkpoint import verify as verify_mod
 from toolkit.checkpoint.convert import convert
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
@@ -196,8 +196,8 @@ def test_ranges_follow_the_rules(ref, tmp_path, monkeypatch):
 def test_read_back_catches_a_range_copied_from_the_wrong_place(ref, tmp_path, monkeypatch):
     """The source's hash comes from read(), the output's from its own reader: a wrong range fails verification."""
     monkeypatch.setattr(byte_ranges, "MIN_RANGE", 0)
-    monkeypatch.setattr(convert_mod, "import_early", lambda *_: None)
-    monkeypatch.setattr(convert_mod, "verify_logits", lambda *a: None)  # the logit check: test_convert_verify.py
+    monkeypatch.setattr(verify_mod, "import_early", lambda *_: None)
+    monkeypatch.setattr(verify_mod, "verify_logits", lambda *a: None)  # the logit check: test_convert_verify.py
     lines = []
     convert(ref / "tp2pp2", tmp_path / "good", "megatron", tp=4, progress=False, log=lines.append)
     assert any("read back bit-exactly" in line for line in lines), lines

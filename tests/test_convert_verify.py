@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from toolkit.checkpoint import convert as convert_mod
+from toolkit.checkpoint import verify as verify_mod
 from toolkit.checkpoint.convert import convert
 from toolkit.checkpoint.sources import open_source
 from toolkit.checkpoint.verify import verify_logits
@@ -164,7 +164,7 @@ def test_verification_reads_the_output_once_and_proves_every_tensor(tmp_path, mo
     assert any("all 21 tensors read back bit-exactly" in line for line in lines), lines
 
     # a byte of one written tensor flipped between the write and the check: the read-back names it
-    def corrupt_then_verify(*args, _real=convert_mod._verify):
+    def corrupt_then_verify(*args, _real=verify_mod.verify_output):
         folder = args[1]
         reader = st.Reader(next(folder.rglob("*.safetensors")))
         name = next(k for k in reader.keys() if "linear_fc2" in k)
@@ -174,7 +174,7 @@ def test_verification_reads_the_output_once_and_proves_every_tensor(tmp_path, mo
         reader.close()
         return _real(*args)
 
-    monkeypatch.setattr(convert_mod, "_verify", corrupt_then_verify)
+    monkeypatch.setattr(verify_mod, "verify_output", corrupt_then_verify)
     with pytest.raises(ToolkitError, match=r"verification failed: model\.layers\.\d\.mlp\.down_proj\.weight "
                                            r"\(weight\) reads back different from the source's"):
         convert(hf, tmp_path / "bad", "megatron", tp=2, progress=False, log=lambda *_: None)

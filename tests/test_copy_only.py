@@ -67,8 +67,10 @@ def chain(request, tmp_path_factory) -> tuple[Path, Path]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert result == {"codes": [0] * len(STEPS), "loaded": []}, (result, proc.stderr[-2000:])  # nor the recipe schema
-    for src, dst, args in STEPS:
-        assert main(["convert", str(full / src), str(full / dst), *args, "--quiet"]) == 0  # verified: the full path
+    with pytest.MonkeyPatch.context() as mp:  # verified, and through memory: the full path
+        mp.setattr(copy_only, "convert_by_copy", lambda *a, **kw: (None, False))
+        for src, dst, args in STEPS:
+            assert main(["convert", str(full / src), str(full / dst), *args, "--quiet"]) == 0
     return fast, full
 
 
@@ -87,7 +89,7 @@ def test_the_chain_comes_back_bit_exact(chain):
         assert (fast / back / "model.safetensors").read_bytes() == (fast / "hf" / "model.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("kw", [dict(verify=True), dict(dtype="fp32"), dict(vocab_size=512), dict(to="deepspeed"),
+@pytest.mark.parametrize("kw", [dict(dtype="fp32"), dict(vocab_size=512), dict(to="deepspeed"),
                                 dict(to="torch_dist", dtype="fp32"), dict(to="megatron_lm", dtype="fp32"),
                                 dict(to="hf", tp=2)], ids=str)
 def test_conversions_that_need_tensors_are_declined_untouched(tmp_path, kw):
@@ -131,7 +133,7 @@ def test_a_parameter_it_cannot_copy_goes_to_the_full_path_with_nothing_left_behi
     assert convert(tmp_path / "hf", tmp_path / "out", "megatron", tp=2, pp=2, **quiet) == tmp_path / "out"
     monkeypatch.setattr(byte_ranges, "plan", real)
     assert convert(tmp_path / "hf", tmp_path / "ref", "megatron", tp=2, pp=2, verify=True, progress=False,
-                   log=lambda *_: None) == tmp_path / "ref"
+                   log=lambda *_: None, copy=False) == tmp_path / "ref"
     assert _files(tmp_path / "out") == _files(tmp_path / "ref")
 
 
@@ -165,5 +167,45 @@ def test_a_folder_transformers_saved_copies_as_the_full_path_writes(tiny4l_hf_ch
         copied, begun = copy_only.convert_by_copy(tiny4l_hf_checkpoint, tmp_path / f"copied_{to}", to,
                                                   verify=False, **kw, **quiet)
         assert (copied, begun) == (tmp_path / f"copied_{to}", True)
-        convert(tiny4l_hf_checkpoint, tmp_path / f"full_{to}", to, **kw, **quiet)  # verified
+        convert(tiny4l_hf_checkpoint, tmp_path / f"full_{to}", to, **kw, **quiet, copy=False)  # verified
         assert _files(tmp_path / f"copied_{to}") == _files(tmp_path / f"full_{to}")
+
+
+@pytest.mark.parametrize("to", [["torch_dist", "--tp", "2", "--pp", "2"], ["hf"]], ids=["torch_dist", "hf"])
+def test_a_verified_conversion_copies_then_runs_the_full_paths_check(tmp_path, capsys, to):
+    """Without --no-verify the bytes still go file to file (torch loads on a background thread meanwhile), then the
+    full path's verification runs on the output: the same files as the full path, the same checks passed."""
+    _write_hf(tmp_path / "hf", False)
+    src = tmp_path / "hf"
+    if to[0] == "hf":  # from a Megatron layout back to Hugging Face, so the check merges TP shards
+        convert(src, tmp_path / "tp2", "megatron", tp=2, verify=False, progress=False, log=lambda *_: None)
+        src = tmp_path / "tp2"
+    capsys.readouterr()
+    assert main(["convert", str(src), str(tmp_path / "out"), "--to", *to, "--quiet", "--verbose"]) == 0
+    out = capsys.readouterr().out
+    assert "file to file, verified after)" in out and "torch-free" not in out, out
+    assert "verified: transformers' LlamaForCausalLM gives the source's logits" in out, out
+    assert "tensors read back bit-exactly" in out and "phases: verify " in out, out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(copy_only, "convert_by_copy", lambda *a, **kw: (None, False))
+        assert main(["convert", str(src), str(tmp_path / "full"), "--to", *to, "--quiet"]) == 0
+    assert _files(tmp_path / "out") == _files(tmp_path / "full")
+
+
+def test_a_verified_conversion_it_cannot_copy_goes_to_the_full_path_which_verifies(tmp_path, monkeypatch):
+    _write_hf(tmp_path / "hf", False)
+    lines: list[str] = []
+    real = byte_ranges.plan
+
+    def refuse_the_last(source, target, entry, *args, **kw):
+        return None if entry.megatron_name == "decoder.final_layernorm.weight" else real(source, target, entry,
+                                                                                          *args, **kw)
+
+    monkeypatch.setattr(byte_ranges, "plan", refuse_the_last)
+    assert copy_only.convert_by_copy(tmp_path / "hf", tmp_path / "out", "megatron", tp=2, pp=2, progress=False,
+                                     log=lines.append) == (None, True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # the partial output is gone, nothing was checked
+    assert not any(line.startswith("verified") for line in lines), lines
+    assert convert(tmp_path / "hf", tmp_path / "out", "megatron", tp=2, pp=2, progress=False, log=lines.append,
+                   copy=False, announced=True) == tmp_path / "out"
+    assert any("read back bit-exactly" in line for line in lines), lines

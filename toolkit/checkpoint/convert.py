@@ -18,9 +18,10 @@ peak memory is a few times the largest parameter, whatever the model size. The o
 beside DST, verified, then renamed into place; an existing DST is replaced only with overwrite=True, and only
 once the new one is complete.
 
-A conversion that only moves bytes into a safetensors layout (`--no-verify`, no cast, weights only; from a
-safetensors, Megatron-LM or torch_dist source) is made by toolkit/checkpoint/copy_only.py without torch; convert()
-tries it first, and the `toolkit convert` command before it imports this module.
+A conversion that only moves bytes (no cast, weights only; from a safetensors, Megatron-LM or torch_dist source) is
+written by toolkit/checkpoint/copy_only.py without torch, and verified, unless --no-verify, by the same check as
+here (toolkit/checkpoint/verify.py verify_output); convert() tries it first, and the `toolkit convert` command before
+it imports this module.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 from toolkit.checkpoint import byte_ranges, copy_only, output
+from toolkit.checkpoint import verify as verification
 from toolkit.checkpoint.deepspeed_plain import is_plain
 from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed, reshard_plain
 from toolkit.checkpoint.megatron_lm_optim import optimizer_plan, optimizer_writer
@@ -40,7 +42,7 @@ from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, rep
 from toolkit.checkpoint.targets import HFTarget, MegatronTarget
 from toolkit.checkpoint.torch_dist_write import TorchDistTarget
 from toolkit.checkpoint.universal import UniversalSource, is_universal, resolve_universal, write_universal
-from toolkit.checkpoint.verify import Digests, import_early, read_back, release, verify_logits
+from toolkit.checkpoint.verify import Digests, release
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
 from toolkit.families.registry import family_of_config
@@ -115,12 +117,12 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
                 log(f"optimizer state: {source.optimizer_note or target.note}")
             digests = Digests() if verify else None
             if verify:
-                import_early(family_of_config(source.config).hf_architecture, source.config)
+                verification.import_early(family_of_config(source.config).hf_architecture, source.config)
             _write(source, target, cast, pp, vpp, progress, log, verbose, digests, check)
             if verify:
                 t0 = time.monotonic()
-                _verify(source, tmp if to == "hf" else target.tag_dir, target.fields, cast, log, digests,
-                        tmp if to == "hf" else None)
+                verification.verify_output(source, tmp if to == "hf" else target.tag_dir, target.fields, cast, log,
+                                           digests, tmp if to == "hf" else None)
                 if verbose:
                     log(f"phases: verify {time.monotonic() - t0:.1f} s")
             output.replace(tmp, dst)
@@ -180,21 +182,6 @@ def _rank_state(src: Path, dsts: list[Path]) -> None:
     state = safe_load.load(src)
     for dst in dsts:
         torch.save(state, dst)
-
-
-def _verify(source: Source, written: Path, fields: tuple[str, ...], cast, log, digests: Digests,
-            hf_folder: Path | None) -> None:
-    """transformers' model must give the same logits with the output's weights as with the source's, and every
-    tensor of the output read back must hash as the source's did when written (the weights on the logit check's
-    read, the rest read again after it; toolkit/checkpoint/verify.py); memory one layer."""
-    # the true vocabulary, for Megatron-LM-style outputs; the manifest's checksums were just taken from these files
-    # (hashing them again would prove nothing the tensors' read-back does not)
-    output_source = open_source(written, source.dims().vocab, checksums=False)
-    try:
-        proved = verify_logits(source, output_source, cast or source.dtype(), hf_folder, log, True, cast)
-    finally:
-        output_source.close()
-    read_back(source, written, fields, digests, log, proved or set(), cast)  # the optimizer state, any weight left
 
 
 def _to_deepspeed(src: Path, dst: Path, dp: int | None, overwrite: bool, log=print) -> Path:

@@ -1,5 +1,5 @@
-"""`toolkit convert --no-verify` between Hugging Face folders, the toolkit's Megatron layouts, Megatron-LM's legacy
-layout and Megatron-Core's torch_dist, as file-to-file copies, without loading torch.
+"""`toolkit convert` between Hugging Face folders, the toolkit's Megatron layouts, Megatron-LM's legacy layout and
+Megatron-Core's torch_dist, as file-to-file copies, without loading torch to write them.
 
 Such a conversion moves bytes and nothing else: every output tensor is byte ranges of the source files
 (toolkit/checkpoint/byte_ranges.py works out which, by running the family's own rules on numpy address arrays).
@@ -12,7 +12,11 @@ same targets, write-behind threads, all-or-nothing output folder and source chec
 fixed cost: importing torch took 1.3-1.8 s on the 2-core test machine, as long as copying 2 GiB
 (docs/performance.md).
 
-It takes a conversion only when nothing in it needs tensors: no verification, no dtype cast, weights only (a
+Verified (the default), the output is checked once written by the full path's own verification
+(toolkit/checkpoint/verify.py verify_output), whose imports (torch, transformers) and source load on a background
+thread while the bytes are copied (_Verification).
+
+It takes a conversion only when nothing in writing it needs tensors: no dtype cast, weights only (a
 Hugging Face target, --weights-only, or a source without optimizer state), a toolkit source that stores its
 Hugging Face config (conversions do; a training run's is made from its recipe, which needs transformers), and
 --vocab-size only for a Megatron-LM or torch_dist source (it is their true vocabulary; for the others it would
@@ -23,6 +27,8 @@ reporting any problem in its own words.
 """
 from __future__ import annotations
 
+import gc
+import threading
 import time
 from pathlib import Path
 
@@ -53,7 +59,7 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
     """convert.convert's conversion, made here when it only copies bytes (the module docstring): (DST, True), or
     (None, whether it had begun: its "converting" line and the reason it stopped are printed) when the full path
     must make it (nothing is left behind then)."""
-    if (not byte_ranges.ENABLED or verify or dtype is not None or fp32 or dp is not None
+    if (not byte_ranges.ENABLED or dtype is not None or fp32 or dp is not None
             or config is not None or to not in ("hf", "megatron", "megatron_lm", "torch_dist")
             or (to == "hf" and (tp, pp, vpp, ep) != (1, 1, 1, 1))):
         return None, False
@@ -62,7 +68,7 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
     source = _open(src, weights_only or to == "hf", vocab_size)
     if source is None:
         return None, False
-    begun = False
+    begun, checker = False, None
     try:
         with output.scratch_folder(dst, "partial") as tmp, SourceCheck(source.unchecked) as check:
             target = (HFTarget(tmp, source, None) if to == "hf"
@@ -73,18 +79,92 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
                                    "the tensors to write")
             log(f"converting {source.describe()} at {src} -> {to}"
                 + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
-                + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write; file to file, torch-free)")
+                + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write; file to file, "
+                + ("verified after" if verify else "torch-free") + ")")
             if to != "hf" and getattr(source, "optimizer_note", None):
                 log(f"optimizer state: {source.optimizer_note}")
             begun = True
+            checker = _Verification(src, source.config, vocab_size, weights_only or to == "hf") if verify else None
             _copy(source, target, pp, vpp, progress, log, verbose, check)
+            if checker is not None:
+                checker.check(tmp if to == "hf" else target.tag_dir, target.fields, tmp if to == "hf" else None, log,
+                              verbose)
             output.replace(tmp, dst)
     except _NotByCopy as e:
+        if checker is not None:
+            checker.join()  # the full path imports the same modules: not from two threads at once
         log(f"{e}: converting through memory instead")
         return None, begun
     finally:
         source.close()
+        if checker is not None:
+            checker.close()
     return dst, True
+
+
+class _Verification:
+    """The verification of a conversion made here: the full path's (toolkit/checkpoint/verify.py verify_output), run
+    on the output once it is written. torch, the checker, transformers' model class and the source as the full path
+    reads it are loaded on a background thread while the bytes are copied (start-up that took 1.5-2 s before the
+    first byte was written when the full path made verified conversions)."""
+
+    def __init__(self, src: Path, config: dict, vocab_size: int | None, weights_only: bool):
+        self.source, self.error, self.closed, self.frozen, self.lock = None, None, False, False, threading.Lock()
+        self.thread = threading.Thread(target=self._load, args=(src, config, vocab_size, weights_only), daemon=True)
+        self.thread.start()
+
+    def _load(self, src: Path, config: dict, vocab_size: int | None, weights_only: bool) -> None:
+        # no collections while the imports make their objects (hundreds of thousands: six full collections walked
+        # them, 0.4 s of CPU here), and out of the collector's sight afterwards (as cli.cmd_convert does for the full
+        # path); close() gives them back
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            from toolkit.checkpoint import verify  # lazy: torch (seconds), while the copy runs
+            from toolkit.checkpoint.sources import open_source  # lazy: torch
+            from toolkit.families.registry import family_of_config
+
+            verify.import_early(family_of_config(config).hf_architecture, config)
+            # its checksums are the copy's check (SourceCheck); a source the full path cannot open says why in check()
+            source = open_source(src, vocab_size, False, weights_only, checksums=False)
+            with self.lock:
+                if self.closed:  # the conversion ended (it failed) while this ran
+                    source.close()
+                else:
+                    self.source = source
+        except BaseException as e:  # noqa: BLE001 - raised on the conversion's thread, by check()
+            self.error = e
+        finally:
+            with self.lock:
+                if not self.closed:
+                    gc.freeze()
+                    self.frozen = True
+            if collecting:
+                gc.enable()
+
+    def join(self) -> None:
+        self.thread.join()
+
+    def check(self, written: Path, fields: tuple[str, ...], hf_folder: Path | None, log, verbose: bool) -> None:
+        self.join()
+        if self.error is not None:
+            raise self.error
+        from toolkit.checkpoint import verify  # lazy: imported by the thread above
+
+        t0 = time.monotonic()
+        verify.verify_output(self.source, written, fields, None, log, verify.Digests(), hf_folder)
+        if verbose:
+            log(f"phases: verify {time.monotonic() - t0:.1f} s")
+
+    def close(self) -> None:
+        """Close the source; a thread still loading (the conversion failed first) closes it when it has opened it."""
+        with self.lock:
+            self.closed = True
+            if self.source is not None:
+                self.source.close()
+            if self.frozen:
+                gc.unfreeze()
+                self.frozen = False
 
 
 def _open(src: Path, weights_only: bool, vocab_size: int | None) -> Source | None:

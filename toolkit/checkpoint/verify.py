@@ -69,6 +69,8 @@ def import_early(architecture: str, config: dict) -> None:
             pass
 
     global _early
+    if _early is not None and _early.is_alive():  # one import at a time (verify_logits joins it)
+        return
     _early = threading.Thread(target=load, daemon=True)
     _early.start()
 
@@ -462,3 +464,19 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
     finally:
         if hashed is not None:
             hashed.close()
+
+
+def verify_output(source: Source, written: Path, fields: tuple[str, ...], cast_to: torch.dtype | None, log,
+                  digests: Digests, hf_folder: Path | None) -> None:
+    """The verification of a conversion's output (the module docstring), for both of convert's paths: transformers'
+    model must give the same logits with the output's weights as with the source's, and every tensor of the output
+    read back must hash as the source's did (the weights on the logit check's reads, the rest read again after it).
+    `written`: the output's folder (a Hugging Face one is `hf_folder` too); memory one layer."""
+    # the true vocabulary, for Megatron-LM-style outputs; the manifest's checksums were just taken from these files
+    # (hashing them again would prove nothing the tensors' read-back does not)
+    output_source = open_source(written, source.dims().vocab, checksums=False)
+    try:
+        proved = verify_logits(source, output_source, cast_to or source.dtype(), hf_folder, log, True, cast_to)
+    finally:
+        output_source.close()
+    read_back(source, written, fields, digests, log, proved or set(), cast_to)  # the optimizer state, any weight left
