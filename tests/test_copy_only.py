@@ -14,7 +14,7 @@ import pytest
 
 from tiny_hf import write_llama
 from toolkit.checkpoint import byte_ranges, copy_only
-from toolkit.checkpoint.convert import convert
+from toolkit.checkpoint.convert import CopyCheck, convert
 from toolkit.cli import main
 from toolkit.format import manifest
 from toolkit.format import safetensors_stream as st
@@ -89,10 +89,11 @@ def test_the_chain_comes_back_bit_exact(chain):
         assert (fast / back / "model.safetensors").read_bytes() == (fast / "hf" / "model.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("kw", [dict(dtype="fp32"), dict(vocab_size=512), dict(to="deepspeed"),
+@pytest.mark.parametrize("kw", [dict(verify=True), dict(dtype="fp32"), dict(vocab_size=512), dict(to="deepspeed"),
                                 dict(to="torch_dist", dtype="fp32"), dict(to="megatron_lm", dtype="fp32"),
                                 dict(to="hf", tp=2)], ids=str)
 def test_conversions_that_need_tensors_are_declined_untouched(tmp_path, kw):
+    """(verify=True with no `verifier`: convert() and the command give one, the test below.)"""
     _write_hf(tmp_path / "hf", False)
     args = dict(to="megatron", verify=False, progress=False, log=lambda *_: None) | kw
     to = args.pop("to")
@@ -203,7 +204,7 @@ def test_a_verified_conversion_it_cannot_copy_goes_to_the_full_path_which_verifi
 
     monkeypatch.setattr(byte_ranges, "plan", refuse_the_last)
     assert copy_only.convert_by_copy(tmp_path / "hf", tmp_path / "out", "megatron", tp=2, pp=2, progress=False,
-                                     log=lines.append) == (None, True)
+                                     log=lines.append, verifier=lambda: CopyCheck) == (None, True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # the partial output is gone, nothing was checked
     assert not any(line.startswith("verified") for line in lines), lines
     assert convert(tmp_path / "hf", tmp_path / "out", "megatron", tp=2, pp=2, progress=False, log=lines.append,

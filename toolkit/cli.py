@@ -188,7 +188,7 @@ def cmd_convert(args) -> int:
                    fp32=args.fp32, weights_only=args.weights_only, overwrite=args.overwrite,
                    verify=not args.no_verify, dp=args.dp, progress=not args.quiet, config=args.config,
                    verbose=args.verbose)
-    out, announced = convert_by_copy(args.src, args.dst, args.to, **options)
+    out, announced = convert_by_copy(args.src, args.dst, args.to, **options, verifier=_copy_check)
     if out is not None:  # a conversion that only copies bytes: made without loading torch
         print(f"wrote {out}")
         return 0
@@ -202,6 +202,13 @@ def cmd_convert(args) -> int:
         gc.unfreeze()  # collectable again (main() also runs inside other processes, e.g. the tests')
     print(f"wrote {out}")
     return 0
+
+
+def _copy_check():
+    """The full path's check of a verified conversion the copy path made (run on its background thread)."""
+    from toolkit.checkpoint.convert import CopyCheck  # lazy: pulls in torch, while the copy writes
+
+    return CopyCheck
 
 
 def cmd_data_prepare(args) -> int:

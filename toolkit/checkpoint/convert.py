@@ -80,7 +80,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     if copy:
         copied, announced = copy_only.convert_by_copy(src, dst, to, tp, pp, vpp, dtype, vocab_size, fp32,
                                                       weights_only, overwrite, verify, dp, progress, log, config,
-                                                      verbose, ep)
+                                                      verbose, ep, lambda: CopyCheck)
         if copied is not None:  # bytes only: copied file to file
             return copied
     output.check_destination(src, dst, overwrite)
@@ -175,6 +175,23 @@ def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log,
         if check is not None:  # before the last writes are counted: a damaged source prints no "done" progress line
             check.wait()
     report(target, behind, t0, read_s, split_s, digests.seconds if digests else 0.0, log, verbose)
+
+
+class CopyCheck:
+    """The verification of a conversion that toolkit/checkpoint/copy_only.py copied: made on its background thread
+    while the bytes are copied (transformers' import started, the source opened as this path opens it), then run()
+    on the output, as convert() checks its own."""
+
+    def __init__(self, src: Path, config: dict, vocab_size: int | None, weights_only: bool):
+        verification.import_early(family_of_config(config).hf_architecture, config)
+        # its checksums are the copy's check (SourceCheck); an error opening it is raised on the conversion's thread
+        self.source = open_source(src, vocab_size, False, weights_only, checksums=False)
+
+    def run(self, written: Path, fields: tuple[str, ...], hf_folder: Path | None, log) -> None:
+        verification.verify_output(self.source, written, fields, None, log, Digests(), hf_folder)
+
+    def close(self) -> None:
+        self.source.close()
 
 
 def _rank_state(src: Path, dsts: list[Path]) -> None:

@@ -13,8 +13,8 @@ fixed cost: importing torch took 1.3-1.8 s on the 2-core test machine, as long a
 (docs/performance.md).
 
 Verified (the default), the output is checked once written by the full path's own verification
-(toolkit/checkpoint/verify.py verify_output), whose imports (torch, transformers) and source load on a background
-thread while the bytes are copied (_Verification).
+(convert.CopyCheck: toolkit/checkpoint/verify.py verify_output), whose imports (torch, transformers) and source
+load on a background thread while the bytes are copied (_Verification).
 
 It takes a conversion only when nothing in writing it needs tensors: no dtype cast, weights only (a
 Hugging Face target, --weights-only, or a source without optimizer state), a toolkit source that stores its
@@ -55,11 +55,12 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
                     dtype: str | None = None, vocab_size: int | None = None, fp32: bool = False,
                     weights_only: bool = False, overwrite: bool = False, verify: bool = True, dp: int | None = None,
                     progress: bool = True, log=print, config: str | Path | None = None, verbose: bool = False,
-                    ep: int = 1) -> tuple[Path | None, bool]:
+                    ep: int = 1, verifier=None) -> tuple[Path | None, bool]:
     """convert.convert's conversion, made here when it only copies bytes (the module docstring): (DST, True), or
     (None, whether it had begun: its "converting" line and the reason it stopped are printed) when the full path
-    must make it (nothing is left behind then)."""
-    if (not byte_ranges.ENABLED or dtype is not None or fp32 or dp is not None
+    must make it (nothing is left behind then). `verifier`: for a verified conversion, a function that imports and
+    returns the full path's check (convert.CopyCheck); without one a verified conversion is left to the full path."""
+    if (not byte_ranges.ENABLED or (verify and verifier is None) or dtype is not None or fp32 or dp is not None
             or config is not None or to not in ("hf", "megatron", "megatron_lm", "torch_dist")
             or (to == "hf" and (tp, pp, vpp, ep) != (1, 1, 1, 1))):
         return None, False
@@ -84,7 +85,8 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
             if to != "hf" and getattr(source, "optimizer_note", None):
                 log(f"optimizer state: {source.optimizer_note}")
             begun = True
-            checker = _Verification(src, source.config, vocab_size, weights_only or to == "hf") if verify else None
+            checker = (_Verification(verifier, src, source.config, vocab_size, weights_only or to == "hf")
+                       if verify else None)
             _copy(source, target, pp, vpp, progress, log, verbose, check)
             if checker is not None:
                 checker.check(tmp if to == "hf" else target.tag_dir, target.fields, tmp if to == "hf" else None, log,
@@ -103,35 +105,30 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
 
 
 class _Verification:
-    """The verification of a conversion made here: the full path's (toolkit/checkpoint/verify.py verify_output), run
-    on the output once it is written. torch, the checker, transformers' model class and the source as the full path
-    reads it are loaded on a background thread while the bytes are copied (start-up that took 1.5-2 s before the
-    first byte was written when the full path made verified conversions)."""
+    """The verification of a conversion made here: the full path's check (`verifier()`, convert.CopyCheck), run on
+    the output once it is written. torch, the check, transformers' model class and the source as the full path reads
+    it are loaded on a background thread while the bytes are copied (start-up that took 1.5-2 s before the first
+    byte was written when the full path made verified conversions)."""
 
-    def __init__(self, src: Path, config: dict, vocab_size: int | None, weights_only: bool):
-        self.source, self.error, self.closed, self.frozen, self.lock = None, None, False, False, threading.Lock()
-        self.thread = threading.Thread(target=self._load, args=(src, config, vocab_size, weights_only), daemon=True)
+    def __init__(self, verifier, src: Path, config: dict, vocab_size: int | None, weights_only: bool):
+        self.check_, self.error, self.closed, self.frozen, self.lock = None, None, False, False, threading.Lock()
+        self.thread = threading.Thread(target=self._load, args=(verifier, src, config, vocab_size, weights_only),
+                                       daemon=True)
         self.thread.start()
 
-    def _load(self, src: Path, config: dict, vocab_size: int | None, weights_only: bool) -> None:
+    def _load(self, verifier, src: Path, config: dict, vocab_size: int | None, weights_only: bool) -> None:
         # no collections while the imports make their objects (hundreds of thousands: six full collections walked
         # them, 0.4 s of CPU here), and out of the collector's sight afterwards (as cli.cmd_convert does for the full
         # path); close() gives them back
         collecting = gc.isenabled()
         gc.disable()
         try:
-            from toolkit.checkpoint import verify  # lazy: torch (seconds), while the copy runs
-            from toolkit.checkpoint.sources import open_source  # lazy: torch
-            from toolkit.families.registry import family_of_config
-
-            verify.import_early(family_of_config(config).hf_architecture, config)
-            # its checksums are the copy's check (SourceCheck); a source the full path cannot open says why in check()
-            source = open_source(src, vocab_size, False, weights_only, checksums=False)
+            check = verifier()(src, config, vocab_size, weights_only)
             with self.lock:
                 if self.closed:  # the conversion ended (it failed) while this ran
-                    source.close()
+                    check.close()
                 else:
-                    self.source = source
+                    self.check_ = check
         except BaseException as e:  # noqa: BLE001 - raised on the conversion's thread, by check()
             self.error = e
         finally:
@@ -149,19 +146,17 @@ class _Verification:
         self.join()
         if self.error is not None:
             raise self.error
-        from toolkit.checkpoint import verify  # lazy: imported by the thread above
-
         t0 = time.monotonic()
-        verify.verify_output(self.source, written, fields, None, log, verify.Digests(), hf_folder)
+        self.check_.run(written, fields, hf_folder, log)
         if verbose:
             log(f"phases: verify {time.monotonic() - t0:.1f} s")
 
     def close(self) -> None:
-        """Close the source; a thread still loading (the conversion failed first) closes it when it has opened it."""
+        """Close the check's source; a thread still loading (the conversion failed first) closes it itself."""
         with self.lock:
             self.closed = True
-            if self.source is not None:
-                self.source.close()
+            if self.check_ is not None:
+                self.check_.close()
             if self.frozen:
                 gc.unfreeze()
                 self.frozen = False
