@@ -111,7 +111,7 @@ class _Verification:
     byte was written when the full path made verified conversions)."""
 
     def __init__(self, verifier, src: Path, config: dict, vocab_size: int | None, weights_only: bool):
-        self.check_, self.error, self.closed, self.frozen, self.lock = None, None, False, False, threading.Lock()
+        self.loaded, self.error, self.closed, self.frozen, self.lock = None, None, False, False, threading.Lock()
         self.thread = threading.Thread(target=self._load, args=(verifier, src, config, vocab_size, weights_only),
                                        daemon=True)
         self.thread.start()
@@ -128,7 +128,7 @@ class _Verification:
                 if self.closed:  # the conversion ended (it failed) while this ran
                     check.close()
                 else:
-                    self.check_ = check
+                    self.loaded = check
         except BaseException as e:  # noqa: BLE001 - raised on the conversion's thread, by check()
             self.error = e
         finally:
@@ -147,7 +147,7 @@ class _Verification:
         if self.error is not None:
             raise self.error
         t0 = time.monotonic()
-        self.check_.run(written, fields, hf_folder, log)
+        self.loaded.run(written, fields, hf_folder, log)
         if verbose:
             log(f"phases: verify {time.monotonic() - t0:.1f} s")
 
@@ -155,8 +155,8 @@ class _Verification:
         """Close the check's source; a thread still loading (the conversion failed first) closes it itself."""
         with self.lock:
             self.closed = True
-            if self.check_ is not None:
-                self.check_.close()
+            if self.loaded is not None:
+                self.loaded.close()
             if self.frozen:
                 gc.unfreeze()
                 self.frozen = False
