@@ -221,7 +221,7 @@ def test_default_verification_runs_the_output_once_and_hashes_the_source(tmp_pat
     lines = []
     mg = convert(hf, tmp_path / "mg", "megatron", tp=2, progress=False, log=lines.append)
     assert len(runs) == 2, len(runs)  # one run per decoder layer
-    assert any("each of the 21 weights it loaded is bit-identical to the source's" in line for line in lines), lines
+    assert any("each of the 21 weights it loaded is bit-identical in the source and the output" in line for line in lines), lines
     runs.clear()
     reference, output = open_source(hf), open_source(mg)
     try:
@@ -235,7 +235,7 @@ def test_default_verification_runs_the_output_once_and_hashes_the_source(tmp_pat
 def test_hashed_weights_must_agree_in_shape_and_dtype_too():
     """The bytes alone are not the tensor: the same bytes under another shape, or read as another dtype, fail the
     check, so equal records really mean an equal forward."""
-    from toolkit.checkpoint.verify import _Hashed
+    from toolkit.checkpoint.verify_hash import Hashed as _Hashed
 
     t = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     for other in (t.reshape(6, 4), t.view(torch.int32)):

@@ -66,7 +66,42 @@ def plan(source, target, entry, field: str, cast, weight: str = "weight", min_ra
     if field == weight and cast is not None and dtype_name(cast) != dtype:
         return None  # a cast changes the bytes
     block = math.lcm(source.layout[0] if source.layout else 1, getattr(target, "layout", (1,))[0])
-    addresses, units = [], set()
+    stood_in = addresses(inputs, block)
+    if stood_in is None:
+        return None
+    stand_ins, unit = stood_in
+    if len(inputs) > 1 and isinstance(entry.rule, Replicated) and _same_bytes(inputs):
+        stand_ins = [stand_ins[0]] * len(inputs)
+    try:
+        with views():
+            _PLANNING.on = True
+            pieces = target.writes(entry, field, merge(stand_ins))
+    except ToolkitError:  # a rule that compares values (replicated copies must agree): the streaming path checks it
+        return None
+    finally:
+        _PLANNING.on = False
+    if pieces is None:  # the target takes this field through memory (megatron_lm_write: the optimizer's buffers)
+        return None
+    out, total, count = [], 0, 0
+    for writer, key, piece in pieces:
+        if piece is None:  # a write of the target's own, in order with the others (megatron_lm_write: a stage's end)
+            out.append((writer, key, piece))
+            continue
+        _, declared_dtype, size = writer.declared(key)
+        ranges = ranges_of(piece, inputs, unit)
+        if dtype_name(declared_dtype) != dtype or sum(n for _, _, n in ranges) != size:
+            return None
+        out.append((writer, key, ranges))
+        total, count = total + size, count + len(ranges)
+    if count and total / count < (MIN_RANGE if min_range is None else min_range):
+        return None
+    return out
+
+
+def addresses(inputs, block: int) -> tuple[list, int] | None:
+    """An address array for each (reader, key) input (its blocks: a row split in `block`, or an element of a 1-D
+    tensor) and the bytes of one block, or None where the inputs' shapes or block sizes do not allow it."""
+    out, units = [], set()
     for i, (reader, key) in enumerate(inputs):
         shape = reader.shape(key)
         if len(shape) == 1:
@@ -80,36 +115,8 @@ def plan(source, target, entry, field: str, cast, weight: str = "weight", min_ra
             return None
         units.add(reader.nbytes(key) // blocks)
         ids = np.arange(blocks, dtype=np.int64) + ((i + 1) << _SHIFT)
-        addresses.append(ids.reshape(shape[0], per_row) if len(shape) == 2 else ids)
-    if len(units) != 1:
-        return None
-    unit = units.pop()
-    if len(inputs) > 1 and isinstance(entry.rule, Replicated) and _same_bytes(inputs):
-        addresses = [addresses[0]] * len(inputs)
-    try:
-        with views():
-            _PLANNING.on = True
-            pieces = target.writes(entry, field, merge(addresses))
-    except ToolkitError:  # a rule that compares values (replicated copies must agree): the streaming path checks it
-        return None
-    finally:
-        _PLANNING.on = False
-    if pieces is None:  # the target takes this field through memory (megatron_lm_write: the optimizer's buffers)
-        return None
-    out, total, count = [], 0, 0
-    for writer, key, piece in pieces:
-        if piece is None:  # a write of the target's own, in order with the others (megatron_lm_write: a stage's end)
-            out.append((writer, key, piece))
-            continue
-        _, declared_dtype, size = writer.declared(key)
-        ranges = _ranges(piece, inputs, unit)
-        if dtype_name(declared_dtype) != dtype or sum(n for _, _, n in ranges) != size:
-            return None
-        out.append((writer, key, ranges))
-        total, count = total + size, count + len(ranges)
-    if count and total / count < (MIN_RANGE if min_range is None else min_range):
-        return None
-    return out
+        out.append(ids.reshape(shape[0], per_row) if len(shape) == 2 else ids)
+    return (out, units.pop()) if len(units) == 1 else None
 
 
 def _same_bytes(inputs) -> bool:
@@ -126,7 +133,7 @@ def _same_bytes(inputs) -> bool:
     return True
 
 
-def _ranges(piece, inputs, unit: int) -> list[tuple[int | None, int, int]]:
+def ranges_of(piece, inputs, unit: int) -> list[tuple[int | None, int, int]]:
     """The source byte ranges (fd, offset, count; None for zeros) that an address array's blocks, in row-major
     order, make up, adjacent ones joined (also across inputs that lie back to back in one file). Vectorized: a
     row-parallel split is one range per row, hundreds of thousands at 1B."""

@@ -101,17 +101,18 @@ class MegatronLMSource(_ShardedSource):
             return None
         entry = self._entries[tuple(hf_names)]
         key = chunk_key(entry.chunk, entry.megatron_name)
-        inputs = []
-        for t in range(self.layout[0]):
-            rank = rank_key(entry.pp_rank, t, entry.ep_rank or 0, self.ep)
-            if rank not in self._files:
-                tp, pp, vpp = self.layout
-                path = megatron_lm.rank_file(self._it_dir, t, entry.pp_rank, pp, entry.ep_rank or 0, self.ep)
-                self._files[rank] = _RankFile(path, self._shards[rank], vpp)
-            if self._files[rank].span(key) is None:
-                return None
-            inputs.append((self._files[rank], key))
+        inputs = [self.shard_input(entry.pp_rank, t, key, entry.ep_rank or 0) for t in range(self.layout[0])]
+        if None in inputs:
+            return None
         return inputs, lambda shards: list(entry.to_hf(shards).values())
+
+    def shard_input(self, p: int, t: int, key: str, e: int = 0):
+        rank = rank_key(p, t, e, self.ep)
+        if rank not in self._files:
+            tp, pp, vpp = self.layout
+            path = megatron_lm.rank_file(self._it_dir, t, p, pp, e, self.ep)
+            self._files[rank] = _RankFile(path, self._shards[rank], vpp)
+        return (self._files[rank], key) if self._files[rank].span(key) is not None else None
 
     def close(self) -> None:
         for f in self._files.values():

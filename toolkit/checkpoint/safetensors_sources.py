@@ -168,6 +168,9 @@ class ToolkitWeights(_ShardedSource):
     def _get(self, p: int, t: int, key: str, e: int = 0) -> torch.Tensor:
         return (self._optims if ":" in key else self._models)[rank_key(p, t, e, self.ep)].get(key)
 
+    def shard_input(self, p: int, t: int, key: str, e: int = 0):
+        return (self._optims if ":" in key else self._models)[rank_key(p, t, e, self.ep)], key
+
     def spans(self, hf_names: Sequence[str], field: str = WEIGHT):
         entry = self._entries[tuple(hf_names)]
         key = chunk_key(entry.chunk, entry.megatron_name, None if field == WEIGHT else field)

@@ -72,6 +72,11 @@ class _ShardedSource(Source):
 
     _get: callable  # (pp_rank, tp_rank, key, ep_rank) -> tensor
 
+    def shard_input(self, p: int, t: int, key: str, e: int = 0):
+        """The shard _get(p, t, key, e) would give, as (reader, key) with byte_ranges' reader interface (dtype,
+        shape, nbytes, span), so its bytes can be hashed in place; None where its bytes are not located."""
+        return None
+
     def _index(self) -> None:
         tp, pp, vpp = self.layout
         self._dims = self.dims(tp)

@@ -2,20 +2,22 @@
 model size. Two checks, both on by default; any difference fails the conversion before anything reaches DST.
 
 Bit-exact read-back: every tensor of the output must hash (xxh3-128) as the source's tensor does after the
-requested cast. The weights are hashed on the logit check's own reads (below, `_Hashed`): each weight the source
+requested cast. The weights are hashed on the logit check's own reads (below, `Hashed`): each weight the source
 side hands out is hashed, and the output side's tensor of that name must hash the same, so the source and the
 output are each read once for both checks. What that check does not read (the optimizer state) is hashed as it is
 read for writing (`Digests`) and read back through the output's reader, tensor by tensor, afterwards (`read_back`).
 
 Logits: transformers' own model class for the config is built on the meta device (no memory), and TOKENS fixed tokens
 run through it one module at a time: the embeddings, each decoder layer (`model.model.layers[i]`, with RoPE from
-`model.model.rotary_emb`), the final norm, the output layer. Each module gets the output's weights just before it
-runs (loaded with assign=True, strict: every name and shape transformers expects) and goes back to the meta device
-after. Just before, the source's weights for that module are read and hashed, and each output tensor must equal
-the source's of its name in bytes, shape and dtype: the source's forward would then repeat the output's bit for bit,
-on these tokens and on any other, so it is not run (it was, until 2026-12-05: half the check's time). Without the
-hashes (verify_logits(hash_weights=False), kept in the API and tested) both sides run and their hidden states
-must agree bit for bit after every module.
+`model.model.rotary_emb`), the final norm, the output layer. Each module's weights are read from the source, then
+from the output, and each output tensor must equal the source's of its name in bytes, shape and dtype. Then one
+side's weights are given to the module just before it runs (loaded with assign=True, strict: every name and shape
+transformers expects) and it goes back to the meta device after: the two sides' forwards would agree bit for bit, on
+these tokens and on any other, so only one runs (both did until 2026-12-05: half the check's time). It is the side
+whose weights cost least to hand out (_Side.cost: a Hugging Face folder's are views of its mapped files, a Megatron
+side's are merged from TP shards); the other is only hashed, where its weights lie in pieces without assembling
+them (verify_hash.pieces). Without the hashes (verify_logits(hash_weights=False), kept in the API and tested) both
+sides run and their hidden states must agree bit for bit after every module.
 
 Independence: a side that stores Hugging Face names (a Hugging Face folder, a DeepSpeed checkpoint) is read by the
 names transformers' modules carry. A Megatron side (source or output) is read by merging each parameter's TP
@@ -30,13 +32,13 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
-from xxhash import xxh3_128 as _hash
 
+from toolkit.checkpoint.safetensors_sources import HFSource
 from toolkit.checkpoint.sources import WEIGHT, Source, open_source
+from toolkit.checkpoint.verify_hash import HASH_NAME, Hashed, cast, digest, pieces
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
 from toolkit.families.registry import family_named
@@ -99,20 +101,6 @@ def release() -> None:
     _trim(0)
 
 
-def cast(t: torch.Tensor, dtype: torch.dtype | None, field: str = WEIGHT) -> torch.Tensor:
-    return t.to(dtype) if dtype is not None and field == WEIGHT else t
-
-
-HASH_NAME = "xxh3-128"  # about 7x SHA-256's speed here
-"""These digests never leave the process (a source tensor against its read-back, within one conversion), so a
-fast non-cryptographic hash is enough: what they catch is a conversion or reader error, not an adversary."""
-
-
-def digest(t: torch.Tensor) -> str:
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return _hash(memoryview(data)).hexdigest()  # both release the GIL on large buffers
-
-
 class Digests:
     """The digest (HASH_NAME) of each (HF name, field) the conversion wrote, taken from the source's tensors as they
     are written."""
@@ -166,64 +154,17 @@ def read_back(source: Source, written: Path, fields: tuple[str, ...], digests: D
         f"{count} read again in {time.monotonic() - t0:.1f} s, {len(proved)} on the logit check's reads)")
 
 
-class _Hashed:
-    """The bit-exact read-back of the weights, done on the logit check's own reads: each weight the source side
-    hands out is hashed (after the conversion's cast), and the output side's tensor of the same name must hash the
-    same. So the source and the output are each read once for both checks. A Megatron side is read through the
-    family's modules table, independent of the conversion's map: a mapping mistake fails here, naming the tensor."""
-
-    def __init__(self, written: torch.dtype | None):
-        self.written = written
-        self.source: dict[str, Future] = {}
-        self.proved: set[tuple[str, str]] = set()
-        self.outputs: list[tuple[str, Future]] = []
-        self.running: list[Future] = []
-        # xxh3 releases the GIL: the tensors of a module are hashed two at a time, while the next one is merged
-        self.pool = ThreadPoolExecutor(2, thread_name_prefix="verify-hash")
-
-    @staticmethod
-    def _record(t: torch.Tensor) -> tuple:
-        return digest(t), tuple(t.shape), t.dtype  # equal records: the same tensor, so the same forward
-
-    def check(self, name: str, t: torch.Tensor, output: bool) -> None:
-        """Hash t in the background; settle() waits for it (and compares an output's tensor)."""
-        if not output:
-            if name not in self.source:
-                self.source[name] = self.pool.submit(self._record, cast(t, self.written))
-                self.running.append(self.source[name])
-            return
-        if name not in self.source:  # the reference's weights of a module are read first: this is a bug, not input
-            raise ToolkitError(f"verification: {name} was read from the output before the source; nothing was "
-                               "written (please report this)")
-        if (name, WEIGHT) not in self.proved:
-            self.outputs.append((name, self.pool.submit(self._record, t)))
-            self.running.append(self.outputs[-1][1])
-
-    def settle(self) -> None:
-        """Every hash asked for so far is done (so the tensors it reads may be freed or overwritten), and each
-        output tensor's record equals the source's of its name."""
-        running, outputs, self.running, self.outputs = self.running, self.outputs, [], []
-        wait(running)  # all of them, before anything is raised: none reads a buffer after this returns
-        for name, future in outputs:
-            if self.source[name].result() != future.result():
-                raise ToolkitError(f"verification failed: {name} ({WEIGHT}) reads back different from the source's "
-                                   "(each side read by the family's modules table where it is a Megatron one: a "
-                                   "mapping or conversion error); nothing was written")
-            self.proved.add((name, WEIGHT))
-        for future in running:
-            future.result()  # a hash that failed
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
-
 class _Side:
     """One side of the check (the reference or the output): get(names) hands out its weights by Hugging Face name,
     hashed on the way when `hashed` is given; done() once they are no longer referenced."""
 
-    def __init__(self, source: Source, dtype: torch.dtype | None, hashed: _Hashed | None, output: bool,
+    def __init__(self, source: Source, dtype: torch.dtype | None, hashed: Hashed | None, output: bool,
                  buffers: _Buffers):
         self.source, self.dtype, self.hashed, self.output, self.buffers = source, dtype, hashed, output, buffers
+
+    cost = 1
+    """What handing out a weight costs, for choosing the side the logit check runs (0: a view of mapped bytes;
+    1: some tensors assembled from pieces; 2: every split parameter merged from its TP shards)."""
 
     def done(self) -> None:
         """What get() handed out is no longer referenced: its buffers serve the next call."""
@@ -231,15 +172,46 @@ class _Side:
             self.hashed.settle()  # the hashes read the buffers
         self.buffers.recycle()
 
+    def hash_only(self, names: list[str]) -> None:
+        """Hash these weights, as get() does, without handing them out: a tensor stored in pieces is hashed from
+        its files' byte ranges (verify_hash.pieces), the rest are read by get() and dropped."""
+        left = [n for n in names if not self._hash_pieces(n)]
+        if left:
+            self.get(left)
+
+    def _hash_pieces(self, name: str) -> bool:
+        """Hash this weight where it is stored in pieces (and hashes as stored); False where it is not."""
+        stored = self._stored(name)
+        if not stored or not self.hashed.takes_ranges(stored[2], self.output):
+            return False
+        self.hashed.check_ranges(name, *stored, self.output)
+        return True
+
+    def _stored(self, name: str):
+        """(file byte ranges, shape, dtype) of this weight where it is stored in pieces (verify_hash.pieces)."""
+        return None
+
 
 class _Named(_Side):
     """A side whose tensors carry Hugging Face names: read by the names transformers' modules have."""
 
-    def __init__(self, source: Source, dtype: torch.dtype | None, hashed: _Hashed | None, output: bool,
+    def __init__(self, source: Source, dtype: torch.dtype | None, hashed: Hashed | None, output: bool,
                  buffers: _Buffers):
         super().__init__(source, dtype, hashed, output, buffers)
         # sources hand out one parameter's tensors at a time (q, k and v together for a torch_dist source)
         self.entry_of = {n: e.hf_names for e in iter_entries(source.dims(), 1, 1) for n in e.hf_names}
+        self.cost = 0 if isinstance(source, HFSource) else 1
+        self._pieces: dict[tuple[str, ...], list | None] = {}
+
+    def _stored(self, name: str):
+        if name not in self.entry_of:
+            return None  # get() names it
+        group = self.entry_of[name]
+        if group not in self._pieces:  # a torch_dist tensor's chunks, as the source's own read would join them
+            spans = self.source.spans(list(group)) if self.source.layout else None
+            self._pieces = {group: spans and pieces(*spans)}
+        stored = self._pieces[group]
+        return stored and stored[group.index(name)]
 
     def get(self, names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
@@ -298,7 +270,9 @@ class _Buffers:
 class _Megatron(_Side):
     """A Megatron side: each parameter merged from its TP shards by its rule, its parts placed by family.modules."""
 
-    def __init__(self, source: Source, dtype: torch.dtype | None, hashed: _Hashed | None, output: bool,
+    cost = 2
+
+    def __init__(self, source: Source, dtype: torch.dtype | None, hashed: Hashed | None, output: bool,
                  buffers: _Buffers):
         super().__init__(source, dtype, hashed, output, buffers)
         tp, pp, vpp = source.layout
@@ -328,6 +302,7 @@ class _Megatron(_Side):
         add(family.final_norm(dims), *last_stage(pp, vpp))
         if not dims.tied:
             add(family.output(dims), *last_stage(pp, vpp))
+        self._pieces: dict[tuple, dict | None] = {}
 
     def get(self, names: list[str]) -> dict[str, torch.Tensor]:
         out, merged = {}, {}
@@ -346,8 +321,19 @@ class _Megatron(_Side):
             out[n] = cast(merged[(p, c, m, e)][part], self.dtype)
         return out
 
+    def _stored(self, name: str):
+        if name not in self.where:
+            return None  # get() names it
+        p, c, m, rule, part, e = self.where[name]
+        if (p, c, m, e) not in self._pieces:  # the shards' bytes in their files, merged by the rule on addresses
+            inputs = [self.source.shard_input(p, t, chunk_key(c, m), e) for t in range(self.source.layout[0])]
+            stored = None if None in inputs else pieces(inputs, rule.merge)
+            self._pieces = {(p, c, m, e): stored and dict(zip(rule.parts, stored))}
+        stored = self._pieces[(p, c, m, e)]
+        return stored and stored[part]
 
-def side(source: Source, dtype: torch.dtype | None, hashed: _Hashed | None = None, output: bool = False,
+
+def side(source: Source, dtype: torch.dtype | None, hashed: Hashed | None = None, output: bool = False,
          buffers: _Buffers | None = None):
     """Sharded Megatron sources (the toolkit's layout, Megatron-LM's legacy files) are read shard by shard through
     the modules table; a torch_dist source holds whole tensors and is read through the map (so for it a mistake in
@@ -362,7 +348,7 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
     """Run the fixed tokens through transformers' model, one module at a time, with the output's weights.
 
     With hash_weights=True (and `written`, the conversion's cast), each module's weights are first read from the
-    reference and hashed, then the output's are read, must hash the same (with the same shape and dtype; _Hashed),
+    reference and hashed, then the output's are read, must hash the same (with the same shape and dtype; Hashed),
     and run: the reference's forward would then repeat the output's bit for bit, on these tokens and on any other,
     so it is not run. Returns the (name, field) pairs of the output so proved, which the read-back then need not
     read again. With hash_weights=False both sides run and their hidden states must agree after every module."""
@@ -378,7 +364,7 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
         config = AutoConfig.for_model(reference.config["model_type"], **_fields(reference.config))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    hashed = _Hashed(written) if hash_weights else None
+    hashed = Hashed(written) if hash_weights else None
     buffers = _Buffers()  # the two sides take turns (each is done with its tensors before the other reads): one set
     inner, sides = model.model, (side(reference, dtype, hashed, buffers=buffers),
                                  side(output, dtype, hashed, output=True, buffers=buffers))
@@ -386,8 +372,11 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
     fused = family.in_memory or (lambda name, dims: None)  # transformers' tensors made of several stored ones
     dims = reference.dims()
 
-    def fetch(which, names: list[str]) -> dict[str, torch.Tensor]:
+    def fetch(which, names: list[str], hash_only: bool = False) -> dict[str, torch.Tensor]:
         made = {n: fused(n, dims) for n in names}
+        if hash_only:  # what is stored: a fused tensor's parts
+            which.hash_only([n for n in names if made[n] is None] + [p for m in made.values() if m for p in m[0]])
+            return {}
         state = which.get([n for n in names if made[n] is None])
         for n, spec in made.items():
             if spec is not None:
@@ -395,16 +384,21 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
                 got = which.get(list(parts))
                 state[n] = combine([got[p] for p in parts])
         return state
+
+    # with the weights hashed, one side's forward is run (its records equal the other's): the one whose weights
+    # cost least to hand out (a Hugging Face folder's are views of its mapped files, a Megatron side's are merged)
+    runs = 0 if hashed is not None and sides[0].cost < sides[1].cost else 1
     ids = torch.randint(0, config.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(TOKENS).unsqueeze(0)
 
-    def run(path: str, module: torch.nn.Module, which, x, weights: str | None = None, **kw) -> torch.Tensor:
+    def run(path: str, module: torch.nn.Module, which, x, weights: str | None = None, state=None,
+            **kw) -> torch.Tensor:
         """Give `module` (at `path` in the model) its weights from one side (stored under `weights`, else
-        `path`), run it on x and drop the weights again."""
+        `path`; or `state`, read from that side already), run it on x and drop the weights again."""
         weights = weights or path
-        names = [f"{weights}.{k}" for k in module.state_dict()]
-        with mapped():  # safetensors files: maps of the cached pages, not copies; gone with the module's weights
-            state = fetch(which, names)
+        if state is None:
+            with mapped():  # safetensors files: maps of the cached pages, not copies; gone with the module's weights
+                state = fetch(which, [f"{weights}.{k}" for k in module.state_dict()])
         if hashed is not None:
             hashed.settle()  # a tensor that differs from the source's is named before anything runs on it
         try:
@@ -422,16 +416,24 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
 
     def step(what: str, path: str, module: torch.nn.Module, xs: list[torch.Tensor], weights: str | None = None,
              **kw) -> list[torch.Tensor]:
-        """`module` run on each side's input; with the weights hashed, the reference's weights are only read
-        and hashed (before the output's are read, which must hash the same) and the output's run."""
+        """`module` run on each side's input; with the weights hashed, the reference's weights are read and hashed
+        first, then the output's, which must hash the same, and one side's are run (`runs`); the other's are only
+        hashed, in place where they are stored in pieces."""
         if hashed is None:
             ys = [run(path, module, s, x, weights, **kw) for s, x in zip(sides, xs)]
             compare(what, *ys)
             return ys
+        names = [f"{weights or path}.{k}" for k in module.state_dict()]
         with mapped():
-            fetch(sides[0], [f"{weights or path}.{k}" for k in module.state_dict()])  # hashed, then dropped
-        sides[0].done()
-        return [run(path, module, sides[1], xs[-1], weights, **kw)]
+            state = fetch(sides[0], names, hash_only=runs == 1)  # hashed (and kept, when it runs)
+        if runs == 1:
+            if buffers.used:  # it merged some (replicated copies, a cast): free them for the output's merges
+                sides[0].done()
+            return [run(path, module, sides[1], xs[-1], weights, **kw)]
+        fetch(sides[1], names, hash_only=True)
+        y = run(path, module, sides[0], xs[-1], weights, state=state, **kw)
+        sides[1].done()
+        return [y]
 
     def compare(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
         if not torch.equal(a, b):
@@ -456,10 +458,10 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
             log(f"verified: transformers' {type(model).__name__} gives the source's logits on {TOKENS} fixed tokens, "
                 f"layer by layer ({len(inner.layers)} layers, one in memory at a time; {took:.1f} s)")
             return set()
-        log(f"verified: transformers' {type(model).__name__} gives the source's logits: it ran the output's weights "
-            f"on {TOKENS} fixed tokens, layer by layer ({len(inner.layers)} layers, one in memory at a time), and each "
-            f"of the {len(hashed.proved)} weights it loaded is bit-identical to the source's, so is every logit, on "
-            f"any input ({took:.1f} s)")
+        log(f"verified: transformers' {type(model).__name__} gives the source's logits: it ran the "
+            f"{('source', 'output')[runs]}'s weights on {TOKENS} fixed tokens, layer by layer ({len(inner.layers)} "
+            f"layers, one in memory at a time), and each of the {len(hashed.proved)} weights it loaded is bit-identical "
+            f"in the source and the output, so is every logit, on any input ({took:.1f} s)")
         return hashed.proved
     finally:
         if hashed is not None:
