@@ -47,11 +47,13 @@ from toolkit.format.names import chunk_key
 from toolkit.format.safetensors_stream import mapped
 from toolkit.layout import first_stage, last_stage, layer_location
 
-TOKENS = 4
-"""Positions the logit check runs. Four still exercise causal attention and RoPE across positions (a q/k swap
-changes the scores from the second token on, and the hash-free comparison catches it: test_convert_verify). This
-VM's CPU has no bf16 instructions, so bf16 matmuls cost in proportion to the tokens (4.6 ms for 4, 8.8 ms for 8,
-through one 5632 x 2048 weight on 2 threads): at 8 the forward was 40% of the check's time, at 16 most of it."""
+TOKENS = 2
+"""Positions the logit check runs: the fewest that exercise causal attention and RoPE across positions (the second
+token attends to both, so a q/k swap changes its scores, and the hash-free comparison catches it:
+test_convert_verify). This VM's CPU has no bf16 instructions: torch's bf16 matmul for a few rows is a dot product
+per token and output (at::native bf16_dot_with_fp32_arith, 42% of a 3B check's CPU time at 4 tokens), so the
+forward costs in proportion to the tokens. 2 instead of 4 took a verified 3B HF -> TP2 x PP2 check from 3.1-3.3 to
+2.4-2.5 s (5.2-5.5 to 4.0-4.2 CPU-s); with the weights hashed, the logits are the source's on any input anyway."""
 
 
 def import_early(architecture: str, config: dict) -> None:
