@@ -221,7 +221,8 @@ def test_default_verification_runs_the_output_once_and_hashes_the_source(tmp_pat
     lines = []
     mg = convert(hf, tmp_path / "mg", "megatron", tp=2, progress=False, log=lines.append)
     assert len(runs) == 2, len(runs)  # one run per decoder layer
-    assert any("each of the 21 weights it loaded is bit-identical in the source and the output" in line for line in lines), lines
+    assert any("each of the 21 weights it loaded is bit-identical in the source and the output" in line
+               for line in lines), lines
     runs.clear()
     reference, output = open_source(hf), open_source(mg)
     try:

@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 from conftest import REPO, UNINTERRUPTED, free_port, launch, read_metrics
 from test_convert_verify import mapped_reads_equal_loads
+from test_verify_pieces import pieces_hash_as_merges
 
 from toolkit.checkpoint.convert import convert
 from toolkit.checkpoint.inspect import inspect
+from toolkit.checkpoint.sources import open_source
 from toolkit.errors import ToolkitError
 from toolkit.train.checkpoint import _check_reshard, moved_data_position
 
@@ -63,8 +65,14 @@ def test_tp2_pp2_torch_dist_run_resumes_at_tp1_pp2_dp2(uninterrupted, saved, tmp
 @pytest.mark.slow
 def test_verification_reads_megatron_cores_own_files_as_maps(saved, monkeypatch):
     """The verification's reads of a torch_dist checkpoint (maps of the bytes torch.load reads, assembled in reused
-    buffers) give what torch.load of each chunk gives, on the files Megatron-Core's own save wrote."""
+    buffers) give what torch.load of each chunk gives, on the files Megatron-Core's own save wrote; and each weight
+    hashed where its chunks lie (test_verify_pieces) has the record of the weight so read."""
     mapped_reads_equal_loads(saved / "checkpoints" / "step_00000003", monkeypatch).close()
+    source = open_source(saved / "checkpoints")  # as `toolkit convert` opens it
+    try:
+        assert pieces_hash_as_merges(source)  # hashed in place: those whose chunks tile them
+    finally:
+        source.close()
 
 
 @pytest.mark.slow

@@ -462,8 +462,8 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
             return set()
         log(f"verified: transformers' {type(model).__name__} gives the source's logits: it ran the "
             f"{('source', 'output')[runs]}'s weights on {TOKENS} fixed tokens, layer by layer ({len(inner.layers)} "
-            f"layers, one in memory at a time), and each of the {len(hashed.proved)} weights it loaded is bit-identical "
-            f"in the source and the output, so is every logit, on any input ({took:.1f} s)")
+            f"layers, one in memory at a time), and each of the {len(hashed.proved)} weights it loaded is "
+            f"bit-identical in the source and the output, so is every logit, on any input ({took:.1f} s)")
         return hashed.proved
     finally:
         if hashed is not None:

@@ -129,7 +129,8 @@ def _rows(ranges: Ranges, most: int = 16):
             continue
         a = r.reshape(-1, period, 3)
         step = a[1, :, 1] - a[0, :, 1]
-        if ((a[:, :, 0] == a[0, :, 0]) & (a[:, :, 2] == a[0, :, 2])).all() and (np.diff(a[:, :, 1], axis=0) == step).all():
+        same = (a[:, :, 0] == a[0, :, 0]) & (a[:, :, 2] == a[0, :, 2])  # each k-th range's file and count
+        if same.all() and (np.diff(a[:, :, 1], axis=0) == step).all():
             return len(a), [(int(fd), int(at), int(n), int(s)) for (fd, at, n), s in zip(a[0], step)]
     return None
 
