@@ -158,3 +158,18 @@ def test_ranges_hash_as_their_bytes_joined_mapped_or_read_and_a_truncated_file_i
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def test_what_cannot_be_hashed_in_place_is_left_to_the_sides_own_read(layouts):
+    """pieces() declines (None), so the side reads and merges the weight itself, naming any problem in its own
+    line: a tensor the file does not hold, and TP copies of a norm (their merge compares them by value)."""
+    from toolkit.checkpoint.verify_hash import pieces
+    from toolkit.families.rules import Replicated
+
+    src = open_source(layouts["tp4"], 500)
+    try:
+        inputs = [src.shard_input(0, t, "chunk0.decoder.final_layernorm.weight") for t in range(4)]
+        assert pieces(inputs, Replicated().merge) is None
+        assert pieces([(inputs[0][0], "chunk0.no.such.tensor")], list) is None
+    finally:
+        src.close()

@@ -46,8 +46,11 @@ def pieces(inputs, merge: Callable) -> list[tuple[Ranges, tuple[int, ...], torch
     with byte_ranges' reader interface), as each merged tensor's (file byte ranges, shape, dtype); None where it
     cannot be expressed so (the bytes not located, a shape no block divides, padding rows, a merge that compares
     values: replicated copies, which must then be merged to be compared)."""
-    dtypes = {reader.dtype(key) for reader, key in inputs}
-    if len(dtypes) != 1 or any(reader.span(key) is None for reader, key in inputs):
+    try:
+        dtypes = {reader.dtype(key) for reader, key in inputs}
+        if len(dtypes) != 1 or any(reader.span(key) is None for reader, key in inputs):
+            return None
+    except KeyError:  # a tensor the file does not hold: the side's own read names it
         return None
     dtype = dtypes.pop()
     stood_in = byte_ranges.addresses(inputs, 1)  # merges move whole rows of each input
@@ -100,8 +103,11 @@ def hash_ranges(ranges: Ranges) -> str:
             _hash_rows(h, rows, maps)
     finally:
         for m, view, _ in maps.values():
-            view.release()
-            m.close()
+            try:
+                view.release()
+                m.close()
+            except BufferError:  # a view still held by an exception's frames: the map goes with them
+                pass
     return h.hexdigest()
 
 
