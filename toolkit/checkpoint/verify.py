@@ -347,13 +347,15 @@ def side(source: Source, dtype: torch.dtype | None, hashed: Hashed | None = None
 
 def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_folder: Path | None, log,
                   hash_weights: bool = False, written: torch.dtype | None = None) -> set[tuple[str, str]]:
-    """Run the fixed tokens through transformers' model, one module at a time, with the output's weights.
+    """Run the fixed tokens through transformers' model, one module at a time.
 
     With hash_weights=True (and `written`, the conversion's cast), each module's weights are first read from the
-    reference and hashed, then the output's are read, must hash the same (with the same shape and dtype; Hashed),
-    and run: the reference's forward would then repeat the output's bit for bit, on these tokens and on any other,
-    so it is not run. Returns the (name, field) pairs of the output so proved, which the read-back then need not
-    read again. With hash_weights=False both sides run and their hidden states must agree after every module."""
+    reference and hashed, then the output's, which must hash the same (with the same shape and dtype; Hashed), and
+    one side's weights run (`runs`: the cheaper side's, the output's on a tie): the other side's forward would
+    repeat it bit for bit, on these tokens and on any other, so it is not run, and that side is only hashed (in
+    place where its weights lie in pieces). Returns the (name, field) pairs of the output so proved, which the
+    read-back then need not read again. With hash_weights=False both sides run and their hidden states must agree
+    after every module."""
     if _early is not None:
         _early.join()  # transformers' lazy module is not safe to import from two threads at once
     from transformers import AutoConfig, AutoModelForCausalLM  # lazy: heavy; only the logit check needs it
@@ -432,7 +434,8 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
             if buffers.used:  # it merged some (replicated copies, a cast): free them for the output's merges
                 sides[0].done()
             return [run(path, module, sides[1], xs[-1], weights, **kw)]
-        fetch(sides[1], names, hash_only=True)
+        with mapped():
+            fetch(sides[1], names, hash_only=True)
         y = run(path, module, sides[0], xs[-1], weights, state=state, **kw)
         sides[1].done()
         return [y]
