@@ -16,8 +16,10 @@ address array cannot go (a shape the block does not divide), or where the ranges
 splits leave one range per row, MIN_RANGE; the torch-free path takes them anyway), the parameter takes the
 streaming path instead.
 
-Verification does not rely on this: the source-side hash is taken from the tensors the source hands out (on the
-logit check's reads), and the read-back hashes what is read from the written files.
+Verification does not use the ranges planned here: each side's records come from that side's own files. It uses the
+same address arithmetic (addresses, ranges_of) to hash a weight stored in pieces where it lies, running the side's
+own merge (a Megatron side's through the family's modules table) in the direction of reading
+(toolkit/checkpoint/verify_hash.py pieces); tests check those records against the merged tensors'.
 """
 from __future__ import annotations
 
