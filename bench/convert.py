@@ -16,8 +16,8 @@ runs, each `--reps` times in a fresh process, and reports the median of each fig
             to Hugging Face
 and prints wall time, its ratio to cp's wall time (the targets: 1.3 with --no-verify, 2 verified), CPU seconds
 (user + system, wait4: less sensitive to a shared machine than wall time), the 1-minute load average at its end,
-the throughput ratio to cp, the GiB copied file to file (os.copy_file_range, and pwritev from a map for tensors of
-many small ranges), peak RSS (wait4's ru_maxrss), peak
+the throughput ratio to cp, the GiB copied file to file (os.copy_file_range, and gathered from a map for tensors
+of many small ranges), peak RSS (wait4's ru_maxrss), peak
 anonymous memory (RssAnon from /proc, sampled every 10 ms) and the converter's phases (read, split, write, hash,
 close/fsync/manifest, verify; seconds).
 Wall time includes Python start-up and imports (about 3 s here).
@@ -124,7 +124,7 @@ def measure(cmd: list[str]) -> dict:
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{text[-3000:]}")
     stream = re.search(r"wrote [\d.]+ GiB in ([\d.]+) s", text)
-    copied = re.search(r"copied file to file: ([\d.]+) MiB by copy_file_range, ([\d.]+) MiB by pwritev", text)
+    copied = re.search(r"copied file to file: ([\d.]+) MiB by copy_file_range, ([\d.]+) MiB by gathering", text)
     phases = {k: float(v) for k, v in re.findall(r"(manifest-hash|read|split|write|hash|verify|close/fsync/manifest) "
                                                     r"([\d.]+) s", " ".join(line for line in text.splitlines()
                                                              if line.startswith("phases:")))}
@@ -225,7 +225,7 @@ def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | N
               f"cpu {r['cpu_s']:5.1f} s  load {r['load']:4.1f}  "
               f"x{r['vs_cp']:.2f} of cp  peak RSS {r['peak_rss_mib']:6.0f} MiB  anon {r['peak_anon_mib']:6.0f} MiB"
               + (f"  copy_file_range {r['copied_gib']:.2f} GiB" if r["copied_gib"] is not None else "")
-              + (f"  pwritev from a map {r['gathered_gib']:.2f} GiB" if r["gathered_gib"] else "")
+              + (f"  gathered from a map {r['gathered_gib']:.2f} GiB" if r["gathered_gib"] else "")
               + (f"  phases (s): {phases}" if phases else ""), flush=True)
     shutil.rmtree(root)
     return rows

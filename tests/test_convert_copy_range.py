@@ -100,8 +100,9 @@ def _refuse(code: int):
 @pytest.mark.parametrize("step", list(STEPS))
 def test_copied_ranges_write_what_the_streaming_path_writes(ref, tmp_path, monkeypatch, step, kernel):
     """The first five: every range by copy_file_range (or the buffer it falls back to); the last three: every
-    tensor of more than one range by pwritev from a map of its sources (fc.GATHER_BELOW), also when the kernel
-    writes less than asked each time, or when a source cannot be mapped (then range by range, as before)."""
+    tensor of more than one range gathered from a map of its sources (fc.GATHER_BELOW: whole rows into a buffer
+    where they are periodic, else pwritev), also when the kernel writes less than asked each time, or when a
+    source cannot be mapped (then range by range, as before)."""
     src, dst, opts = STEPS[step]
     real = os.copy_file_range
     gathered = []
@@ -121,6 +122,8 @@ def test_copied_ranges_write_what_the_streaming_path_writes(ref, tmp_path, monke
             base, length = (ctypes.c_uint64 * 2).from_address(iov)
             return os.pwrite(fd, ctypes.string_at(base, min(7, length)), at)
         monkeypatch.setattr(fc, "_pwritev", short)
+        real_pwrite = os.pwrite  # and rows gathered into a buffer (row_gather) written 4 KiB a call
+        monkeypatch.setattr(os, "pwrite", lambda fd, data, at: real_pwrite(fd, memoryview(data)[:4096], at))
     elif kernel == "pwritev, no map":
         def no_map(*_a, **_k):
             raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))

@@ -14,9 +14,10 @@ from test_convert_verify import _write_hf
 from toolkit.checkpoint import verify
 from toolkit.checkpoint.convert import convert
 from toolkit.checkpoint.sources import open_source
-from toolkit.checkpoint.verify_hash import Hashed, _rows, digest, hash_ranges
+from toolkit.checkpoint.verify_hash import Hashed, digest, hash_ranges
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
+from toolkit.format import row_gather
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +71,14 @@ def test_a_weight_hashed_in_its_files_has_the_assembled_weights_record(layouts, 
 
 
 def test_row_parallel_pieces_are_gathered_in_periods_and_a_flipped_byte_is_caught(layouts):
-    """down_proj at TP4: one range per shard row, hashed by gathering whole periods (_rows); the same digest as the
+    """down_proj at TP4: one range per shard row, hashed by gathering whole periods (row_gather); the same digest as the
     merged tensor, and a byte flipped in one shard's file changes it."""
     src = open_source(layouts["tp4"], 500)
     try:
         side = verify.side(src, None)
         name = "model.layers.1.mlp.down_proj.weight"
         ranges = side._stored(name)[0]
-        assert _rows(ranges) is not None and len({fd for fd, _, _ in ranges}) == 4
+        assert row_gather.periodic(*zip(*ranges)) is not None and len({fd for fd, _, _ in ranges}) == 4
         merged = side.get([name])[name]
         assert hash_ranges(ranges) == digest(merged)
         fd, at, n = ranges[-1]

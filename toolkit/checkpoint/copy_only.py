@@ -6,7 +6,7 @@ Such a conversion moves bytes and nothing else: every output tensor is byte rang
 The files are safetensors, whose headers are JSON, or torch.save zips: a reader of our own finds where a source's
 tensors lie without torch (toolkit/checkpoint/pickled_copy.py), and the Megatron-LM and torch_dist writers lay their
 files out without torch (toolkit/format/pt_write.py). So this path reads the headers, plans each parameter's
-ranges, and copies them in the kernel (os.copy_file_range, or pwritev from maps for row-sized ranges), through the
+ranges, and copies them in the kernel (os.copy_file_range, or gathered from maps for row-sized ranges), through the
 same targets, write-behind threads, all-or-nothing output folder and source checksum check as the full path
 (toolkit/checkpoint/convert.py). Its output is byte-identical to the full path's. What it saves is the full path's
 fixed cost: importing torch took 1.3-1.8 s on the 2-core test machine, as long as copying 2 GiB

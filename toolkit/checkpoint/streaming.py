@@ -150,6 +150,6 @@ def report(target, behind: WriteBehind, t0: float, read_s: float, split_s: float
             f"{behind.seconds:.1f} s ({threads}, overlapped); manifest-hash {behind.hash_seconds:.1f} s (hash "
             f"thread, overlapped); close/fsync/manifest {time.monotonic() - t3:.1f} s")
         log(f"copied file to file: {kernel / 2**20:.1f} MiB by copy_file_range, {gathered / 2**20:.1f} MiB by "
-            f"pwritev from the mapped source (small ranges), {user / 2**20:.1f} MiB through a buffer where the kernel "
-            f"would not copy (of {target.total / 2**30:.2f} GiB)")
+            f"gathering from the mapped source (small ranges), {user / 2**20:.1f} MiB through a buffer where the "
+            f"kernel would not copy (of {target.total / 2**30:.2f} GiB)")
 

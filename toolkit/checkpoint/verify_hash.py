@@ -23,6 +23,7 @@ from toolkit.checkpoint import byte_ranges
 from toolkit.checkpoint.source_base import WEIGHT
 from toolkit.errors import ToolkitError
 from toolkit.families.rules import views
+from toolkit.format import row_gather
 
 HASH_NAME = "xxh3-128"  # about 7x SHA-256's speed here
 """These digests never leave the process (a source tensor against its read-back, within one conversion), so a
@@ -73,12 +74,9 @@ def pieces(inputs, merge: Callable) -> list[tuple[Ranges, tuple[int, ...], torch
     return out
 
 
-GATHER = 1 << 20
-"""Bytes gathered at a time (a buffer that stays in the CPU's cache) where a tensor's ranges are many short rows."""
-
-
 def hash_ranges(ranges: Ranges) -> str:
-    """The digest of the bytes at `ranges`, in order, read from read-only maps of their files (one per file)."""
+    """The digest of the bytes at `ranges`, in order, read from read-only maps of their files (one per file); many
+    short rows of a period (a row-parallel merge) are gathered a megabyte at a time (row_gather)."""
     extent: dict[int, tuple[int, int]] = {}
     for fd, at, n in ranges:
         lo, hi = extent.get(fd, (at, at + n))
@@ -93,19 +91,21 @@ def hash_ranges(ranges: Ranges) -> str:
                 m = mmap.mmap(fd, hi - start, access=mmap.ACCESS_READ, offset=start)
             except (OSError, ValueError):  # a file system that cannot map it: positioned reads
                 return _read_ranges(ranges)
-            maps[fd] = (m, memoryview(m), start)
-        rows = _rows(ranges)
+            maps[fd] = [m, np.frombuffer(m, dtype=np.uint8), start]
+        table = np.asarray(ranges, dtype=np.int64).reshape(-1, 3)
+        rows = row_gather.periodic(table[:, 0], table[:, 1], table[:, 2])
         if rows is None:
             for fd, at, n in ranges:
-                _, view, start = maps[fd]
-                h.update(view[at - start:at - start + n])  # releases the GIL on large pieces
+                _, base, start = maps[fd]
+                h.update(memoryview(base[at - start:at - start + n]))  # releases the GIL on large pieces
         else:
-            _hash_rows(h, rows, maps)
+            for chunk in row_gather.gathered(rows, {fd: (base, start) for fd, (_, base, start) in maps.items()}):
+                h.update(memoryview(chunk).cast("B"))
     finally:
-        for m, view, _ in maps.values():
+        for entry in maps.values():
+            entry[1] = None  # the array's hold on the map, released before it is closed
             try:
-                view.release()
-                m.close()
+                entry[0].close()
             except BufferError:  # a view still held by an exception's frames: the map goes with them
                 pass
     return h.hexdigest()
@@ -115,50 +115,12 @@ def _read_ranges(ranges: Ranges) -> str:
     h = _hash()
     for fd, at, n in ranges:
         while n:
-            got = os.pread(fd, min(n, GATHER), at)
+            got = os.pread(fd, min(n, row_gather.GATHER), at)
             if not got:
                 raise ToolkitError("verification: a file was truncated while it was checked; nothing was written")
             h.update(got)
             at, n = at + len(got), n - len(got)
     return h.hexdigest()
-
-
-def _rows(ranges: Ranges, most: int = 16):
-    """Ranges that repeat with a period of P < `most` ranges, each k-th of a period `stride` bytes after the one
-    before it with the same file and count (a row-parallel merge: row r of each TP shard in turn), as (count of
-    periods, [(fd, first offset, count, stride)] * P); None otherwise, or where they are few or long."""
-    if len(ranges) < 64 or sum(n for _, _, n in ranges) / len(ranges) > GATHER // 16:
-        return None
-    r = np.asarray(ranges, dtype=np.int64)
-    for period in range(1, most):
-        if len(r) % period:
-            continue
-        a = r.reshape(-1, period, 3)
-        step = a[1, :, 1] - a[0, :, 1]
-        same = (a[:, :, 0] == a[0, :, 0]) & (a[:, :, 2] == a[0, :, 2])  # each k-th range's file and count
-        if same.all() and (np.diff(a[:, :, 1], axis=0) == step).all():
-            return len(a), [(int(fd), int(at), int(n), int(s)) for (fd, at, n), s in zip(a[0], step)]
-    return None
-
-
-def _hash_rows(h, rows, maps) -> None:
-    """Hash periodic ranges (_rows) by gathering GATHER bytes of whole periods at a time: a few numpy copies per
-    megabyte instead of a Python call per range."""
-    count, period = rows
-    width = sum(n for _, _, n, _ in period)
-    views = []
-    for fd, at, n, stride in period:
-        m, view, start = maps[fd]
-        base = np.frombuffer(view, dtype=np.uint8)
-        views.append(np.lib.stride_tricks.as_strided(base[at - start:], shape=(count, n), strides=(stride, 1),
-                                                     writeable=False))
-    per = max(1, GATHER // width)
-    buffer = np.empty((per, width), dtype=np.uint8)
-    for r0 in range(0, count, per):
-        r1 = min(count, r0 + per)
-        out = buffer[:r1 - r0]
-        np.concatenate([v[r0:r1] for v in views], axis=1, out=out)
-        h.update(memoryview(out).cast("B"))
 
 
 class Hashed:
