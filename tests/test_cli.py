@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -121,3 +122,19 @@ def test_the_toolkit_command_flushes_everything_before_its_fast_exit(tmp_path):
     assert code == 0 and json.loads(out.read_text())["recipe"] == "llama7b_zero3"
     refused = toolkit("convert", str(tmp_path / "missing"), str(tmp_path / "out"), "--to", "hf")
     assert refused.returncode == 2 and "does not exist" in refused.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("preset", [None, "ACTIVE"])
+def test_convert_has_openmp_threads_wait_passively_unless_the_user_says(tmp_path, preset):
+    """`toolkit convert` sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (the verification's forward then
+    leaves the cores to its hash threads between parallel regions); a policy the user set is kept."""
+    code = ("import os; from toolkit import cli\n"
+            "try:\n"
+            f"    cli.main(['convert', {str(tmp_path / 'missing')!r}, {str(tmp_path / 'out')!r}, '--to', 'hf'])\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": preset} if preset
+                                                                             else {})
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env)
+    assert proc.stdout.split() == [preset or "PASSIVE"], proc.stderr

@@ -184,6 +184,10 @@ def cmd_inspect(args) -> int:
 def cmd_convert(args) -> int:
     from toolkit.checkpoint.copy_only import convert_by_copy  # lazy: `validate` and `plan` never need it
 
+    if "torch" not in sys.modules:  # read once, when torch loads its OpenMP runtime
+        # the verification's forward: OpenMP's threads sleep between its parallel regions instead of spinning,
+        # which took a fifth of the check's CPU time from its hash threads on 2 cores (docs/performance.md)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     options = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, dtype=args.dtype, vocab_size=args.vocab_size,
                    fp32=args.fp32, weights_only=args.weights_only, overwrite=args.overwrite,
                    verify=not args.no_verify, dp=args.dp, progress=not args.quiet, config=args.config,

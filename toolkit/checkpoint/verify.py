@@ -12,7 +12,8 @@ run through it one module at a time: the embeddings, each decoder layer (`model.
 `model.model.rotary_emb`), the final norm, the output layer. Each module's weights are read from the source, then
 from the output, and each output tensor must equal the source's of its name in bytes, shape and dtype. Then one
 side's weights are given to the module just before it runs (loaded with assign=True, strict: every name and shape
-transformers expects) and it goes back to the meta device after: the two sides' forwards would agree bit for bit, on
+transformers expects; the module's hashes finish on their threads meanwhile, and are compared before the next
+module is read) and it goes back to the meta device after: the two sides' forwards would agree bit for bit, on
 these tokens and on any other, so only one runs (both did until 2026-12-05: half the check's time). It is the side
 whose weights cost least to hand out (_Side.cost: a Hugging Face folder's are views of its mapped files, a Megatron
 side's are merged from TP shards); the other is only hashed, where its weights lie in pieces without assembling
@@ -403,15 +404,15 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
         if state is None:
             with mapped():  # safetensors files: maps of the cached pages, not copies; gone with the module's weights
                 state = fetch(which, [f"{weights}.{k}" for k in module.state_dict()])
-        if hashed is not None:
-            hashed.settle()  # a tensor that differs from the source's is named before anything runs on it
         try:
             module.load_state_dict({k[len(weights) + 1:]: v for k, v in state.items()}, strict=True, assign=True)
         except RuntimeError as e:
+            if hashed is not None:
+                hashed.settle()  # a tensor that differs from the source's is named first
             raise ToolkitError(f"verification failed: {path} does not take the weights read for it: {e}; nothing was "
                                "written") from None
         del state
-        with torch.no_grad():
+        with torch.no_grad():  # while the hash threads finish this module's records (done() waits for them)
             y = module(x, **kw)
         module.to("meta")  # drop the weights: memory stays at one module
         which.done()
