@@ -128,13 +128,16 @@ def test_the_toolkit_command_flushes_everything_before_its_fast_exit(tmp_path):
 def test_convert_has_openmp_threads_wait_passively_unless_the_user_says(tmp_path, preset):
     """`toolkit convert` sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (the verification's forward then
     leaves the cores to its hash threads between parallel regions); a policy the user set is kept."""
-    code = ("import os; from toolkit import cli\n"
+    code = ("import os, sys; from toolkit import cli; from toolkit.checkpoint import copy_only\n"
+            "def stop(*args, **kwargs):\n"  # the conversion itself is not this test's business
+            "    raise SystemExit(0)\n"
+            "copy_only.convert_by_copy = stop\n"
             "try:\n"
             f"    cli.main(['convert', {str(tmp_path / 'missing')!r}, {str(tmp_path / 'out')!r}, '--to', 'hf'])\n"
             "except SystemExit:\n"
             "    pass\n"
-            "print(os.environ.get('OMP_WAIT_POLICY'))")
+            "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": preset} if preset
                                                                              else {})
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env)
-    assert proc.stdout.split() == [preset or "PASSIVE"], proc.stderr
+    assert proc.stdout.split() == [preset or "PASSIVE", "False"], proc.stderr
