@@ -97,7 +97,7 @@ def _gather(dst: int, copies: list[tuple[int, int, int, int]]) -> bool:
     """Write (src fd, src offset, dst offset, count) copies into dst from read-only maps of the sources. Where they
     repeat with a short period and fill one stretch of dst (a row-parallel shard: one row of a source shard after
     another), whole periods are gathered a megabyte at a time into a buffer the CPU's cache holds and written by
-    pwrite (row_gather): the kernel copies one buffer instead of a thousand iovecs (2.1-2.5 against 1.0-1.1 GiB/s for
+    pwrite (row_gather): the kernel copies one buffer instead of a thousand iovecs (2.0-2.5 against 0.5-1.1 GiB/s for
     rows of 800-1600 bytes here, with a third of the system time: docs/performance.md). Otherwise one pwritev per
     _IOV_MAX dst-contiguous copies, the iovecs built by numpy, not per copy in Python (0.3 against 1.0 s of CPU for
     160,000 copies of 2 KiB here). Either way in batches on the copy threads. False, with nothing written, where a
