@@ -26,9 +26,12 @@ hands freed memory back to its host (virtio-balloon free page reporting, as the 
 kernel has not reused recently costs a host fault: a run writing into memory just freed by the previous one is
 several times faster than one that is not (`cp` of 2 GiB: 1.6 s against 8.2 s). Each rep deletes its output just
 before the next, so use --reps 3 (the default): with --reps 1 each step runs on whatever the previous one left.
-Before each run every folder but the run's source is evicted from the page cache (posix_fadvise DONTNEED): each
-run, cp's too, reads a cached source and has the same memory free to write into. Without that, at 3B the outputs
-of earlier steps filled the page cache and the kernel evicted some steps' sources to make room.
+Before each run every folder but the run's source is evicted from the page cache (posix_fadvise DONTNEED), and the
+source is read through once: each run, cp's too, reads a cached source and has the same memory free to write into.
+Without the evictions, at 3B the outputs of earlier steps filled the page cache and the kernel evicted some steps'
+sources to make room; without the read, a step whose source an earlier step had evicted (hf -> torch_dist reads
+the Hugging Face folder again) read it from the disk in its first run, and a reclaimer that drops pages left cold
+for a minute (this VM's DAMON) could do the same to any source (2026-12-06: before then, sources were not read).
 """
 from __future__ import annotations
 
@@ -152,6 +155,15 @@ def evict(folder: Path) -> None:
                 os.close(fd)
 
 
+def warm(folder: Path) -> None:
+    """Read every file under `folder` once, so that the run after this reads it from the page cache."""
+    for p in folder.rglob("*"):
+        if p.is_file():
+            with p.open("rb", buffering=0) as f:
+                while f.read(16 * 2**20):
+                    pass
+
+
 def _median(rows: list[dict], key: str):
     values = sorted(r[key] for r in rows if r.get(key) is not None)
     return values[len(values) // 2] if values else None
@@ -203,6 +215,7 @@ def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | N
                 for other in root.iterdir():
                     if other.is_dir() and other.name != src:
                         evict(other)
+                warm(root / src)
             runs.append(measure(cmd))
         r = {"size": name, "params": params, "step": label, "gib": folder_bytes(out) / 2**30, "reps": len(runs)}
         for key in ("wall_s", "cpu_s", "load", "peak_rss_mib", "peak_anon_mib", "stream_s", "copied_gib",
