@@ -23,6 +23,7 @@ from toolkit.checkpoint.convert import convert
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
 from toolkit.format import file_copy as fc
+from toolkit.format import row_gather
 from toolkit.format import safetensors_stream as st
 from toolkit.format.names import model_file, optim_file
 from toolkit.format.pt_write import Skeleton
@@ -127,7 +128,7 @@ def test_copied_ranges_write_what_the_streaming_path_writes(ref, tmp_path, monke
     elif kernel == "pwritev, no map":
         def no_map(*_a, **_k):
             raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))
-        monkeypatch.setattr(fc.mmap, "mmap", no_map)
+        monkeypatch.setattr(row_gather.mmap, "mmap", no_map)
     if kernel in ("EXDEV", "ENOSYS"):
         monkeypatch.setattr(os, "copy_file_range", _refuse(getattr(errno, kernel)))
     elif kernel == "missing":

@@ -14,9 +14,10 @@ from test_convert_verify import _write_hf
 from toolkit.checkpoint import verify
 from toolkit.checkpoint.convert import convert
 from toolkit.checkpoint.sources import open_source
-from toolkit.checkpoint.verify_hash import Hashed, digest, hash_ranges
+from toolkit.checkpoint.verify_hash import Hashed, digest, hash_ranges, pieces
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
+from toolkit.families.rules import Replicated
 from toolkit.format import row_gather
 
 
@@ -135,8 +136,6 @@ def test_ranges_hash_as_their_bytes_joined_mapped_or_read_and_a_truncated_file_i
     cannot be mapped) from positioned reads; a file cut short since its ranges were planned is one line."""
     from xxhash import xxh3_128
 
-    from toolkit.checkpoint import verify_hash
-
     data = [os.urandom(5000), os.urandom(3000)]
     fds = []
     for i, d in enumerate(data):
@@ -151,7 +150,7 @@ def test_ranges_hash_as_their_bytes_joined_mapped_or_read_and_a_truncated_file_i
             raise OSError("no maps here")
 
         with monkeypatch.context() as m:
-            m.setattr(verify_hash.mmap, "mmap", refuse)
+            m.setattr(row_gather.mmap, "mmap", refuse)
             assert hash_ranges(ranges) == want
         os.truncate(tmp_path / "f1", 2500)
         with pytest.raises(ToolkitError, match="a file was truncated while it was checked; nothing was written"):
@@ -164,9 +163,6 @@ def test_ranges_hash_as_their_bytes_joined_mapped_or_read_and_a_truncated_file_i
 def test_what_cannot_be_hashed_in_place_is_left_to_the_sides_own_read(layouts):
     """pieces() declines (None), so the side reads and merges the weight itself, naming any problem in its own
     line: a tensor the file does not hold, and TP copies of a norm (their merge compares them by value)."""
-    from toolkit.checkpoint.verify_hash import pieces
-    from toolkit.families.rules import Replicated
-
     src = open_source(layouts["tp4"], 500)
     try:
         inputs = [src.shard_input(0, t, "chunk0.decoder.final_layernorm.weight") for t in range(4)]

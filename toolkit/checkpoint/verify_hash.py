@@ -10,7 +10,6 @@ weights the logit check runs needs them assembled in memory.
 """
 from __future__ import annotations
 
-import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable
@@ -77,38 +76,24 @@ def pieces(inputs, merge: Callable) -> list[tuple[Ranges, tuple[int, ...], torch
 def hash_ranges(ranges: Ranges) -> str:
     """The digest of the bytes at `ranges`, in order, read from read-only maps of their files (one per file); many
     short rows of a period (a row-parallel merge) are gathered a megabyte at a time (row_gather)."""
-    extent: dict[int, tuple[int, int]] = {}
-    for fd, at, n in ranges:
-        lo, hi = extent.get(fd, (at, at + n))
-        extent[fd] = (min(lo, at), max(hi, at + n))
-    maps, h = {}, _hash()
-    try:
-        for fd, (lo, hi) in extent.items():
-            if os.fstat(fd).st_size < hi:  # a map past the end would fault when touched
-                raise ToolkitError("verification: a file was truncated while it was checked; nothing was written")
-            start = lo - lo % mmap.ALLOCATIONGRANULARITY
-            try:
-                m = mmap.mmap(fd, hi - start, access=mmap.ACCESS_READ, offset=start)
-            except (OSError, ValueError):  # a file system that cannot map it: positioned reads
-                return _read_ranges(ranges)
-            maps[fd] = [m, np.frombuffer(m, dtype=np.uint8), start]
-        table = np.asarray(ranges, dtype=np.int64).reshape(-1, 3)
-        rows = row_gather.periodic(table[:, 0], table[:, 1], table[:, 2])
+    table = np.asarray(ranges, dtype=np.int64).reshape(-1, 3)
+    fds, offsets, sizes = table[:, 0], table[:, 1], table[:, 2]
+    h = _hash()
+    with row_gather.mapped_extents(fds, offsets, sizes, lambda _end: _TRUNCATED) as maps:
+        if maps is None:  # a file system that cannot map it: positioned reads
+            return _read_ranges(ranges)
+        rows = row_gather.periodic(fds, offsets, sizes)
         if rows is None:
             for fd, at, n in ranges:
-                _, base, start = maps[fd]
+                base, start = maps[fd]
                 h.update(memoryview(base[at - start:at - start + n]))  # releases the GIL on large pieces
         else:
-            for chunk in row_gather.gathered(rows, {fd: (base, start) for fd, (_, base, start) in maps.items()}):
+            for chunk in row_gather.gathered(rows, maps):
                 h.update(memoryview(chunk).cast("B"))
-    finally:
-        for entry in maps.values():
-            entry[1] = None  # the array's hold on the map, released before it is closed
-            try:
-                entry[0].close()
-            except BufferError:  # a view still held by an exception's frames: the map goes with them
-                pass
     return h.hexdigest()
+
+
+_TRUNCATED = "verification: a file was truncated while it was checked; nothing was written"
 
 
 def _read_ranges(ranges: Ranges) -> str:
@@ -117,7 +102,7 @@ def _read_ranges(ranges: Ranges) -> str:
         while n:
             got = os.pread(fd, min(n, row_gather.GATHER), at)
             if not got:
-                raise ToolkitError("verification: a file was truncated while it was checked; nothing was written")
+                raise ToolkitError(_TRUNCATED)
             h.update(got)
             at, n = at + len(got), n - len(got)
     return h.hexdigest()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -109,31 +108,19 @@ def _gather(dst: int, copies: list[tuple[int, int, int, int]]) -> bool:
         return False
     table = np.array(copies, dtype=np.int64).reshape(-1, 4)
     fds, offsets, to, sizes = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
-    maps: list = []
-    try:
-        bases = np.empty(len(table), dtype=np.uint64)
-        arrays = {}
-        for fd in np.unique(fds).tolist():
-            mine = fds == fd
-            lo, hi = int(offsets[mine].min()), int((offsets[mine] + sizes[mine]).max())
-            if os.fstat(fd).st_size < hi:
-                raise ToolkitError(f"the file being copied from ends before byte {hi}: it was truncated while "
-                                   "converting; re-copy it")
-            start = lo - lo % mmap.ALLOCATIONGRANULARITY
-            try:
-                m = mmap.mmap(fd, hi - start, access=mmap.ACCESS_READ, offset=start)
-            except (OSError, ValueError):  # not a regular file, or a file system that cannot map it
-                return False
-            maps.append([m, np.frombuffer(m, dtype=np.uint8)])
-            arrays[fd] = (maps[-1][1], start)
-            bases[mine] = maps[-1][1].ctypes.data + (offsets[mine] - start).astype(np.uint64)
+    with row_gather.mapped_extents(fds, offsets, sizes, _truncated) as maps:
+        if maps is None:  # not a regular file, or a file system that cannot map it
+            return False
         runs = [0, *(np.flatnonzero(to[1:] != to[:-1] + sizes[:-1]) + 1).tolist(), len(table)]
         rows = row_gather.periodic(fds, offsets, sizes) if len(runs) == 2 else None
         if rows is not None:
-            _in_pool(_row_jobs(dst, int(to[0]), rows, arrays))
+            _in_pool(_row_jobs(dst, int(to[0]), rows, maps))
             return True
         iov = np.empty((len(table), 2), dtype=np.uint64)  # struct iovec {void *base; size_t len;}, in order
-        iov[:, 0], iov[:, 1] = bases, sizes
+        for fd, (base, start) in maps.items():
+            mine = fds == fd
+            iov[mine, 0] = base.ctypes.data + (offsets[mine] - start).astype(np.uint64)
+        iov[:, 1] = sizes
         ends = np.cumsum(sizes)
         batches = []  # dst-contiguous, at most _IOV_MAX copies and about _COPY_CHUNK bytes each
         for first, stop in zip(runs, runs[1:]):
@@ -144,14 +131,10 @@ def _gather(dst: int, copies: list[tuple[int, int, int, int]]) -> bool:
                 i = batches[-1][1]
         _in_pool([lambda i=i, j=j: _pwritev_all(dst, iov[i:j], int(to[i])) for i, j in batches])
         return True
-    finally:
-        arrays = None
-        for pair in maps:
-            pair[1] = None  # the array's hold on the map, released before it is closed
-            try:
-                pair[0].close()
-            except BufferError:  # a view still held by an exception's frames: the map goes with them
-                pass
+
+
+def _truncated(end: int) -> str:
+    return f"the file being copied from ends before byte {end}: it was truncated while converting; re-copy it"
 
 
 def _row_jobs(dst: int, at: int, rows: row_gather.Period, arrays: dict) -> list:

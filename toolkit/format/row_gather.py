@@ -5,8 +5,13 @@ and the verification's hashes of the weights where they lie (toolkit/checkpoint/
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+import mmap
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
+
+from toolkit.errors import ToolkitError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -17,6 +22,45 @@ write, or by the hash) cost little beyond reading the source."""
 
 Period = tuple[int, list[tuple[int, int, int, int]]]
 """(count of periods, [(file descriptor, first offset, byte count, stride)] for each range of a period)."""
+
+
+@contextmanager
+def mapped_extents(fds, offsets, sizes, truncated: Callable[[int], str]) -> Iterator[dict | None]:
+    """Read-only maps of the extent each file's ranges (equal-length sequences of file descriptor, offset and byte
+    count) cover: {fd: (uint8 array over the map, the file offset of its first byte)}, the form gathered() takes; None
+    where a file cannot be mapped (not a regular file, a file system without maps: read it instead). A file shorter
+    than its ranges' end is a ToolkitError with the message truncated(that end): a map read past a file's end would
+    fault. The maps are closed on leaving, and the dict emptied."""
+    import numpy as np  # lazy: as below
+
+    fds, offsets = np.asarray(fds, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
+    ends = offsets + np.asarray(sizes, dtype=np.int64)
+    maps: list = []
+    arrays: dict | None = {}
+    try:
+        for fd in np.unique(fds).tolist():
+            mine = fds == fd
+            lo, hi = int(offsets[mine].min()), int(ends[mine].max())
+            if os.fstat(fd).st_size < hi:
+                raise ToolkitError(truncated(hi))
+            start = lo - lo % mmap.ALLOCATIONGRANULARITY
+            try:
+                m = mmap.mmap(fd, hi - start, access=mmap.ACCESS_READ, offset=start)
+            except (OSError, ValueError):
+                arrays = None
+                break
+            maps.append([m, np.frombuffer(m, dtype=np.uint8)])
+            arrays[fd] = (maps[-1][1], start)
+        yield arrays
+    finally:
+        if arrays:
+            arrays.clear()
+        for pair in maps:
+            pair[1] = None  # the array's hold on the map, released before it is closed
+            try:
+                pair[0].close()
+            except BufferError:  # a view still held by an exception's frames: the map goes with them
+                pass
 
 
 def periodic(fds, offsets, sizes, most: int = 16) -> Period | None:
