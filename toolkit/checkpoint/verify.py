@@ -80,6 +80,12 @@ def import_early(architecture: str, config: dict) -> None:
     _early.start()
 
 
+def join_import() -> None:
+    """Wait until import_early's thread (if one was started) has imported transformers."""
+    if _early is not None:
+        _early.join()
+
+
 def _fields(config: dict) -> dict:
     """A source's config.json, as keyword arguments of transformers' AutoConfig.for_model."""
     return {k: v for k, v in config.items() if k not in ("torch_dtype", "dtype", "model_type")}
@@ -357,8 +363,7 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
     place where its weights lie in pieces). Returns the (name, field) pairs of the output so proved, which the
     read-back then need not read again. With hash_weights=False both sides run and their hidden states must agree
     after every module."""
-    if _early is not None:
-        _early.join()  # transformers' lazy module is not safe to import from two threads at once
+    join_import()  # transformers' lazy module is not safe to import from two threads at once
     from transformers import AutoConfig, AutoModelForCausalLM  # lazy: heavy; only the logit check needs it
     from transformers.masking_utils import create_causal_mask  # lazy: as above
 
