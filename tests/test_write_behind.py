@@ -1,5 +1,5 @@
 """convert's write-behind (toolkit/checkpoint/streaming.py WriteBehind): with two workers, parameters are written at
-once, into different files (one file never takes two writes at once), and a barrier (a Megatron-LM target's stage
+once, each into a file the other is not writing where its parameter has one, and a barrier (a Megatron-LM target's stage
 end, which finishes the stage's files) runs only after every write before it has finished, and before any after it
 starts."""
 from __future__ import annotations

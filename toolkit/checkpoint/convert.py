@@ -187,7 +187,7 @@ class CopyCheck:
         # its checksums are the copy's check (SourceCheck); an error opening it is raised on the conversion's thread
         self.source = open_source(src, vocab_size, False, weights_only, checksums=False)
         # on this thread, so that transformers' objects too are made with the collector off and then frozen
-        # (copy_only._Verification): 0.4-0.6 s of collections otherwise, during the copy and the check, 0.05 s so
+        # (copy_only._Verification), not collected during the copy and the check (docs/performance.md)
         verification.join_import()
 
     def run(self, written: Path, fields: tuple[str, ...], hf_folder: Path | None, log) -> None:

@@ -101,11 +101,10 @@ class WriteBehind:
     def _next_free(self, todo: list) -> tuple:
         """Take from `todo` (one parameter's writes, a file each) the first write into a file that no other worker is
         writing, else the first. A buffered write holds its file's inode lock throughout (ext4's), so two writes
-        into one file queue on it, the second one's core spinning: 2 GiB copied by 2 threads into one file took
-        0.7 s and 1.3-1.4 CPU-s here, into two files 0.4 s and 0.8 CPU-s, against 0.8 s and 0.8 CPU-s by one thread
-        (docs/performance.md). The shards of a TP target's parameter go into as many files, which the workers would
-        otherwise take in the same order. Where all its files are busy (a Hugging Face target's one file) the write
-        goes ahead: waiting made TP4 -> Hugging Face at 3B slower (5.2 against 4.2 s with --no-verify)."""
+        into one file queue on it, the second one's core spinning, while two threads writing two files take half
+        the time of one (docs/performance.md, 2026-12-06 17:00 UTC). The shards of a TP target's parameter go into as
+        many files, which the workers would otherwise take in the same order. Where all its files are busy (a
+        Hugging Face target's one file) the write goes ahead: waiting for the file was slower there."""
         with self._lock:
             i = next((i for i, (w, _, _) in enumerate(todo) if not self._writing[id(w)]), 0)
             w, k, t = todo.pop(i)
