@@ -4,6 +4,7 @@
     python bench/convert.py --sizes 1b --json out.json
     python bench/convert.py --sizes tiny --reps 1 # seconds; what the test suite runs so the script cannot rot
     python bench/convert.py --sizes 1b --cold     # root: every run (cp too) reads its source from the disk
+    python bench/convert.py --direct-io           # also --no-verify with TOOLKIT_DIRECT_IO=1 (O_DIRECT writes)
 
 For each size it writes a random Llama-shaped Hugging Face checkpoint (streamed, never whole in memory), then
 runs, each `--reps` times in a fresh process, and reports the median of each figure:
@@ -17,8 +18,8 @@ runs, each `--reps` times in a fresh process, and reports the median of each fig
 and prints wall time, its ratio to cp's wall time (the targets: 1.3 with --no-verify, 2 verified), CPU seconds
 (user + system, wait4: less sensitive to a shared machine than wall time), the 1-minute load average at its end,
 the throughput ratio to cp, the GiB copied file to file (os.copy_file_range, and gathered from a map for tensors
-of many small ranges), peak RSS (wait4's ru_maxrss), peak
-anonymous memory (RssAnon from /proc, sampled every 10 ms) and the converter's phases (read, split, write, hash,
+of many small ranges), the GiB written past the page cache (O_DIRECT, --direct-io), peak RSS (wait4's ru_maxrss),
+peak anonymous memory (RssAnon from /proc, sampled every 10 ms) and the converter's phases (read, split, write, hash,
 close/fsync/manifest, verify; seconds).
 Wall time includes Python start-up and imports (about 3 s here).
 The machine is shared and noisy: compare ratios within one run, not absolute numbers across runs. On a VM that
@@ -106,13 +107,14 @@ def _anon_kib(pid: int) -> int:
         return 0
 
 
-def measure(cmd: list[str]) -> dict:
+def measure(cmd: list[str], env: dict | None = None) -> dict:
     """Run cmd in a fresh process: wall seconds, its peak RSS (MiB, wait4's ru_maxrss; this parent never imports
     torch, so the fork does not inflate it), its peak anonymous memory (RssAnon from /proc, sampled every 10 ms),
     and the phases its --verbose output reports."""
     with tempfile.TemporaryFile("w+") as out:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, **(env or {})})
         peak_anon = 0
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)  # reap it ourselves: this child's own rusage
@@ -128,6 +130,7 @@ def measure(cmd: list[str]) -> dict:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{text[-3000:]}")
     stream = re.search(r"wrote [\d.]+ GiB in ([\d.]+) s", text)
     copied = re.search(r"copied file to file: ([\d.]+) MiB by copy_file_range, ([\d.]+) MiB by gathering", text)
+    direct = re.search(r"([\d.]+) MiB of them written past the page", text)
     phases = {k: float(v) for k, v in re.findall(r"(manifest-hash|read|split|write|hash|verify|close/fsync/manifest) "
                                                     r"([\d.]+) s", " ".join(line for line in text.splitlines()
                                                              if line.startswith("phases:")))}
@@ -135,7 +138,8 @@ def measure(cmd: list[str]) -> dict:
             "peak_rss_mib": usage.ru_maxrss / 1024, "peak_anon_mib": peak_anon / 1024,
             "stream_s": float(stream[1]) if stream else None, "phases": phases,
             "copied_gib": float(copied[1]) / 1024 if copied else None,
-            "gathered_gib": float(copied[2]) / 1024 if copied else None}
+            "gathered_gib": float(copied[2]) / 1024 if copied else None,
+            "direct_gib": float(direct[1]) / 1024 if direct else None}
 
 
 def folder_bytes(folder: Path) -> int:
@@ -177,12 +181,19 @@ def drop_caches() -> None:
 
 
 def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | None = None,
-               cold: bool = False) -> list[dict]:
+               cold: bool = False, direct: bool = False) -> list[dict]:
     root = work / name
     t0 = time.perf_counter()
     subprocess.run([sys.executable, __file__, "--generate", str(root / "hf"), name, dtype], check=True)
     params = int((root / "hf" / "params.txt").read_text())
     (root / "hf" / "params.txt").unlink()
+    # the folders that stay (hf, tp2pp2, tp4pp1, td, mlm) and at most one more at a time: say so now, not when cp
+    # of the last step finds the disk full
+    need, free = 7 * folder_bytes(root / "hf") + 2**30, shutil.disk_usage(root).free + folder_bytes(root / "hf")
+    if free < need:
+        shutil.rmtree(root)
+        raise SystemExit(f"bench/convert.py: {name} needs about {need / 2**30:.0f} GiB free under {work}, and "
+                         f"{free / 2**30:.0f} GiB are: free some, or choose another --workdir")
     print(f"\n{name}: {params / 1e9:.2f}B parameters, {folder_bytes(root / 'hf') / 2**30:.2f} GiB "
           f"({dtype}), generated in {time.perf_counter() - t0:.0f} s; medians of {reps}", flush=True)
     cp = f"cp -r {root / 'hf'} {{out}} && sync {{out}}/*"
@@ -197,14 +208,19 @@ def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | N
              ("torch_dist->hf", "td", "back3", ["--to", "hf", "--vocab-size", str(SIZES[name]["vocab_size"])])]
     assert tuple(s[0] for s in steps) == STEPS
     steps = [s for s in steps if not only or s[0] in only]
-    plan = [("cp", "hf", ["bash", "-c", cp.format(out=root / "copy")], root / "copy")]
-    for mode, flag in (("no-verify", ["--no-verify"]), ("verify", [])):
+    plan = [("cp", "hf", ["bash", "-c", cp.format(out=root / "copy")], root / "copy", None)]
+    modes = [("no-verify", ["--no-verify"], None), ("verify", [], None)]
+    if direct:  # TOOLKIT_DIRECT_IO=1 (docs/convert.md): the targets it applies to, after the same steps without it
+        modes.insert(1, ("no-verify O_DIRECT", ["--no-verify"], {"TOOLKIT_DIRECT_IO": "1"}))
+    for mode, flag, env in modes:
         for label, src, dst, args in steps:
+            if env and args[1] == "megatron":  # a toolkit checkpoint reads its bytes back: always through the cache
+                continue
             plan.append((f"{label} {mode}", src, [*convert, *flag, str(root / src), str(root / dst), *args],
-                         root / dst))
-    plan.append(("cp (again)", "hf", ["bash", "-c", cp.format(out=root / "copy")], root / "copy"))
+                         root / dst, env))
+    plan.append(("cp (again)", "hf", ["bash", "-c", cp.format(out=root / "copy")], root / "copy", None))
     rows = []
-    for label, src, cmd, out in plan:
+    for label, src, cmd, out, env in plan:
         runs = []
         for _ in range(reps):
             shutil.rmtree(out, ignore_errors=True)
@@ -216,15 +232,15 @@ def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | N
                     if other.is_dir() and other.name != src:
                         evict(other)
                 warm(root / src)
-            runs.append(measure(cmd))
+            runs.append(measure(cmd, env))
         r = {"size": name, "params": params, "step": label, "gib": folder_bytes(out) / 2**30, "reps": len(runs)}
         for key in ("wall_s", "cpu_s", "load", "peak_rss_mib", "peak_anon_mib", "stream_s", "copied_gib",
-                    "gathered_gib"):
+                    "gathered_gib", "direct_gib"):
             r[key] = _median(runs, key)
         r["phases"] = {k: _median([x["phases"] for x in runs], k) for k in runs[0]["phases"]}
         r["gib_per_s"] = r["gib"] / r["wall_s"]
         rows.append(r)
-        if label.startswith("cp"):
+        if label.startswith("cp") or out.name.startswith("back"):  # no later step reads it
             shutil.rmtree(out)
     # the baseline: cp before and after the conversions, so drift of the machine shows and is averaged out
     cp_wall = (rows[0]["wall_s"] + rows[-1]["wall_s"]) / 2
@@ -239,6 +255,7 @@ def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | N
               f"x{r['vs_cp']:.2f} of cp  peak RSS {r['peak_rss_mib']:6.0f} MiB  anon {r['peak_anon_mib']:6.0f} MiB"
               + (f"  copy_file_range {r['copied_gib']:.2f} GiB" if r["copied_gib"] is not None else "")
               + (f"  gathered from a map {r['gathered_gib']:.2f} GiB" if r["gathered_gib"] else "")
+              + (f"  past the page cache {r['direct_gib']:.2f} GiB" if r["direct_gib"] else "")
               + (f"  phases (s): {phases}" if phases else ""), flush=True)
     shutil.rmtree(root)
     return rows
@@ -249,7 +266,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1b,3b", help=f"comma-separated, from {', '.join(SIZES)} (default 1b,3b)")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="checkpoint dtype (default bf16)")
-    ap.add_argument("--workdir", default=None, help="where to write (default: a temporary folder; needs ~6x the "
+    ap.add_argument("--workdir", default=None, help="where to write (default: a temporary folder; needs ~7x the "
                     "checkpoint size free)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     ap.add_argument("--reps", type=int, default=3, help="runs of each step; the median is reported (default 3)")
@@ -257,6 +274,8 @@ def main(argv=None) -> int:
                     "hf->tp2pp2,tp2pp2->tp4pp1,tp4pp1->hf: the three the issue's targets name")
     ap.add_argument("--cold", action="store_true", help="drop the page cache before every run (root): each reads "
                     "its source from the disk, cp included; the default reads sources the previous step just wrote")
+    ap.add_argument("--direct-io", action="store_true", help="also run the --no-verify steps whose targets take it "
+                    "with TOOLKIT_DIRECT_IO=1 (writes past the page cache, docs/convert.md)")
     ap.add_argument("--generate", nargs=3, metavar=("FOLDER", "SIZE", "DTYPE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.generate:
@@ -279,7 +298,8 @@ def main(argv=None) -> int:
     print(f"bench/convert.py: {os.cpu_count()} CPUs; sizes {sizes}" + ("; page cache dropped before every run"
                                                                       if args.cold else ""))
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="bench_convert_") as work:
-        rows = [r for s in sizes for r in bench_size(s, Path(work), dtype, args.reps, only, args.cold)]
+        rows = [r for s in sizes for r in bench_size(s, Path(work), dtype, args.reps, only, args.cold,
+                                                     args.direct_io)]
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -116,7 +116,7 @@ def test_copied_ranges_write_what_the_streaming_path_writes(ref, tmp_path, monke
             or real(w, name, ranges))
     if kernel.startswith("pwritev"):
         real_gather = fc._gather
-        monkeypatch.setattr(fc, "_gather", lambda dst, copies: real_gather(dst, copies) and
+        monkeypatch.setattr(fc, "_gather", lambda dst, copies, *a: real_gather(dst, copies, *a) and
                             not gathered.append(sum(c[-1] for c in copies)))
     if kernel == "pwritev, short writes":  # at most 7 bytes of the first iovec a call: the rest is written after
         def short(fd, iov, count, at):
@@ -267,7 +267,7 @@ def test_torch_dist_items_copied_file_to_file_hold_what_the_streaming_path_write
     real_copy = fc.copy_range
     monkeypatch.setattr(fc, "copy_range", lambda *a: copied.append((a[-1], real_copy(*a))) or copied[-1][1])
     real_gather, gathered = fc._gather, []  # row-parallel shards of tp2pp2: small ranges, by pwritev from a map
-    monkeypatch.setattr(fc, "_gather", lambda dst, copies: real_gather(dst, copies) and
+    monkeypatch.setattr(fc, "_gather", lambda dst, copies, *a: real_gather(dst, copies, *a) and
                         not gathered.append(sum(c[-1] for c in copies)))
     if kernel == "EXDEV":
         monkeypatch.setattr(os, "copy_file_range", _refuse(errno.EXDEV))

@@ -304,6 +304,24 @@ def test_merge_buffers_are_reused_module_after_module_and_never_shared():
     assert torch.equal(g, gate) and g.data_ptr() not in first
 
 
+@pytest.mark.parametrize("heads,kv,tp", [(8, 4, 2), (8, 4, 4), (8, 2, 4), (8, 8, 2), (6, 3, 3)])
+def test_qkv_merged_into_buffers_is_the_fresh_merge(heads, kv, tp):
+    """Within merged_into, shards holding whole kv groups are copied straight into q, k and v buffers (once); shards
+    that split a group (tp > kv heads) go the joined way. Either way q, k and v come back by name: a shard's k rows
+    taken for v, or one group's rows for another's, fails."""
+    from toolkit.checkpoint.verify import _Buffers
+    from toolkit.families.rules import QKV, merged_into, views
+
+    gen = torch.Generator().manual_seed(heads * 10 + tp)
+    qkv, d = QKV(num_heads=heads, num_kv_heads=kv, head_dim=2), 2
+    q, k, v = (torch.randn(n * d, 5, generator=gen) for n in (heads, kv, kv))
+    shards = qkv.split((q, k, v), tp)
+    with views(), merged_into(_Buffers()):
+        got = dict(zip("qkv", qkv.merge(shards)))
+    assert {name: torch.equal(got[name], t) for name, t in zip("qkv", (q, k, v))} == dict.fromkeys("qkv", True)
+    assert got["q"].data_ptr() != got["k"].data_ptr() != got["v"].data_ptr()
+
+
 def test_merge_buffers_serve_two_sides_and_layers_that_alternate():
     """The two sides of the check share one set of buffers and take turns: a side that merged nothing (a Hugging
     Face folder) keeps the other's, and shapes that come every other layer (a torch_dist checkpoint's tensors at odd

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from toolkit.errors import ToolkitError
-from toolkit.format import manifest
+from toolkit.format import file_copy, manifest
 
 
 class Progress:
@@ -65,6 +65,7 @@ class WriteBehind:
         self._submitted = 0
         self.seconds = self.hash_seconds = 0.0
         self._first = self._last = None
+        self.direct_from = file_copy.direct_total()  # report() takes what is written past the page cache from here
 
     def submit(self, writes: list) -> None:
         barrier = any(k is None and t is None for _, k, t in writes)
@@ -166,8 +167,8 @@ def report(target, behind: WriteBehind, t0: float, read_s: float, split_s: float
     t3 = time.monotonic()
     writers = getattr(target, "writers", [])
     writers = list(writers.values() if isinstance(writers, dict) else writers)
-    kernel, gathered, user = (sum(getattr(w, attr, 0) for w in writers)
-                              for attr in ("kernel_bytes", "gathered_bytes", "user_bytes"))
+    kernel, gathered, user, read = (sum(getattr(w, attr, 0) for w in writers)
+                                    for attr in ("kernel_bytes", "gathered_bytes", "user_bytes", "read_bytes"))
     target.close()
     log(f"wrote {target.total / 2**30:.2f} GiB in {time.monotonic() - t0:.1f} s")
     if verbose:
@@ -175,7 +176,9 @@ def report(target, behind: WriteBehind, t0: float, read_s: float, split_s: float
         log(f"phases: read {read_s - hash_s:.1f} s, hash {hash_s:.1f} s, split {split_s:.1f} s (main thread); write "
             f"{behind.seconds:.1f} s ({threads}, overlapped); manifest-hash {behind.hash_seconds:.1f} s (hash "
             f"thread, overlapped); close/fsync/manifest {time.monotonic() - t3:.1f} s")
+        direct = file_copy.direct_total() - behind.direct_from
         log(f"copied file to file: {kernel / 2**20:.1f} MiB by copy_file_range, {gathered / 2**20:.1f} MiB by "
-            f"gathering from the mapped source (small ranges), {user / 2**20:.1f} MiB through a buffer where the "
-            f"kernel would not copy (of {target.total / 2**30:.2f} GiB)")
+            f"gathering from the mapped source (small ranges), {read / 2**20:.1f} MiB by reads into a buffer, "
+            f"{user / 2**20:.1f} MiB through a buffer where the kernel would not copy (of {target.total / 2**30:.2f} "
+            f"GiB); {direct / 2**20:.1f} MiB of them written past the page cache (O_DIRECT)")
 

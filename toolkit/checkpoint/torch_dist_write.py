@@ -108,7 +108,7 @@ class _ItemFile:
         self.path, self.fd = path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.where: dict = {}  # item key -> (byte offset, length)
         self._declared: dict = {}  # item key -> (shape, dtype) of the tensor it will hold, and its offset
-        self.kernel_bytes = self.gathered_bytes = self.user_bytes = 0
+        self.kernel_bytes = self.gathered_bytes = self.user_bytes = self.read_bytes = 0
         self._lock, self._end = threading.Lock(), 0  # the end of the bytes reserved so far
 
     def declare(self, key, shape: tuple, dtype: str) -> None:
@@ -158,11 +158,11 @@ class _ItemFile:
                                f"{sum(n for _, _, n in ranges)}")
         start = self._declared[key][2]
         pwrite_all(self.fd, memoryview(head), start)
-        kernel, gathered, user = copy_ranges(self.fd, start + len(head), ranges)
+        kernel, gathered, user, read = copy_ranges(self.fd, start + len(head), ranges)
         pwrite_all(self.fd, memoryview(tail), start + len(head) + size)
         with self._lock:
             self.kernel_bytes, self.gathered_bytes = self.kernel_bytes + kernel, self.gathered_bytes + gathered
-            self.user_bytes += user
+            self.user_bytes, self.read_bytes = self.user_bytes + user, self.read_bytes + read
         return self._record(key, start, len(head) + size + len(tail))
 
     def _record(self, key, start: int, size: int) -> int:

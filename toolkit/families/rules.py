@@ -286,14 +286,33 @@ class QKV:
 
     def merge(self, shards: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         self._check(len(shards))
-        full = _cat(shards, 0)
         g, d, per_group = self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
-        if full.shape[0] != (per_group + 2) * g * d:
-            raise ToolkitError(f"linear_qkv shards add up to {full.shape[0]} rows, expected "
+        rows = sum(s.shape[0] for s in shards)
+        if rows != (per_group + 2) * g * d:
+            raise ToolkitError(f"linear_qkv shards add up to {rows} rows, expected "
                                f"({self.num_heads} + 2 x {g}) x {d} = {(per_group + 2) * g * d}: check the dims")
+        if len(shards) > 1 and _INTO.get() is not None and _ops(shards[0]) is not _NumpyOps and all(
+                s.shape[0] % ((per_group + 2) * d) == 0 for s in shards):
+            return self._merge_into(shards)
+        full = _cat(shards, 0)
         tail = full.shape[1:]
         q, k, v = _ops(full).split(full.reshape(g, (per_group + 2) * d, *tail), [per_group * d, d, d], 1)
         return tuple(_own(_reshaped(t, (t.shape[0] * t.shape[1], *tail))) for t in (q, k, v))
+
+    def _merge_into(self, shards: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """merge() within merged_into, of shards holding whole kv groups: each shard's q, k and v rows copied once,
+        straight into the caller's q, k and v buffers (not joined into one tensor first and then copied apart)."""
+        g, d, per_group = self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
+        tail, dtype = tuple(shards[0].shape[1:]), shards[0].dtype
+        parts = {"q": per_group * d, "k": d, "v": d}
+        out = {name: buffer((g * rows, *tail), dtype) for name, rows in parts.items()}
+        at = 0
+        for shard in shards:
+            n = shard.shape[0] // ((per_group + 2) * d)  # the kv groups this rank holds
+            for name, piece in zip(parts, shard.reshape(n, -1, *tail).split(list(parts.values()), 1)):
+                out[name].view(g, -1, *tail)[at:at + n].copy_(piece)
+            at += n
+        return tuple(_own(out[name]) for name in ("q", "k", "v"))
 
 
 @dataclass(frozen=True)

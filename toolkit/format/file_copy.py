@@ -5,8 +5,10 @@ copy source byte ranges into their outputs with these (toolkit/checkpoint/byte_r
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -43,13 +45,185 @@ try:
 except (OSError, AttributeError):  # no pwritev in this C library: range by range instead
     _pwritev = None
 _SYNC_FILE_RANGE_WRITE = 2
+_ALIGN = 4096
+"""What a write past the page cache (O_DIRECT) is aligned to, in the file and in memory: a page, so that no page holds
+both bytes written past the cache and bytes written through it (a range's unaligned ends go through the cache)."""
+DIRECT_MIN = 256 * 2**10
+"""Byte ranges shorter than this are always copied through the page cache."""
+_DIRECT_CHUNK = 8 * 2**20  # each thread's aligned buffer for writes past the page cache
+_direct = {"on": False, "bytes": 0}
+_direct_lock = threading.Lock()
+_direct_fds: dict[int, tuple[tuple[int, int], int]] = {}  # output fd -> ((st_dev, st_ino), its O_DIRECT fd)
+_no_direct: set[int] = set()  # st_dev of file systems that refused O_DIRECT
+_staging = threading.local()
 
 
-def copy_ranges(out: int, at: int, ranges: list[tuple[int | None, int, int]]) -> tuple[int, int, int]:
+@contextlib.contextmanager
+def writes_past_cache(on: bool):
+    """Within this block, copy_ranges writes the aligned pages of long ranges past the page cache (O_DIRECT: read
+    into an aligned buffer, written to the disk from it) where the file system takes it, else through the cache. The
+    conversion turns it on when asked (TOOLKIT_DIRECT_IO=1) and it will not read its output back (--no-verify): the
+    kernel then neither hands out pages for the output nor evicts the machine's cache to make room, for less CPU
+    but the disk's pace (docs/convert.md, "Writes past the page cache"). Leaving it closes the O_DIRECT
+    descriptors."""
+    with _direct_lock:
+        _direct["on"] = on
+    try:
+        yield
+    finally:
+        with _direct_lock:
+            _direct["on"] = False
+            for _, fd in _direct_fds.values():
+                os.close(fd)
+            _direct_fds.clear()
+
+
+def direct_total() -> int:
+    """Bytes written past the page cache since the process started (the conversion reports its difference)."""
+    return _direct["bytes"]
+
+
+def _direct_fd(out: int) -> int | None:
+    """An O_DIRECT descriptor of the file `out` has open (made once, checked by device and inode, since a closed
+    descriptor's number is reused), or None: writing past the cache is off, or the file system refused it."""
+    if not _direct["on"]:
+        return None
+    st = os.fstat(out)
+    key = (st.st_dev, st.st_ino)
+    with _direct_lock:
+        if st.st_dev in _no_direct:
+            return None
+        held = _direct_fds.get(out)
+        if held is not None and held[0] == key:
+            return held[1]
+        if held is not None:  # that number names another file now; the old one is closed, so nothing writes to it
+            os.close(_direct_fds.pop(out)[1])
+        try:
+            fd = os.open(f"/proc/self/fd/{out}", os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+        except OSError:  # a file system without O_DIRECT (tmpfs), or no /proc
+            _no_direct.add(st.st_dev)
+            return None
+        _direct_fds[out] = (key, fd)
+        return fd
+
+
+def _buffer() -> memoryview:
+    """This thread's page-aligned buffer (an anonymous map, reused: its pages are handed out once)."""
+    if not hasattr(_staging, "view"):
+        _staging.view = memoryview(mmap.mmap(-1, _DIRECT_CHUNK))
+    return _staging.view
+
+
+def _write_past_cache(direct: int, fill, to: int, n: int, out: int) -> bool:
+    """Write n bytes (a multiple of _ALIGN) at byte `to` (aligned) through the O_DIRECT descriptor `direct`, a buffer
+    at a time: fill(view, done) puts bytes [done, done + len(view)) into the view. False, with nothing written, where
+    the first write is refused (_direct_write); the caller then writes the range through the cache."""
+    buf = _buffer()
+    done = 0
+    while done < n:
+        k = min(len(buf), n - done)
+        fill(buf[:k], done)
+        if not _direct_write(direct, out, buf[:k], to + done):
+            if not done:
+                return False
+            pwrite_all(out, buf[:k], to + done)  # refused after a first write went through: the rest by the cache
+            direct = -1
+        done += k
+    return True
+
+
+def _direct_write(direct: int, out: int, view: memoryview, to: int) -> bool:
+    """pwrite of a page-aligned view (a multiple of _ALIGN) at byte `to` (aligned) through the O_DIRECT descriptor
+    `direct` (-1: refused before). False, with nothing written, where the write is refused (EINVAL: a device that
+    wants more than a page of alignment); the file system is then noted, and not tried again."""
+    if direct < 0:
+        return False
+    put = 0
+    while put < len(view):
+        try:
+            put += os.pwrite(direct, view[put:], to + put)
+        except OSError as e:
+            if e.errno != errno.EINVAL or put:
+                raise
+            with _direct_lock:
+                _no_direct.add(os.fstat(out).st_dev)
+            return False
+        if put % _ALIGN and put < len(view):  # a short write off the alignment: the rest through the cache
+            pwrite_all(out, view[put:], to + put)
+            put = len(view)
+    with _direct_lock:
+        _direct["bytes"] += len(view)
+    return True
+
+
+class _Staged:
+    """Bytes handed over in order (add), written from byte `at` of `out`: past the page cache a whole buffer at a
+    time (this thread's, so one large write, not one per gathered megabyte), the bytes before the first page
+    boundary and after the last through the cache. close() writes what is left."""
+
+    def __init__(self, out: int, at: int, direct: int):
+        self.out, self.direct, self.at, self.buf, self.fill = out, direct, at, _buffer(), 0
+        self.head = -at % _ALIGN  # bytes still to go through the cache before the first page boundary
+
+    def add(self, view: memoryview) -> None:
+        if self.head:
+            k = min(self.head, len(view))
+            pwrite_all(self.out, view[:k], self.at)
+            self.at, self.head, view = self.at + k, self.head - k, view[k:]
+        while len(view):
+            k = min(len(self.buf) - self.fill, len(view))
+            self.buf[self.fill:self.fill + k] = view[:k]
+            self.fill, view = self.fill + k, view[k:]
+            if self.fill == len(self.buf):
+                self._flush()
+
+    def close(self) -> None:
+        self._flush()
+
+    def _flush(self) -> None:
+        start = self.at  # where buf[0] goes (page-aligned once the head is written)
+        body = self.fill // _ALIGN * _ALIGN
+        if body and not _direct_write(self.direct, self.out, self.buf[:body], start):
+            self.direct = -1
+            pwrite_all(self.out, self.buf[:body], start)
+        pwrite_all(self.out, self.buf[body:self.fill], start + body)
+        self.at, self.fill = start + self.fill, 0
+
+
+def _read_into(src: int, at: int):
+    """fill() for _write_past_cache: positioned reads of the source file from byte `at`."""
+    def fill(view: memoryview, done: int) -> None:
+        got = 0
+        while got < len(view):
+            n = os.preadv(src, [view[got:]], at + done + got)
+            if n <= 0:
+                raise ToolkitError(f"the file being copied from ended {len(view) - got} bytes early (at offset "
+                                   f"{at + done + got}): it was truncated while converting; re-copy it")
+            got += n
+    return fill
+
+
+def _copy_piece(src: int, at: int, dst: int, to: int, n: int, direct: bool) -> tuple[int, int]:
+    """copy_range, or past the page cache (writes_past_cache) for the aligned pages of a long range; returns the
+    bytes (the kernel copied, written past the cache)."""
+    direct = _direct_fd(dst) if direct and n >= DIRECT_MIN else None
+    head = min(n, -to % _ALIGN)
+    body = (n - head) // _ALIGN * _ALIGN
+    if direct is None or not body or not _write_past_cache(direct, _read_into(src, at + head), to + head, body, dst):
+        return copy_range(src, at, dst, to, n), 0
+    end = head + body
+    return copy_range(src, at, dst, to, head) + copy_range(src, at + end, dst, to + end, n - end), body
+
+
+def copy_ranges(out: int, at: int, ranges: list[tuple[int | None, int, int]],
+                direct: bool = True) -> tuple[int, int, int, int]:
     """Write byte ranges of other files ((file descriptor, offset, count), or (None, 0, count) for zeros), in order,
     into `out` from byte `at`: file to file in the kernel (os.copy_file_range), by pwritev from read-only maps where
     the ranges are small (_gather: a row-parallel shard is one range per row), or through a bounded buffer where the
-    kernel cannot copy them. Returns the bytes sent each way: (kernel, gathered, user)."""
+    kernel cannot copy them; past the page cache the aligned pages of long ranges within writes_past_cache (and
+    `direct`: False for a file that reads its bytes back, as a manifest's hash does). Returns the bytes sent each
+    way: (kernel, gathered, user, read): `read` ones were read into a buffer and written past the cache; gathered
+    ones may be written past it too (direct_total counts every byte written past it)."""
     pieces = []  # (src fd, src offset, dst offset, count) of the ranges from files
     for fd, offset, n in ranges:
         if fd is None:
@@ -60,12 +234,13 @@ def copy_ranges(out: int, at: int, ranges: list[tuple[int | None, int, int]]) ->
             pieces.append((fd, offset, at, n))
         at += n
     total = sum(p[-1] for p in pieces)
-    if len(pieces) > 1 and total < GATHER_BELOW * len(pieces) and _gather(out, pieces):
-        return 0, total, 0
+    if len(pieces) > 1 and total < GATHER_BELOW * len(pieces) and _gather(out, pieces, direct):
+        return 0, total, 0, 0
     copies = [(fd, offset + d, to + d, min(_COPY_CHUNK, n - d)) for fd, offset, to, n in pieces
               for d in range(0, n, _COPY_CHUNK)]
-    kernel = sum(_run_copies(out, copies))
-    return kernel, 0, total - kernel
+    done = _run_copies(out, copies, direct)
+    kernel, read = sum(k for k, _ in done), sum(d for _, d in done)
+    return kernel, 0, total - kernel - read, read
 
 
 def start_writeback(fd: int, offset: int, n: int) -> None:
@@ -77,10 +252,12 @@ def start_writeback(fd: int, offset: int, n: int) -> None:
         _sync_file_range(fd, offset, n, _SYNC_FILE_RANGE_WRITE)
 
 
-def _run_copies(dst: int, copies: list[tuple[int, int, int, int]]) -> list[int]:
-    """copy_range of each (src fd, src offset, dst offset, count) into dst; returns the bytes the kernel copied of
-    each. In batches of about _COPY_CHUNK bytes (a row-parallel shard is one small copy per row) on COPY_THREADS
-    threads when there are several batches. Every copy has finished when this returns or raises."""
+def _run_copies(dst: int, copies: list[tuple[int, int, int, int]],
+                direct: bool = False) -> list[tuple[int, int]]:
+    """_copy_piece of each (src fd, src offset, dst offset, count) into dst; returns the bytes (the kernel copied,
+    written past the cache) of each. In batches of about _COPY_CHUNK bytes (a row-parallel shard is one small copy
+    per row) on COPY_THREADS threads when there are several batches. Every copy has finished when this returns or
+    raises."""
     batches, size = [[]], 0
     for c in copies:
         if size >= _COPY_CHUNK:
@@ -88,11 +265,11 @@ def _run_copies(dst: int, copies: list[tuple[int, int, int, int]]) -> list[int]:
             size = 0
         batches[-1].append(c)
         size += c[-1]
-    done = _in_pool([lambda b=b: [copy_range(src, at, dst, to, n) for src, at, to, n in b] for b in batches])
+    done = _in_pool([lambda b=b: [_copy_piece(src, at, dst, to, n, direct) for src, at, to, n in b] for b in batches])
     return [k for batch in done for k in batch]  # the first failure, raised once none is still writing
 
 
-def _gather(dst: int, copies: list[tuple[int, int, int, int]]) -> bool:
+def _gather(dst: int, copies: list[tuple[int, int, int, int]], direct: bool = False) -> bool:
     """Write (src fd, src offset, dst offset, count) copies into dst from read-only maps of the sources. Where they
     repeat with a short period and fill one stretch of dst (a row-parallel shard: one row of a source shard after
     another), whole periods are gathered a megabyte at a time into a buffer the CPU's cache holds and written by
@@ -114,7 +291,7 @@ def _gather(dst: int, copies: list[tuple[int, int, int, int]]) -> bool:
         runs = [0, *(np.flatnonzero(to[1:] != to[:-1] + sizes[:-1]) + 1).tolist(), len(table)]
         rows = row_gather.periodic(fds, offsets, sizes) if len(runs) == 2 else None
         if rows is not None:
-            _in_pool(_row_jobs(dst, int(to[0]), rows, maps))
+            _in_pool(_row_jobs(dst, int(to[0]), rows, maps, direct))
             return True
         iov = np.empty((len(table), 2), dtype=np.uint64)  # struct iovec {void *base; size_t len;}, in order
         for fd, (base, start) in maps.items():
@@ -137,18 +314,26 @@ def _truncated(end: int) -> str:
     return f"the file being copied from ends before byte {end}: it was truncated while converting; re-copy it"
 
 
-def _row_jobs(dst: int, at: int, rows: row_gather.Period, arrays: dict) -> list:
+def _row_jobs(dst: int, at: int, rows: row_gather.Period, arrays: dict, direct: bool) -> list:
     """Jobs writing periodic rows (row_gather.periodic) into dst from byte `at`, in about _COPY_CHUNK bytes each: each
-    gathers a megabyte at a time into its own buffer and pwrites it."""
+    gathers a megabyte at a time into its own buffer and pwrites it (within writes_past_cache, `direct`: collects
+    them in its thread's buffer, written past the page cache when full, _Staged)."""
     count, period = rows
     width = sum(n for _, _, n, _ in period)
     per = max(1, _COPY_CHUNK // width)
 
     def job(first: int, stop: int) -> None:
         offset = at + first * width
+        past = _direct_fd(dst) if direct and (stop - first) * width >= DIRECT_MIN else None
+        staged = _Staged(dst, offset, past) if past is not None else None
         for chunk in row_gather.gathered(rows, arrays, first, stop):
-            pwrite_all(dst, memoryview(chunk).cast("B"), offset)
+            if staged is not None:
+                staged.add(memoryview(chunk).cast("B"))
+            else:
+                pwrite_all(dst, memoryview(chunk).cast("B"), offset)
             offset += chunk.nbytes
+        if staged is not None:
+            staged.close()
 
     return [lambda i=i: job(i, min(count, i + per)) for i in range(0, count, per)]
 

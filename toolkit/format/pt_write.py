@@ -287,7 +287,7 @@ class Skeleton:
         self._fills = list(fills)
         self._put: set[int] = set()
         self._fd = os.open(self.path, os.O_RDWR)
-        self.kernel_bytes = self.gathered_bytes = self.user_bytes = 0  # how write_ranges' bytes went
+        self.kernel_bytes = self.gathered_bytes = self.user_bytes = self.read_bytes = 0  # write_ranges' bytes
         self._lock = threading.Lock()
 
     def declared(self, tensor: Tensor) -> tuple[tuple[int, ...], str, int]:
@@ -315,11 +315,11 @@ class Skeleton:
         None for zeros: file_copy.copy_ranges), in order; returns the byte count."""
         size = sum(n for _, _, n in ranges)
         at = self._whole(tensor, size)
-        kernel, gathered, user = copy_ranges(self._fd, at, ranges)
+        kernel, gathered, user, read = copy_ranges(self._fd, at, ranges)
         start_writeback(self._fd, at, size)
         with self._lock:  # the write-behind threads may fill two tensors of this file at once
             self.kernel_bytes, self.gathered_bytes = self.kernel_bytes + kernel, self.gathered_bytes + gathered
-            self.user_bytes += user
+            self.user_bytes, self.read_bytes = self.user_bytes + user, self.read_bytes + read
             self._put.add(id(tensor.storage))
         return size
 

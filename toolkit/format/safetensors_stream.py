@@ -249,7 +249,8 @@ class Writer:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-(8 + len(raw)) % _ALIGN)
         self._base, self._header, self._pending, self._size = 8 + len(raw), header, set(specs), 8 + len(raw) + offset
-        self.kernel_bytes = self.gathered_bytes = self.user_bytes = 0  # write_ranges': copy_file_range, pwritev, buffer
+        # write_ranges' bytes: copy_file_range, pwritev, buffer (no kernel copy), read into a buffer (file_copy)
+        self.kernel_bytes = self.gathered_bytes = self.user_bytes = self.read_bytes = 0
         self._order, self._next, self._frontier = list(specs), 0, self._base  # bytes [0, _frontier) are all written
         self._lock = threading.Lock()  # writes of different tensors may come from several threads at once
         self._hash, self._hashed = None, 0
@@ -291,10 +292,10 @@ class Writer:
             raise ToolkitError(f"{self.path}: not hashed to its end ({self._hashed} of {self._size} bytes)")
         return {"bytes": self._size, self._hash_name: self._hash.hexdigest()}
 
-    def _advance(self, name: str, kernel: int = 0, gathered: int = 0, user: int = 0) -> None:
+    def _advance(self, name: str, kernel: int = 0, gathered: int = 0, user: int = 0, read: int = 0) -> None:
         with self._lock:
             self.kernel_bytes, self.gathered_bytes = self.kernel_bytes + kernel, self.gathered_bytes + gathered
-            self.user_bytes += user
+            self.user_bytes, self.read_bytes = self.user_bytes + user, self.read_bytes + read
             self._advance_locked(name)
 
     def _advance_locked(self, name: str) -> None:
@@ -351,9 +352,10 @@ class Writer:
             raise ToolkitError(f"{self.path}: {name} takes {stop - begin} bytes, the ranges to copy hold "
                                f"{sum(n for _, _, n in ranges)}")
         out = self._f.fileno()
-        kernel, gathered, user = copy_ranges(out, self._base + begin, ranges)
+        # past the page cache only where nothing reads the bytes back (a hashed file reads them: catch_up)
+        kernel, gathered, user, read = copy_ranges(out, self._base + begin, ranges, self._hash is None)
         start_writeback(out, self._base + begin, stop - begin)
-        self._advance(name, kernel, gathered, user)
+        self._advance(name, kernel, gathered, user, read)
         return stop - begin
 
     def close(self) -> None:
