@@ -75,11 +75,11 @@ def test_copied_rows_are_written_by_gathering_and_match_the_ranges(fds, tmp_path
     merge = _merge_rows(fds, 500, (700, 300), (1400, 900), (64, 4096))
     out = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        assert fc.copy_ranges(out, 123, merge) == (0, 500_000, 0)
+        assert fc.copy_ranges(out, 123, merge) == (0, 500_000, 0, 0)
         assert jobs == [50 if chunk else 1]
         assert os.pread(out, 500_000, 123) == _joined(merge) and os.pread(out, 123, 0) == bytes(123)
         uneven = merge[:-1] + [(fds[2], 17, 9)]  # the last range breaks the period
-        assert fc.copy_ranges(out, 0, uneven) == (0, sum(n for _, _, n in uneven), 0)
+        assert fc.copy_ranges(out, 0, uneven) == (0, sum(n for _, _, n in uneven), 0, 0)
         assert len(jobs) == 1  # by pwritev
         assert os.pread(out, 500_000 - 300 + 9, 0) == _joined(uneven)
     finally:
