@@ -11,7 +11,8 @@ from conftest import REPO
 def test_bench_convert_tiny(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run([sys.executable, "bench/convert.py", "--sizes", "tiny", "--workdir", str(tmp_path),
-                           "--json", str(out), "--reps", "1", "--direct-io"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           "--json", str(out), "--reps", "1", "--direct-io"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     steps = ["hf->tp2pp2", "tp2pp2->tp4pp1", "tp4pp1->hf", "hf->torch_dist", "torch_dist->megatron_lm",

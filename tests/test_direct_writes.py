@@ -1,8 +1,8 @@
 """`toolkit convert --no-verify` with TOOLKIT_DIRECT_IO=1 writes the aligned pages of long byte ranges past the page
-cache (O_DIRECT, file_copy.writes_past_cache) where the file system takes it: the bytes must be those written through the cache, at
-any offsets; a file system or descriptor that refuses O_DIRECT falls back to the cache; a reused descriptor number
-never writes into the file it named before; files whose bytes are read back (a toolkit checkpoint's hashed files)
-and verified conversions go through the cache. Tiny files; a few seconds."""
+cache (O_DIRECT, file_copy.writes_past_cache) where the file system takes it: the bytes must be those written
+through the cache, at any offsets; a file system or descriptor that refuses O_DIRECT falls back to the cache; a
+reused descriptor number never writes into the file it named before; files whose bytes are read back (a toolkit
+checkpoint's hashed files) and verified conversions go through the cache. Tiny files; a few seconds."""
 from __future__ import annotations
 
 import errno
