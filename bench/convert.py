@@ -131,8 +131,8 @@ def measure(cmd: list[str], env: dict | None = None) -> dict:
     stream = re.search(r"wrote [\d.]+ GiB in ([\d.]+) s", text)
     copied = re.search(r"copied file to file: ([\d.]+) MiB by copy_file_range, ([\d.]+) MiB by gathering", text)
     direct = re.search(r"([\d.]+) MiB of them written past the page", text)
-    phases = {k: float(v) for k, v in re.findall(r"(manifest-hash|read|split|write|hash|verify|close/fsync/manifest) "
-                                                    r"([\d.]+) s", " ".join(line for line in text.splitlines()
+    names = r"(manifest-hash|import-wait|read|split|write|hash|verify|close/fsync/manifest)"
+    phases = {k: float(v) for k, v in re.findall(names + r" ([\d.]+) s", " ".join(line for line in text.splitlines()
                                                              if line.startswith("phases:")))}
     return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "load": os.getloadavg()[0],
             "peak_rss_mib": usage.ru_maxrss / 1024, "peak_anon_mib": peak_anon / 1024,

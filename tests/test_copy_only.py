@@ -186,7 +186,7 @@ def test_a_verified_conversion_copies_then_runs_the_full_paths_check(tmp_path, c
     out = capsys.readouterr().out
     assert "file to file, verified after)" in out and "torch-free" not in out, out
     assert "verified: transformers' LlamaForCausalLM gives the source's logits" in out, out
-    assert "tensors read back bit-exactly" in out and "phases: verify " in out, out
+    assert "tensors read back bit-exactly" in out and "phases: import-wait " in out and "; verify " in out, out
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(copy_only, "convert_by_copy", lambda *a, **kw: (None, False))
         assert main(["convert", str(src), str(tmp_path / "full"), "--to", *to, "--quiet"]) == 0

@@ -182,7 +182,39 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    """`toolkit convert`. SIGTERM (scancel, a Slurm time limit, docker stop, kill) stops it as Ctrl-C does: the
+    partial output is removed on the way out (toolkit/checkpoint/output.py scratch_folder), an existing DST is left
+    as it was, and one line says so (before, SIGTERM killed the process and left a hidden `.DST.partial-PID`)."""
+    import signal
+    import threading
+
+    got: list[int] = []
+
+    def stop(signum, _frame) -> None:
+        got.append(signum)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the removal short
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
+    try:
+        return _convert(args)
+    except KeyboardInterrupt:
+        name = "SIGTERM" if got else "Ctrl-C"
+        print(f"error: interrupted ({name}): the conversion stopped and its partial output was removed; {args.dst} is "
+              "as it was. Run the same command again to convert", file=sys.stderr)
+        return 128 + (got[0] if got else signal.SIGINT)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _convert(args) -> int:
     from toolkit.checkpoint.copy_only import convert_by_copy  # lazy: `validate` and `plan` never need it
+
+    if args.vpp > 1 and args.pp == 1:  # as the recipe's check (toolkit/recipe/checks.py): Megatron would not run it
+        raise ToolkitError(f"--vpp {args.vpp} virtual chunks need pipeline parallelism, but --pp is 1; pass --pp 2 or "
+                           "more, or drop --vpp. Nothing was written")
 
     if "torch" not in sys.modules:  # read once, when torch loads its OpenMP runtime
         # the verification's forward: OpenMP's threads sleep between its parallel regions instead of spinning,

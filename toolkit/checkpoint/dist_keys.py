@@ -3,6 +3,7 @@ key and index a toolkit parameter name has there, which keys are optimizer state
 optimizer's fields."""
 from __future__ import annotations
 
+import math
 import re
 
 LAYERS = "decoder.layers."
@@ -27,3 +28,32 @@ def sharded_name(local_name: str) -> tuple[str, tuple[int, ...]]:
 
 def is_optimizer_key(fqn: str) -> bool:
     return re.match(r"^(?:chained_\d+\.)?optimizer\.", fqn) is not None
+
+
+def tiling_problem(shape: tuple[int, ...], chunks) -> str | None:
+    """None when `chunks` (records with .offsets and .sizes, as torch DCP's `.metadata` lists a tensor's saved chunks)
+    tile a tensor of `shape` exactly: each inside it, no two overlapping, together covering every value (what DCP's
+    own save planner checks before it writes). Otherwise what is wrong, in a few words: a reader that only counted
+    values would take two overlapping chunks for a whole tensor, and leave the values no chunk holds unwritten."""
+    import numpy as np  # lazy: this module's other importers do not need it
+
+    shape = tuple(int(s) for s in shape)
+    if not chunks:
+        return None if math.prod(shape) == 0 else "has no saved chunk"
+    off = np.array([tuple(c.offsets) for c in chunks], dtype=np.int64).reshape(len(chunks), len(shape))
+    end = off + np.array([tuple(c.sizes) for c in chunks], dtype=np.int64).reshape(off.shape)
+    outside = np.flatnonzero(np.any((off < 0) | (end < off) | (end > np.array(shape, dtype=np.int64)), axis=1))
+    if len(outside):
+        return f"has a chunk at {off[outside[0]].tolist()} reaching past its shape {list(shape)}"
+    full = np.all(end > off, axis=1)  # chunks that hold values (a zero-size one overlaps nothing)
+    off, end = off[full], end[full]
+    for i in range(0, len(off), 512):  # every pair, 512 rows at a time
+        hit = np.all((off[i:i + 512, None] < end[None]) & (off[None] < end[i:i + 512, None]), axis=2)
+        hit[np.arange(hit.shape[0]), np.arange(i, i + hit.shape[0])] = False
+        if hit.any():
+            a, b = np.argwhere(hit)[0]
+            return f"has chunks at {off[i + a].tolist()} and {off[b].tolist()} that overlap"
+    covered = int(np.prod(end - off, axis=1).sum())
+    if covered != math.prod(shape):
+        return f"has chunks that cover {covered} of its {math.prod(shape)} values"
+    return None

@@ -49,7 +49,9 @@ class LazyHFState:
         return self._where[name].get(name)
 
 
-SHARD_BYTES = 5 * 2**30  # what save_pretrained uses by default
+SHARD_BYTES = 5 * 2**30
+"""Bytes per Hugging Face shard: near transformers 4's save_pretrained default ("5GB", the Hub's common shard size);
+transformers 5's is "50GB". Any sharding loads the same (from_pretrained follows the index)."""
 
 
 def shard_layout(tensors: list[tuple[str, tuple, torch.dtype | str]], shard_bytes: int = SHARD_BYTES

@@ -28,6 +28,8 @@ def iteration_dir(path: Path) -> Path:
     if path.name.startswith("iter_"):
         return path
     tracker = path / "latest_checkpointed_iteration.txt"
+    if tracker.is_symlink() or tracker.exists():  # never read through a link out of the folder
+        paths.inside(path, tracker.name, str(path))
     if not tracker.is_file():
         raise ToolkitError(f"{path} is not a Megatron-LM checkpoint: no latest_checkpointed_iteration.txt")
     text = tracker.read_text(errors="replace").strip()
@@ -74,11 +76,33 @@ def read(path: Path, load) -> tuple[argparse.Namespace, dict, int, dict]:
                            f"{', '.join(missing[:4])}")
     shards, iteration, optimizers = {}, None, {}
     for p, t, e in ranks:
-        state = load(rank_file(it_dir, t, p, pp, e, ep))
+        file = rank_file(it_dir, t, p, pp, e, ep)
+        state = load(file)
+        if iteration is not None and state.get("iteration") != iteration:
+            raise ToolkitError(f"{it_dir} mixes two saves: {file} is iteration {state.get('iteration')}, "
+                               f"{rank_file(it_dir, 0, 0, pp, 0, ep)} iteration {iteration}; re-copy the iteration "
+                               "folder from one save")
+        other = state.get("args")
+        differ = [f"{k} {_arg(other, k)} against {_arg(args, k)}" for k in _SAME_ARGS
+                  if _arg(other, k) != _arg(args, k)]
+        if differ:
+            raise ToolkitError(f"{it_dir} mixes two saves: {file}'s args differ from {first}'s "
+                               f"({', '.join(differ[:3])}); re-copy the iteration folder from one save")
         iteration = state.get("iteration", iteration)
         optimizers[rank_key(p, t, e, ep)] = {k: state.get(k) for k in ("optimizer", "opt_param_scheduler")}
         shards[rank_key(p, t, e, ep)] = model_chunks(state, vpp)
     return args, shards, iteration, optimizers
+
+
+_SAME_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+              "expert_model_parallel_size", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+              "num_query_groups", "group_query_attention", "padded_vocab_size", "num_experts",
+              "untie_embeddings_and_output_weights", "use_distributed_optimizer", "kv_channels")
+"""Args every rank file of one save holds alike: the model's shape and the layout it was saved at."""
+
+
+def _arg(args, name: str):
+    return getattr(args, name, None)
 
 
 def model_chunks(state: dict, vpp: int) -> list[dict]:

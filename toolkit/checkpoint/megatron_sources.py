@@ -12,6 +12,7 @@ from toolkit.checkpoint import megatron_flat, megatron_lm, megatron_plain, torch
 from toolkit.checkpoint.dist_keys import is_optimizer_key, sharded_name
 from toolkit.checkpoint.pickled_copy import tiling_axis
 from toolkit.checkpoint.pt_ranges import FileRanges
+from toolkit.checkpoint.safetensors_sources import meta_shards
 from toolkit.checkpoint.source_base import NO_OPTIMIZER_STATE, WEIGHT, Source, _ShardedSource
 from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import check_megatron_shards, iter_entries, raise_problems, rank_key
@@ -63,6 +64,17 @@ class MegatronLMSource(_ShardedSource):
 
         problems = check_megatron_shards(self._shards, iter_entries(self._dims, *self.layout[1:], self.ep),
                                          *self.layout, self.ep)
+        if not problems:  # each rank's shard has the shape its rule gives (totals that add up can still mix rows)
+            tp, pp = self.layout[:2]
+            for rank, shapes in meta_shards(self._dims, *self.layout, self.ep).items():
+                for key, want in shapes.items():
+                    chunk, name, _ = split_key(key)
+                    got = tuple(self._shards[rank][chunk][name].shape)
+                    if got != tuple(want):
+                        file = megatron_lm.rank_file(self._it_dir, rank[1], rank[0], pp, *(rank[2:] or (0,)), self.ep)
+                        problems.append(Problem(f"{file}", f"{key} is {list(got)}, but the args' layout (tp={tp}) "
+                                                f"gives each rank {list(want)}", "the rank files are not one save of "
+                                                "these args: re-copy the iteration folder"))
         self._optim = None
         if not weights_only and not problems:
             if all(o is None for o in optimizers.values()):

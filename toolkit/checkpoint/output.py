@@ -1,7 +1,8 @@
 """All-or-nothing output folders for `toolkit convert`: built in a hidden folder beside the destination, which is
 removed (with any parent folders it needed) when anything fails, and disk errors reported as what they are. Every
 output carries a mark naming what it holds (names.OUTPUT_MARK); an existing destination is replaced (--overwrite)
-only when it is such a folder and holds nothing else: never a folder the toolkit did not write."""
+only when it is such a folder and holds nothing else, at any depth: never a folder the toolkit did not write, nor a
+file a user added to one."""
 from __future__ import annotations
 
 import json
@@ -40,23 +41,40 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
 
 
 def _not_written_by_us(dst: Path) -> str | None:
-    """The first entry of `dst` that its mark does not list (or what is wrong with the mark); None if all are."""
+    """The first entry under `dst`, at any depth, that its mark does not list (or what is wrong with the mark); None
+    if all are. A mark written before marks listed subfolders' contents (2026-12-06: top-level names only) cannot
+    vouch for what a subfolder holds now, so its subfolders count as not ours."""
     if not dst.is_dir():
         return "a file where a folder would go"
     try:
-        listed = json.loads((dst / OUTPUT_MARK).read_text()).get("entries")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        listed = None
+        mark_ = json.loads((dst / OUTPUT_MARK).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        mark_ = None
+    listed = mark_.get("paths") if isinstance(mark_, dict) else None
     if not isinstance(listed, list):
-        listed = []  # no mark: nothing in it is ours (an empty folder may still be replaced: it holds nothing)
-    extra = sorted(p.name for p in dst.iterdir() if p.name != OUTPUT_MARK and p.name not in listed)
+        top = mark_.get("entries") if isinstance(mark_, dict) else None
+        top = top if isinstance(top, list) else []  # no mark: nothing in it is ours (an empty folder holds nothing)
+        for name in sorted(p.name for p in dst.iterdir() if p.name in top and p.is_dir() and not p.is_symlink()):
+            return f"{name}/, whose files its mark (from a toolkit before 2026-12-06) does not list"
+        listed = top
+    extra = sorted(set(_entries(dst)) - set(listed))
     return extra[0] if extra else None
 
 
+def _entries(folder: Path) -> list[str]:
+    """Every file, folder and link under `folder` but its mark, as paths relative to it (links not followed)."""
+    found = []
+    for top, dirs, files in os.walk(folder):
+        rel = Path(top).relative_to(folder)
+        found += [(rel / name).as_posix() for name in dirs + files]
+    return sorted(p for p in found if p != OUTPUT_MARK)
+
+
 def mark(folder: Path) -> None:
-    """Name everything in a finished output folder (before it is moved into place)."""
-    entries = sorted(p.name for p in folder.iterdir() if p.name != OUTPUT_MARK)
-    (folder / OUTPUT_MARK).write_text(json.dumps({"written_by": "toolkit convert", "entries": entries}) + "\n")
+    """Name everything in a finished output folder, at every depth (before it is moved into place)."""
+    entries = _entries(folder)
+    (folder / OUTPUT_MARK).write_text(json.dumps({"written_by": "toolkit convert", "paths": entries,
+                                                  "entries": [e for e in entries if "/" not in e]}) + "\n")
 
 
 def durable(folder: Path) -> None:
@@ -106,7 +124,8 @@ def scratch_folder(dst: Path, kind: str) -> Iterator[Path]:
         yield tmp
     except OSError as e:
         shutil.rmtree(created, ignore_errors=True)
-        raise ToolkitError(f"writing {dst} failed: {e.strerror} ({e.filename}); the partial output was removed, "
+        where = f" ({e.filename})" if e.filename else ""
+        raise ToolkitError(f"writing {dst} failed: {e.strerror or e}{where}; the partial output was removed, "
                            "nothing was written") from None
     except BaseException:
         shutil.rmtree(created, ignore_errors=True)

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from toolkit.checkpoint import megatron_lm
-from toolkit.checkpoint.dist_keys import is_optimizer_key, sharded_name
+from toolkit.checkpoint.dist_keys import is_optimizer_key, sharded_name, tiling_problem
 from toolkit.checkpoint.safetensors_sources import meta_shards
 from toolkit.checkpoint.source_base import NO_OPTIMIZER_STATE, WEIGHT, Source, _ShardedSource
 from toolkit.errors import ToolkitError
@@ -164,6 +164,8 @@ class TorchDistWeights(Source):
             self._where[(index.fqn, tuple(index.offset) if index.offset is not None else None)] = info
         self._tensors = {fqn: m for fqn, m in metadata.state_dict_metadata.items()
                          if hasattr(m, "chunks") and hasattr(m, "size")}
+        if any(tiling_problem(tuple(m.size), m.chunks) for m in self._tensors.values()):
+            raise _Declined("chunks that do not tile their tensor")  # the full path says which, in one line
         names = {local_spec_name(fqn): fqn for fqn in self._tensors if not fqn.endswith("_extra_state")}
         args = common["args"]
         megatron_lm.family_of_args(args, it_dir / "common.pt")

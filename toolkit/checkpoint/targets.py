@@ -43,7 +43,10 @@ class HFTarget:
         self._where = {name: w for w, spec in zip(self.writers, shards) for name in spec}
         write_index(folder, files, shards, self.total)
         config = dict(source.config)
-        config["torch_dtype"] = st.TORCH_NAMES[out_dtype]
+        # transformers 5 writes and reads "dtype", older ones "torch_dtype" (5 still takes it): every key there is
+        # rewritten, so that from_pretrained(dtype="auto") loads what was written
+        for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]:
+            config[key] = st.TORCH_NAMES[out_dtype]
         family = family_of_config(config)
         if not config.get("architectures"):  # absent, or None in a config made from a config class (no model saved it)
             config["architectures"] = [family.hf_architecture]  # vLLM and others pick the model class from it
@@ -61,10 +64,15 @@ class HFTarget:
             w.close()
 
 
-def _copy_tokenizer(source: Source, folder: Path) -> None:
-    """Carry the tokenizer along: from a Hugging Face source folder, or the recipe's local tokenizer folder."""
+def _copy_tokenizer(source: Source, folder: Path, recipe: bool = True) -> None:
+    """Carry the tokenizer (and generation_config.json, the chat template: TOKENIZER_FILES) along: from a Hugging Face
+    source folder, from a toolkit checkpoint's step folder that a conversion put them in, or (`recipe`) the recipe's
+    local tokenizer folder."""
     where = getattr(source, "folder", None)
-    if where is None and source.meta and source.meta.get("recipe"):
+    tag = getattr(source, "tag_dir", None)
+    if where is None and tag is not None and any((Path(tag) / name).is_file() for name in TOKENIZER_FILES):
+        where = tag
+    if where is None and recipe and source.meta and source.meta.get("recipe"):
 
         tok = Path(source.meta["recipe"].get("data", {}).get("tokenizer") or "")
         where = tok if tok.is_absolute() else REPO_ROOT / tok
@@ -159,6 +167,9 @@ class MegatronTarget:
                 raise ToolkitError("internal: a resumable Megatron target was made without its rank-state writer")
             self.rank_state(self.source.tag_dir / "toolkit_rank00000.pt",
                             [self.tag_dir / f"toolkit_rank{rank:05d}.pt" for rank in range(layout["world_size"])])
+        # the tokenizer files travel in the step folder, so that a conversion back to Hugging Face has them again
+        # (generation_config.json's eos_token_id list, the chat template); the manifest lists and hashes them
+        _copy_tokenizer(self.source, self.tag_dir, recipe=False)
         meta["files"] = manifest.complete(self.tag_dir, known)
         (self.tag_dir / META).write_text(json.dumps(meta, indent=2, default=str))
         (self.root / POINTER).write_text(self.tag_dir.name)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.checkpoint.dist_keys import tiling_problem
 from toolkit.errors import ToolkitError
 from toolkit.families.mapping import local_spec_name
 from toolkit.families.rules import buffer
@@ -59,6 +60,11 @@ class Reader:
         self._check_files()
         self._tensors = {fqn: m for fqn, m in self.metadata.state_dict_metadata.items()
                          if hasattr(m, "chunks") and hasattr(m, "size")}
+        for fqn, m in self._tensors.items():
+            problem = tiling_problem(tuple(m.size), m.chunks)
+            if problem:
+                raise ToolkitError(f"{self.dir / '.metadata'} disagrees with itself: {fqn} {problem}; the checkpoint "
+                                   "is damaged: re-copy it")
         self._where = {}
         self._fds: dict[str, int] = {}  # .distcp file -> open descriptor, for locate()
         self._located: dict[tuple, tuple | None] = {}  # (fqn, chunk offsets) -> (fd, byte offset, meta tensor)

@@ -155,10 +155,19 @@ def verify(tag_dir: Path, checksums: bool | set[str] = True) -> list[str]:
     """What is wrong with a checkpoint folder against its manifest: one line per bad file, [] when it matches.
     `checksums`: hash every file (True), none (False), or only the named ones (a rank's share)."""
     try:
-        files = read_meta(tag_dir).get("files") or {}  # none: written before manifests existed
+        meta = read_meta(tag_dir)
     except ToolkitError as e:
         return [str(e).replace(f"{tag_dir / META}", META, 1)]
+    files = meta.get("files") or {}  # none: written before manifests existed
     problems, to_hash = [], []
+    if isinstance(meta.get("schema_version"), int) and meta["schema_version"] >= 2:
+        # complete() lists every file of the folder: one it does not list was added, or its entry removed, after the
+        # save, and a reader would take it unchecked
+        if not isinstance(files, dict) or not files:
+            return [f"{META} lists no files (schema {meta['schema_version']} lists every file it saved): it was edited"]
+        problems += [f"{p.name} is not in the manifest (added after the save, or its entry removed from {META})"
+                     for p in sorted(tag_dir.iterdir()) if p.name not in files and p.name not in (META, STARTED)
+                     and (p.is_file() or p.is_symlink())]
     for name, entry in files.items():
         want = _size(entry)
         try:

@@ -197,6 +197,8 @@ class Slice(io.RawIOBase):
 def load(path: Path, start: int = 0, length: int | None = None):
     """The object torch.save wrote into `path` (or into its bytes [start, start + length)), each tensor a
     TensorRef whose byte offsets are the file's. NotReadHere when this reader does not take the file."""
+    if not Path(path).is_file():  # a pipe or a device would block the open or the read
+        raise NotReadHere("not a regular file")
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -269,6 +271,8 @@ torch's sizes, dtypes, layouts and memory formats by name."""
 def load_dcp_metadata(path: Path):
     """A torch DCP `.metadata` file (a plain pickle) read without torch: DCP's records as DCPRecords, sizes as
     tuples, dtypes as TorchNames. NotReadHere when it names anything else or does not unpickle."""
+    if not Path(path).is_file():  # as load()
+        raise NotReadHere("not a regular file")
     try:
         with open(path, "rb") as f:
             return DCPUnpickler(f, DCP_GLOBALS).load()

@@ -63,6 +63,8 @@ def load(path: Path, mmap: bool = False, deepspeed: bool | None = None, map_loca
     """torch.load(path) as weights only, with the allow-list; a ToolkitError naming the file when refused."""
     path = Path(path)
     if not path.is_file():
+        if path.exists():  # a pipe, a device or a folder: opening it could block
+            raise ToolkitError(f"{path} is not a regular file; replace it with the file the checkpoint was saved with")
         raise ToolkitError(f"{path} is missing: the checkpoint is incomplete (a rank did not save, or the file was "
                            "removed)")
     try:
@@ -151,6 +153,8 @@ def load_dcp_metadata(path: Path):
     global is refused before anything is called."""
     path = Path(path)
     if not path.is_file():
+        if path.exists():  # as load()
+            raise ToolkitError(f"{path} is not a regular file; replace it with the file the checkpoint was saved with")
         raise ToolkitError(f"{path} is missing: the torch_dist checkpoint is incomplete (its save did not finish)")
     try:
         with open(path, "rb") as f:
