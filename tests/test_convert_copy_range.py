@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import io
+import json
 import os
 import shutil
 import zlib
@@ -23,6 +24,7 @@ from toolkit.checkpoint.convert import convert
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
 from toolkit.format import file_copy as fc
+from toolkit.format import manifest
 from toolkit.format import row_gather
 from toolkit.format import safetensors_stream as st
 from toolkit.format.names import model_file, optim_file
@@ -58,6 +60,9 @@ def _add_optimizer_state(tag_dir: Path, tp: int, pp: int) -> None:
             seeded = {k: torch.Generator().manual_seed(zlib.crc32(k.encode())) for k in model}
             st.save({f"{k}:exp_avg": torch.randn(v.shape, generator=seeded[k]) for k, v in model.items()},
                     optim_file(tag_dir, t, p), {"step": "0"})
+    meta = json.loads((tag_dir / "toolkit_meta.json").read_text())  # listed, as a save lists every file it writes
+    meta["files"] = manifest.complete(tag_dir, {})
+    (tag_dir / "toolkit_meta.json").write_text(json.dumps(meta))
 
 
 def _quiet(**kw):

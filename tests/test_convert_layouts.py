@@ -18,6 +18,7 @@ from convert_chains import chain as chain_for
 from safetensors.torch import load_file
 
 from toolkit.checkpoint.convert import convert
+from toolkit.checkpoint.safetensors_sources import TOKENIZER_FILES
 from toolkit.errors import ToolkitError
 
 
@@ -44,7 +45,10 @@ def test_megatron_files_are_laid_out_as_asked(chain):
     meta = json.loads((tag / "toolkit_meta.json").read_text())
     assert meta["layout"] | {} == {"world_size": 4, "zero_stage": 0, "dp": 1, "tp": 2, "pp": 2, "vpp": 1, "cp": 1}
     assert meta["weights_only"] is True and meta["converted_from"] == "Hugging Face"
-    assert sorted(meta["files"]) == [f"model_tp{t:02d}_pp{p:03d}.safetensors" for t in range(2) for p in range(2)]
+    carried = [f for f in meta["files"] if not f.startswith("model_")]  # the HF source's tokenizer files, carried
+    assert set(carried) <= set(TOKENIZER_FILES), carried
+    assert sorted(set(meta["files"]) - set(carried)) == [f"model_tp{t:02d}_pp{p:03d}.safetensors" for t in range(2)
+                                                         for p in range(2)]
     first = load_file(str(tag / "model_tp01_pp000.safetensors"))
     assert first["chunk0.embedding.word_embeddings.weight"].shape == (256, 128)  # 500 padded to 512, split in two
     assert (first["chunk0.embedding.word_embeddings.weight"][VOCAB - 256:] == 0).all()  # the padding rows

@@ -108,6 +108,9 @@ def test_optimizer_state_is_left_to_the_full_path(tmp_path):
     convert(tmp_path / "hf", tmp_path / "tp2", "megatron", tp=2, verify=False, progress=False, log=lambda *_: None)
     tag = tmp_path / "tp2" / (tmp_path / "tp2" / "latest_complete").read_text().strip()
     (tag / "optim_tp00_pp000.safetensors").write_bytes(b"")  # enough to decline; the full path would refuse it
+    meta = json.loads((tag / "toolkit_meta.json").read_text())  # listed, as a save lists every file it writes
+    meta["files"]["optim_tp00_pp000.safetensors"] = manifest.file_entry(tag / "optim_tp00_pp000.safetensors")
+    (tag / "toolkit_meta.json").write_text(json.dumps(meta))
     quiet = dict(verify=False, progress=False, log=lambda *_: None)
     assert copy_only.convert_by_copy(tmp_path / "tp2", tmp_path / "a", "megatron", tp=1, **quiet) == (None, False)
     assert copy_only.convert_by_copy(tmp_path / "tp2", tmp_path / "b", "megatron", tp=1, weights_only=True,

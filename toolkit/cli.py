@@ -10,7 +10,9 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 from typing import TYPE_CHECKING
 
 from toolkit.errors import ToolkitError
@@ -185,9 +187,6 @@ def cmd_convert(args) -> int:
     """`toolkit convert`. SIGTERM (scancel, a Slurm time limit, docker stop, kill) stops it as Ctrl-C does: the
     partial output is removed on the way out (toolkit/checkpoint/output.py scratch_folder), an existing DST is left
     as it was, and one line says so (before, SIGTERM killed the process and left a hidden `.DST.partial-PID`)."""
-    import signal
-    import threading
-
     got: list[int] = []
 
     def stop(signum, _frame) -> None:
