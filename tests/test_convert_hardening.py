@@ -303,3 +303,31 @@ def test_tokenizer_and_generation_config_survive_a_trip_through_megatron(tmp_pat
         assert (tmp_path / "back" / name).read_bytes() == (src / name).read_bytes(), name
     meta = json.loads((tmp_path / "mg2" / "step_00000000" / "toolkit_meta.json").read_text())
     assert "generation_config.json" in meta["files"]  # listed and hashed like the tensors' files
+
+
+def test_a_signal_during_the_final_renames_waits_until_dst_is_in_place(tmp_path, monkeypatch):
+    """Between moving the old DST aside and the new one in, DST does not exist: a SIGTERM there would leave the old
+    output hidden as .DST.old-PID and no DST. It now stops the conversion only once both renames and the old copy's
+    removal are done (output.stop_on_signals)."""
+    import signal
+
+    from toolkit.checkpoint import output
+
+    dst, tmp = tmp_path / "out", tmp_path / ".out.partial"
+    for folder, text in ((dst, "old"), (tmp, "new")):
+        folder.mkdir()
+        (folder / "weights").write_text(text)
+    real, sent = os.replace, []
+
+    def replace_and_signal(a, b):
+        real(a, b)
+        if not sent:  # the old DST just moved aside
+            sent.append(sorted(p.name for p in tmp_path.iterdir()))
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(output.os, "replace", replace_and_signal)
+    with output.stop_on_signals() as got, pytest.raises(KeyboardInterrupt):
+        output.replace(tmp, dst)
+    assert sent and sent[0] != ["out"] and got == [signal.SIGTERM]  # it came mid-way, and stopped the rest after
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (dst / "weights").read_text() == "new"
+    assert signal.getsignal(signal.SIGTERM) is not None and not output._held["on"]

@@ -33,7 +33,7 @@ HEAVY = {"torch", "deepspeed", "megatron", "transformers", "datasets", "transfor
 # toolkit modules that cli.py may import inside a command: each pulls in torch (copy_only: numpy), which `validate`
 # never needs
 LAZY_FOR_STARTUP = {"toolkit.checkpoint.inspect", "toolkit.checkpoint.convert", "toolkit.megatron.runtime",
-                    "toolkit.data.indexed", "toolkit.checkpoint.copy_only",
+                    "toolkit.data.indexed", "toolkit.checkpoint.copy_only", "toolkit.checkpoint.output",
                     # and what only some commands use (0.3 s of imports `toolkit convert` never needs)
                     "toolkit.doctor", "toolkit.adapters.deepspeed", "toolkit.adapters.megatron", "toolkit.plan",
                     "toolkit.recipe", "toolkit.recipe.schema", "toolkit.slurm", "yaml", "pydantic"}

@@ -12,7 +12,6 @@ import math
 import os
 import signal
 import sys
-import threading
 from typing import TYPE_CHECKING
 
 from toolkit.errors import ToolkitError
@@ -184,28 +183,33 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    """`toolkit convert`. SIGTERM (scancel, a Slurm time limit, docker stop, kill) stops it as Ctrl-C does: the
-    partial output is removed on the way out (toolkit/checkpoint/output.py scratch_folder), an existing DST is left
-    as it was, and one line says so (before, SIGTERM killed the process and left a hidden `.DST.partial-PID`)."""
-    got: list[int] = []
+    """`toolkit convert`. Ctrl-C and SIGTERM (scancel, a Slurm time limit, docker stop, kill) stop it: the partial
+    output is removed on the way out (toolkit/checkpoint/output.py scratch_folder, stop_on_signals), an existing DST
+    is left as it was, and one line says so (before, SIGTERM killed the process and left a hidden
+    `.DST.partial-PID`)."""
+    from toolkit.checkpoint.output import stop_on_signals  # lazy: as _convert's imports
 
-    def stop(signum, _frame) -> None:
-        got.append(signum)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the removal short
-        raise KeyboardInterrupt
+    before = _identity(args.dst)
+    with stop_on_signals() as got:
+        try:
+            return _convert(args)
+        except KeyboardInterrupt:
+            name = {signal.SIGTERM: "SIGTERM"}.get(got[0] if got else None, "Ctrl-C")
+            if _identity(args.dst) not in (before, None):  # it came once the output was in place (output.replace)
+                print(f"error: interrupted ({name}) just after {args.dst} was written: it is complete",
+                      file=sys.stderr)
+            else:
+                print(f"error: interrupted ({name}): the conversion stopped and its partial output was removed; "
+                      f"{args.dst} is as it was. Run the same command again to convert", file=sys.stderr)
+            return 128 + (got[0] if got else signal.SIGINT)
 
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
+
+def _identity(path: str) -> tuple[int, int] | None:
     try:
-        return _convert(args)
-    except KeyboardInterrupt:
-        name = "SIGTERM" if got else "Ctrl-C"
-        print(f"error: interrupted ({name}): the conversion stopped and its partial output was removed; {args.dst} is "
-              "as it was. Run the same command again to convert", file=sys.stderr)
-        return 128 + (got[0] if got else signal.SIGINT)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _convert(args) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -87,15 +89,59 @@ def durable(folder: Path) -> None:
 
 def replace(tmp: Path, dst: Path) -> None:
     """Move the finished folder into place, once all of it is on disk; an old DST (checked by check_destination) is
-    kept until the new one is there, then removed."""
+    kept until the new one is there, then removed. Ctrl-C and SIGTERM wait until that is done: between the two
+    renames DST would be missing, its old copy hidden beside it (stop_on_signals)."""
     mark(tmp)
     durable(tmp)
     old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-    if dst.exists():
-        os.replace(dst, old)
-    os.replace(tmp, dst)
-    paths.fsync(dst.parent)  # the rename itself on disk
-    shutil.rmtree(old, ignore_errors=True)
+    with _signals_held():
+        if dst.exists():
+            os.replace(dst, old)
+        os.replace(tmp, dst)
+        paths.fsync(dst.parent)  # the rename itself on disk
+        shutil.rmtree(old, ignore_errors=True)
+
+
+_held = {"on": False, "got": []}  # inside replace()'s renames: the signals that came meanwhile
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait (stop_on_signals' handlers note them) until the block ends, then stop the conversion."""
+    _held["on"] = True
+    try:
+        yield
+    finally:
+        _held["on"] = False
+    if _held["got"]:
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM (scancel, a Slurm time limit, docker stop, kill) both raise KeyboardInterrupt in the main
+    thread, so the conversion stops through scratch_folder's clean-up; inside replace()'s renames they wait until
+    DST is in place. Yields the list of signals received. A no-op off the main thread (no handlers can be set)."""
+    got: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+
+    def stop(signum, _frame) -> None:
+        got.append(signum)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+        if _held["on"]:
+            _held["got"].append(signum)
+        else:
+            raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield got
+    finally:
+        _held["got"].clear()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _outermost_new(path: Path) -> Path:
