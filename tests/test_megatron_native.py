@@ -291,6 +291,7 @@ def test_planted_pickles_in_torch_dist_never_run(native, tmp_path):
     ("missing_distcp", r"__1_0\.distcp is missing: the torch_dist checkpoint is incomplete"),
     ("truncated_distcp", r"\.metadata disagrees with the files: it places .* of __0_1\.distcp, which has"),
     ("tracker", r"latest_checkpointed_iteration\.txt points at iter_0000009, which does not exist"),
+    ("overlapping_chunks", r"\.metadata disagrees with itself: .* has chunks at .* that overlap"),
 ])
 def test_damaged_torch_dist_gives_one_line_and_writes_nothing(native, tmp_path, damage, message):
     src = _copy(native, "torch_dist", tmp_path)
@@ -299,6 +300,13 @@ def test_damaged_torch_dist_gives_one_line_and_writes_nothing(native, tmp_path, 
         (it / "__1_0.distcp").unlink()
     elif damage == "truncated_distcp":
         (it / "__0_1.distcp").write_bytes((it / "__0_1.distcp").read_bytes()[:5000])
+    elif damage == "overlapping_chunks":  # as many values as the tensor, but two chunks at the same place, a gap
+        import torch.distributed.checkpoint  # noqa: F401 - DCP's classes, to unpickle this test's own file
+
+        meta = pickle.loads((it / ".metadata").read_bytes())
+        chunks = next(m.chunks for m in meta.state_dict_metadata.values() if len(getattr(m, "chunks", [])) == 2)
+        chunks[1] = type(chunks[0])(offsets=chunks[0].offsets, sizes=chunks[1].sizes)
+        (it / ".metadata").write_bytes(pickle.dumps(meta))
     else:
         (src / "latest_checkpointed_iteration.txt").write_text("9")
     for verify in (True, False):  # --no-verify: the torch-free reader declines it, the full path says why
@@ -311,6 +319,34 @@ def test_damaged_torch_dist_gives_one_line_and_writes_nothing(native, tmp_path, 
                            "--vocab-size", str(VOCAB)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, damage, message", [
+    ("legacy", "iteration", r"mixes two saves: .*mp_rank_00_001/model_optim_rng\.pt is iteration 4"),
+    ("legacy", "args", r"mixes two saves: .*args differ from .* \(num_layers 6 against 4\)"),
+    ("legacy_plain_tp2", "rows", r"mp_rank_00/model_optim_rng\.pt: chunk0\.decoder\.layers\.0\.mlp\.linear_fc1\.weight is"),
+])
+def test_real_legacy_rank_files_of_two_saves_are_refused(native, tmp_path, kind, damage, message):
+    """Megatron-Core's own rank files, one of them changed as a copy from another save would be: another iteration,
+    other args, or shards whose sizes add up but whose rows moved between TP ranks. Refused, nothing written."""
+    src = _copy(native, kind, tmp_path)
+    files = sorted(src.glob("iter_*/mp_rank_*/model_optim_rng.pt"))
+    states = [torch.load(f, weights_only=False) for f in files]  # trusted: this test's own writer
+    if damage == "iteration":
+        states[1]["iteration"] = states[0]["iteration"] + 1
+    elif damage == "args":
+        states[1]["args"].num_layers = 6
+    else:
+        key = next(k for k in states[0]["model"] if k.endswith("layers.0.mlp.linear_fc1.weight"))
+        a, b = states[0]["model"][key], states[1]["model"][key]
+        states[0]["model"][key], states[1]["model"][key] = torch.cat([a, b[:8]]).clone(), b[8:].clone()
+    for f, state in zip(files, states):
+        torch.save(state, f)
+    for verify in (True, False):
+        with pytest.raises(ToolkitError, match=message):
+            convert(src, tmp_path / "hf", "hf", vocab_size=VOCAB, verify=verify, progress=False, log=lambda *_: None)
+        assert not (tmp_path / "hf").exists() and sorted(p.name for p in tmp_path.iterdir()) == [kind]
 
 
 @pytest.mark.slow
