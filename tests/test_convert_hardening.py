@@ -331,3 +331,63 @@ def test_a_signal_during_the_final_renames_waits_until_dst_is_in_place(tmp_path,
     assert sent and sent[0] != ["out"] and got == [signal.SIGTERM]  # it came mid-way, and stopped the rest after
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (dst / "weights").read_text() == "new"
     assert signal.getsignal(signal.SIGTERM) is not None and not output._held["on"]
+
+
+def test_a_conversion_the_copy_path_hands_on_prints_its_lines_once(sources, tmp_path, capsys, monkeypatch):
+    """The copy path announces a conversion, then finds a parameter it cannot copy and hands it to the full path:
+    the "converting" and "optimizer state" lines were printed twice, with the hand-over line between (2026-12-06)."""
+    from toolkit.checkpoint import byte_ranges
+
+    real = byte_ranges.plan
+
+    def refuse_the_norm(source, target, entry, *args, **kw):
+        return None if entry.megatron_name == "decoder.final_layernorm.weight" else real(source, target, entry,
+                                                                                          *args, **kw)
+
+    monkeypatch.setattr(byte_ranges, "plan", refuse_the_norm)
+    assert cli.main(["convert", "--quiet", str(sources / "td"), str(tmp_path / "out"), "--to", "megatron",
+                     "--vocab-size", "500"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("optimizer state:") == 1 and out.count("converting ") == 1, out
+    assert "not a copy of source byte ranges" not in out, out  # said with --verbose
+    assert cli.main(["convert", "--quiet", "--verbose", "--no-verify", str(sources / "td"), str(tmp_path / "v"),
+                     "--to", "megatron", "--vocab-size", "500"]) == 0
+    out = capsys.readouterr().out
+    assert "decoder.final_layernorm.weight is not a copy of source byte ranges" in out, out
+    assert out.count("optimizer state:") == 1, out
+
+
+def test_what_a_killed_conversion_left_beside_dst_is_named_and_kept(sources, tmp_path, capsys):
+    """SIGKILL cannot be caught: a conversion killed while writing leaves .DST.partial-PID (the size of the model),
+    and one killed between replace()'s two renames leaves DST's old copy as .DST.old-PID with no DST. The next
+    conversion to DST names each, with what to do, and removes nothing (another node may be writing it)."""
+    gone = 4194999  # above Linux's largest pid_max (2**22): no process has it
+    partial, old = tmp_path / f".out.partial-{gone}", tmp_path / f".out.old-{gone}"
+    for folder in (partial, old):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"\0" * 2**20)
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        running = tmp_path / f".out.partial-{alive.pid}"
+        running.mkdir()
+        before = listing(tmp_path)
+        assert cli.main(["convert", "--quiet", "--no-verify", str(sources / "hf"), str(tmp_path / "out"),
+                         "--to", "megatron"]) == 0
+    finally:
+        alive.kill()
+        alive.wait()
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 3, err
+    assert any(f"{tmp_path / 'out'} is missing and {old} is its earlier copy" in n and f"`mv {old} " in n
+               for n in notes), err
+    assert any(f"{partial} (0.00 GiB) is the unfinished output of a conversion to" in n and f"process {gone}" in n
+               and f"`rm -r {partial}`" in n for n in notes), err
+    assert any(f"{running} is being written by process {alive.pid}" in n for n in notes), err
+    assert [p for p in listing(tmp_path) if not p[0].startswith("out")] == before  # all three kept as they were
+    # DST now exists: the old copy is named as one to remove, not to move back
+    capsys.readouterr()
+    assert cli.main(["convert", "--quiet", "--no-verify", "--overwrite", str(sources / "hf"), str(tmp_path / "out"),
+                     "--to", "megatron"]) == 0
+    err = capsys.readouterr().err
+    assert f"{old} (0.00 GiB) is an earlier copy of {tmp_path / 'out'}" in err, err

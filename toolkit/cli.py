@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from toolkit.errors import ToolkitError
@@ -214,11 +215,14 @@ def _identity(path: str) -> tuple[int, int] | None:
 
 def _convert(args) -> int:
     from toolkit.checkpoint.copy_only import convert_by_copy  # lazy: `validate` and `plan` never need it
+    from toolkit.checkpoint.output import left_behind  # lazy: as above
 
     if args.vpp > 1 and args.pp == 1:  # as the recipe's check (toolkit/recipe/checks.py): Megatron would not run it
         raise ToolkitError(f"--vpp {args.vpp} virtual chunks need pipeline parallelism, but --pp is 1; pass --pp 2 or "
                            "more, or drop --vpp. Nothing was written")
 
+    for line in left_behind(Path(args.dst)):  # what a killed conversion to DST left beside it (SIGKILL)
+        print(f"note: {line}", file=sys.stderr)
     if "torch" not in sys.modules:  # read once, when torch loads its OpenMP runtime
         # the verification's forward: OpenMP's threads sleep between its parallel regions instead of spinning,
         # which took a fifth of the check's CPU time from its hash threads on 2 cores (docs/performance.md)

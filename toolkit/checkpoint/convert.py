@@ -112,8 +112,9 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
                 log(f"converting {source.describe()} at {src} -> {to}"
                     + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
                     + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write)")
-            if to != "hf" and (getattr(source, "optimizer_note", None)
-                                                      or getattr(target, "note", None)):
+            # the copy path that began this printed the source's note (copy_only.convert_by_copy): not twice
+            if to != "hf" and not (announced and getattr(source, "optimizer_note", None)) and (
+                    getattr(source, "optimizer_note", None) or getattr(target, "note", None)):
                 log(f"optimizer state: {source.optimizer_note or target.note}")
             digests = Digests() if verify else None
             if verify:

@@ -96,7 +96,8 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
     except _NotByCopy as e:
         if checker is not None:
             checker.join()  # the full path imports the same modules: not from two threads at once
-        log(f"{e}: converting through memory instead")
+        if verbose:  # otherwise the full path's own lines follow (and its error, if it refuses the source)
+            log(f"{e}: converting through memory instead")
         return None, begun
     finally:
         source.close()

@@ -144,6 +144,62 @@ def stop_on_signals() -> Iterator[list[int]]:
             signal.signal(sig, handler)
 
 
+_SCRATCH_KINDS = ("partial", "reshard", "old")  # scratch_folder's kinds, and replace()'s hidden old DST
+
+
+def left_behind(dst: Path) -> list[str]:
+    """A line for each hidden folder beside `dst` that an earlier conversion to it left: SIGKILL (or a power cut)
+    cannot be caught, so its `.DST.partial-PID` stays, or, between replace()'s two renames, DST's earlier copy stays
+    hidden as `.DST.old-PID` with DST missing. Nothing is removed here: the lines name each one and what to do."""
+    dst = Path(dst)
+    try:
+        siblings = list(dst.parent.iterdir()) if dst.parent.is_dir() else []
+    except OSError:
+        return []
+    lines = []
+    for path in sorted(siblings):
+        kind, _, pid = path.name.removeprefix(f".{dst.name}.").rpartition("-")
+        if not path.name.startswith(f".{dst.name}.") or kind not in _SCRATCH_KINDS or not pid.isdigit():
+            continue
+        if path.is_symlink() or not path.is_dir():
+            continue
+        if int(pid) != os.getpid() and _running(int(pid)):
+            lines.append(f"{path} is being written by process {pid}, another conversion to {dst}: the later of the "
+                         "two to finish replaces the other's output")
+        elif kind == "old" and not dst.exists():
+            lines.append(f"{dst} is missing and {path} is its earlier copy: a conversion was killed between the two "
+                         f"renames that replace it. `mv {path} {dst}` puts it back")
+        elif kind == "old":
+            lines.append(f"{path} ({_gib(path)}) is an earlier copy of {dst} that a killed conversion left after "
+                         f"writing the new one; remove it (`rm -r {path}`) once you no longer need it")
+        else:
+            lines.append(f"{path} ({_gib(path)}) is the unfinished output of a conversion to {dst} by process {pid}, "
+                         "which is not running on this machine: unless a conversion on another node writes it, that "
+                         f"one was killed; remove it (`rm -r {path}`) to free the space")
+    return lines
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: it exists
+        return True
+    return True
+
+
+def _gib(folder: Path) -> str:
+    total = 0
+    for top, _dirs, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(top, name)).st_size
+            except OSError:
+                pass
+    return f"{total / 2**30:.2f} GiB"
+
+
 def _outermost_new(path: Path) -> Path:
     """The outermost folder that creating `path` (with its parents) would make."""
     path = path.absolute()
