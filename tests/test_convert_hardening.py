@@ -391,3 +391,145 @@ def test_what_a_killed_conversion_left_beside_dst_is_named_and_kept(sources, tmp
                      "--to", "megatron"]) == 0
     err = capsys.readouterr().err
     assert f"{old} (0.00 GiB) is an earlier copy of {tmp_path / 'out'}" in err, err
+
+
+# ---------------------------------------------------------------- a second trial (2026-12-07)
+def _copy_hf(sources, tmp_path: Path, name: str) -> Path:
+    import shutil
+
+    folder = tmp_path / name
+    shutil.copytree(sources / "hf", folder)
+    return folder
+
+
+def _edit_config(folder: Path, **fields) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+def _tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+def _save(tensors: dict, folder: Path, name: str = "model.safetensors") -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, folder / name, {"format": "pt"})
+
+
+def test_a_tied_config_with_its_own_lm_head_is_refused(sources, tmp_path, capsys):
+    """tie_word_embeddings true, and an lm_head.weight that differs from the embeddings: transformers loads it untied,
+    but the conversion dropped lm_head and said "verified" (the output's logits were another model's)."""
+    src = _copy_hf(sources, tmp_path, "src")
+    _edit_config(src, tie_word_embeddings=True)
+    tensors = _tensors(src)
+    _save({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"] + 1}, src)
+    before = listing(tmp_path)
+    code = cli.main(["convert", "--quiet", str(src), str(tmp_path / "out"), "--to", "hf"])
+    err = capsys.readouterr().err
+    assert code == 2 and "lm_head.weight: differs from model.embed_tokens.weight, yet config.json ties them" in err
+    assert listing(tmp_path) == before
+    _save({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()}, src)  # the same bytes: fine
+    assert cli.main(["convert", "--quiet", str(src), str(tmp_path / "out"), "--to", "hf"]) == 0
+    assert "lm_head.weight" not in _tensors(tmp_path / "out")
+
+
+def test_a_folder_with_model_safetensors_and_an_index_of_other_files_is_refused(sources, tmp_path, capsys):
+    """transformers loads model.safetensors when both are there; the converter read the index's shards and said
+    "verified" for weights transformers never loads from that folder."""
+    src = _copy_hf(sources, tmp_path, "src")
+    tensors = _tensors(src)
+    _save(tensors, src, "model-00001-of-00001.safetensors")
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in tensors}}))
+    _save({n: t * 2 for n, t in tensors.items()}, src)
+    before = listing(tmp_path)
+    code, text = run(["convert", "--quiet", str(src), str(tmp_path / "out"), "--to", "hf"], capsys)
+    one_line(code, text, "holds both model.safetensors and model.safetensors.index.json, which names other files")
+    assert listing(tmp_path) == before
+
+
+def test_weights_of_two_dtypes_need_dtype(sources, tmp_path, capsys):
+    src = _copy_hf(sources, tmp_path, "src")
+    tensors = _tensors(src)
+    _save({**tensors, "model.norm.weight": tensors["model.norm.weight"].float()}, src)
+    before = listing(tmp_path)
+    for to in ("hf", "megatron"):
+        code, text = run(["convert", "--quiet", str(src), str(tmp_path / "out"), "--to", to], capsys)
+        one_line(code, text, "holds weights of more than one dtype (20 BF16, 1 F32); pass --dtype bf16, fp16 or fp32")
+    assert listing(tmp_path) == before
+    assert cli.main(["convert", "--quiet", str(src), str(tmp_path / "out"), "--to", "hf", "--dtype", "bf16"]) == 0
+    assert {t.dtype for t in _tensors(tmp_path / "out").values()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("field, value", [("num_attention_heads", 4.0), ("hidden_size", "64"), ("num_key_value_heads", True),
+                                          ("rms_norm_eps", "1e-5")])
+def test_a_config_value_of_the_wrong_type_is_refused(sources, tmp_path, capsys, field, value):
+    """4.0 heads reached the output's safetensors header as the shape [64.0, 64] (unloadable) with --no-verify; a
+    string eps crashed the check with a transformers traceback. `inspect` called both complete."""
+    src = _copy_hf(sources, tmp_path, "src")
+    _edit_config(src, **{field: value})
+    before = listing(tmp_path)
+    code, text = run(["convert", "--quiet", "--no-verify", str(src), str(tmp_path / "out"), "--to", "hf"], capsys)
+    one_line(code, text, f"llama config gives {field} = {value!r}: sizes must be positive whole numbers")
+    assert listing(tmp_path) == before
+    assert cli.main(["inspect", str(src), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["complete"] is False
+
+
+@pytest.mark.parametrize("where", ["config.json", "model.safetensors.index.json", "header"])
+def test_json_nested_too_deep_is_one_line(sources, tmp_path, capsys, where):
+    """Nested 100,000 deep: a RecursionError traceback of 40 lines before."""
+    import struct
+
+    src = _copy_hf(sources, tmp_path, "src")
+    deep = "[" * 100_000 + "]" * 100_000
+    if where == "header":
+        raw = (src / "model.safetensors").read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        text = deep.encode().ljust(n)
+        (src / "model.safetensors").write_bytes(raw[:8].replace(raw[:8], struct.pack("<Q", len(text))) + text
+                                                + raw[8 + n:])
+    else:
+        (src / where).write_text(deep)
+    before = listing(tmp_path)
+    code, text = run(["convert", "--quiet", str(src), str(tmp_path / "out"), "--to", "hf"], capsys)
+    one_line(code, text, "maximum recursion depth exceeded")
+    assert listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00", b"a" * 300], ids=["binary", "long"])
+def test_a_pointer_file_that_names_no_folder_is_one_line(sources, tmp_path, capsys, content):
+    """A checkpoint's pointer file (here a toolkit Megatron latest_complete; DeepSpeed's latest, Megatron-LM's tracker
+    and latest_universal are read the same way) holding NUL bytes crashed with "embedded null byte", and a 50 MB one
+    with "File name too long" after reading it whole."""
+    import shutil
+
+    assert cli.main(["convert", "--quiet", "--no-verify", str(sources / "hf"), str(tmp_path / "mg"), "--to",
+                     "megatron"]) == 0
+    src = tmp_path / "src"
+    shutil.copytree(tmp_path / "mg", src)
+    (src / "latest_complete").write_bytes(content)
+    capsys.readouterr()
+    before = listing(tmp_path)
+    code, text = run(["convert", "--quiet", str(src), str(tmp_path / "out"), "--to", "hf"], capsys)
+    one_line(code, text, "latest_complete holds ")
+    assert listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("option", [["--config", "x"], ["--dp", "4"], ["--fp32"]])
+def test_an_option_that_does_not_apply_is_refused_not_ignored(sources, tmp_path, capsys, option):
+    """HF -> HF with --config qwen2 --fp32 --dp 4 exited 0 with a llama bf16 output: each option was ignored."""
+    before = listing(tmp_path)
+    code, text = run(["convert", "--quiet", str(sources / "hf"), str(tmp_path / "out"), "--to", "hf", *option], capsys)
+    one_line(code, text, f"{option[0]} ")
+    assert listing(tmp_path) == before
+
+
+def test_inspect_of_a_config_that_is_not_json_is_one_line(sources, tmp_path, capsys):
+    src = _copy_hf(sources, tmp_path, "src")
+    (src / "config.json").write_text("{broken")
+    code, text = run(["inspect", str(src)], capsys)
+    one_line(code, text, "config.json is not a Hugging Face config.json")

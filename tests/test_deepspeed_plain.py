@@ -399,3 +399,42 @@ def test_universal_bad_input_one_line_nothing_written(runs, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["no_optim", "planted", "taken", "uc"]
     assert not marker.exists()
     assert not any((tmp_path / "taken").iterdir())
+
+
+@pytest.mark.slow
+def test_universal_files_linked_out_of_the_checkpoint_are_not_read(runs, tmp_path, capsys):
+    """A universal checkpoint whose zero/ folder, or one fp32.pt in it, is a link to another checkpoint's: read and
+    converted before 2026-12-07 (only a parameter's folder was checked). Now one line, nothing written."""
+    root = runs(2)
+    name = "uc_llama_z2_bf16"
+    assert cli.main(["convert", str(root / name), str(tmp_path / "other"), "--to", "universal", "--quiet"]) == 0
+    tag = next((tmp_path / "other").glob("global_step*")).name
+    linked_zero, linked_file = tmp_path / "linked_zero", tmp_path / "linked_file"
+    for folder in (linked_zero, linked_file):
+        shutil.copytree(tmp_path / "other", folder)
+    shutil.rmtree(linked_zero / tag / "zero")
+    (linked_zero / tag / "zero").symlink_to(tmp_path / "other" / tag / "zero")
+    victim = linked_file / tag / "zero" / "model.norm.weight" / "fp32.pt"
+    victim.unlink()
+    victim.symlink_to(tmp_path / "other" / tag / "zero" / "model.norm.weight" / "fp32.pt")
+    for src in (linked_zero, linked_file):
+        capsys.readouterr()
+        assert convert(src, tmp_path / "out", "--config", root / f"{name}.config") != 0
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err and "outside" in err and "fp32.pt" in err, err
+        assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_inspect_json_of_a_deepspeed_checkpoint_is_only_json(runs):
+    """DeepSpeed's first import logs "Setting accelerator to CPU" to stdout on a machine without a GPU: `inspect
+    --json` printed it before the JSON (so json.load failed), and every conversion printed it. In a fresh process,
+    as a user runs it."""
+    import subprocess
+    import sys
+
+    root = runs(2)
+    proc = subprocess.run([sys.executable, "-m", "toolkit", "inspect", str(root / "llama_z1_fp32"), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    report = json.loads(proc.stdout)
+    assert report["format"] and "accelerator" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr

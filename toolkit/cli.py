@@ -464,6 +464,11 @@ def main(argv: list[str] | None = None) -> int:
     except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except RecursionError:  # a JSON or pickle file nested thousands deep (no library writes one) where no reader
+        # of ours names the file: one line all the same
+        print("error: an input file nests deeper than Python can read (a JSON or pickle file no library writes); "
+              "re-copy or re-save it. Nothing was written", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `toolkit plan ... | head`: the reader left; not an error of ours
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at interpreter exit
         return 0

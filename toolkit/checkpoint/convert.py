@@ -37,7 +37,8 @@ from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed, reshard_plai
 from toolkit.checkpoint.megatron_lm_optim import optimizer_plan, optimizer_writer
 from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.plain_to_hf import convert_plain_to_hf
-from toolkit.checkpoint.sources import WEIGHT, Source, follow_pointer, open_source
+from toolkit.checkpoint.safetensors_sources import require_one_dtype
+from toolkit.checkpoint.sources import WEIGHT, DeepSpeedHFSource, Source, follow_pointer, open_source
 from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, report, writers
 from toolkit.checkpoint.targets import HFTarget, MegatronTarget
 from toolkit.checkpoint.torch_dist_write import TorchDistTarget
@@ -77,6 +78,12 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
         if dtype is not None and dtype not in DTYPES:
             raise ToolkitError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         return convert_plain_to_hf(src, dst, config, fp32, DTYPES[dtype] if dtype else None, overwrite, verify, log)
+    if config is not None:  # read by the two branches above only: never ignored silently
+        raise ToolkitError(f"--config gives the model of a DeepSpeed checkpoint (plain or universal) converted --to hf; "
+                           f"{src} --to {to} reads its own: drop --config")
+    if dp is not None and to != "deepspeed":
+        raise ToolkitError(f"--dp sets the data-parallel size of a DeepSpeed target (--to deepspeed); drop it for "
+                           f"--to {to}")
     if copy:
         copied, announced = copy_only.convert_by_copy(src, dst, to, tp, pp, vpp, dtype, vocab_size, fp32,
                                                       weights_only, overwrite, verify, dp, progress, log, config,
@@ -98,6 +105,11 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     # a Hugging Face target carries no optimizer state: it never reads (nor can be stopped by) the source's
     source, check = _open_checking(src, vocab_size, fp32, weights_only or to == "hf")
     try:
+        if fp32 and not isinstance(source, DeepSpeedHFSource):
+            raise ToolkitError(f"--fp32 takes a DeepSpeed checkpoint's fp32 master weights; {src} is a "
+                               f"{source.kind} checkpoint: drop --fp32 (--dtype fp32 casts the weights)")
+        if not dtype:
+            require_one_dtype(source)
         with output.scratch_folder(dst, "partial") as tmp, check:
             cast = DTYPES[dtype] if dtype else None
             target = (HFTarget(tmp, source, cast) if to == "hf"

@@ -183,7 +183,11 @@ def _open(src: Path, weights_only: bool, vocab_size: int | None) -> Source | Non
             # a Hugging Face folder, not a DeepSpeed checkpoint with a config beside it (those hold pickles)
             if any(src.glob("*.pt")) or any(src.glob("latest*")) or (src / "zero").exists():
                 return None
-            return HFSource(src)
+            source = HFSource(src)
+            if len(source.dtypes) == 1:
+                return source
+            source.close()  # weights of more than one dtype: the full path says so
+            return None
         tag = follow_pointer(src)
         if not (tag / META).is_file() or manifest.verify(tag, False):
             return None

@@ -58,7 +58,7 @@ def resolve_tag(path: Path) -> Path:
     if not pointer.is_file():
         raise ToolkitError(f"{path} holds no DeepSpeed model-states files and no `latest` file; pass the checkpoint "
                            "folder engine.save_checkpoint wrote, or one of its global_step* folders")
-    tag = pointer.read_text(errors="replace").strip()
+    tag = paths.pointer(pointer)
     folder = paths.inside(path, tag, str(pointer))
     if not _is_tag(folder):
         what = "holds no model-states files" if folder.is_dir() else "does not exist"

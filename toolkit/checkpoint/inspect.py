@@ -11,6 +11,7 @@ from pathlib import Path
 
 from toolkit.checkpoint import megatron_lm, torch_dist
 from toolkit.checkpoint.deepspeed_plain import inspect_plain, is_plain
+from toolkit.checkpoint.safetensors_sources import read_json
 from toolkit.checkpoint.universal import inspect_universal, is_universal
 from toolkit.checkpoint.sources import refusal
 from toolkit.errors import ToolkitError
@@ -60,11 +61,12 @@ def _agree(report: dict, path: Path, vocab_size: int | None = None) -> dict:
 
 def inspect_hf(folder: Path) -> dict:
 
-    config = json.loads((folder / "config.json").read_text())
+    config = read_json(paths.inside(folder, "config.json", str(folder)), "a Hugging Face config.json", dict)
     params, dtypes, problems = 0, {}, []
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        wanted = set(json.loads(index.read_text())["weight_map"].values())
+        weight_map = read_json(paths.inside(folder, index.name, str(folder)), "a safetensors index", dict).get("weight_map")
+        wanted = {f for f in weight_map.values() if isinstance(f, str)} if isinstance(weight_map, dict) else set()
         problems += [f"{name} is listed in the index but missing" for name in sorted(wanted)
                      if not (folder / name).is_file()]
     for file in sorted(folder.glob("*.safetensors")):

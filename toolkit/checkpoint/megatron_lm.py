@@ -28,11 +28,9 @@ def iteration_dir(path: Path) -> Path:
     if path.name.startswith("iter_"):
         return path
     tracker = path / "latest_checkpointed_iteration.txt"
-    if tracker.is_symlink() or tracker.exists():  # never read through a link out of the folder
-        paths.inside(path, tracker.name, str(path))
-    if not tracker.is_file():
+    if not (tracker.is_symlink() or tracker.exists()):
         raise ToolkitError(f"{path} is not a Megatron-LM checkpoint: no latest_checkpointed_iteration.txt")
-    text = tracker.read_text(errors="replace").strip()
+    text = paths.pointer(tracker)  # never read through a link out of the folder, nor a pipe or a huge file
     if text != "release" and not (text.isascii() and text.isdigit()):
         raise ToolkitError(f"{tracker} holds {text[:80]!r}, not an iteration number or 'release'; write the number "
                            "of the iteration to convert into it")

@@ -50,7 +50,7 @@ def _not_written_by_us(dst: Path) -> str | None:
         return "a file where a folder would go"
     try:
         mark_ = json.loads((dst / OUTPUT_MARK).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         mark_ = None
     listed = mark_.get("paths") if isinstance(mark_, dict) else None
     if not isinstance(listed, list):

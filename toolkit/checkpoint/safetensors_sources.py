@@ -6,6 +6,7 @@ param groups) and the copy-only one (toolkit/checkpoint/copy_only.py), which nev
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,13 +54,13 @@ class HFSource(Source):
         config = paths.inside(folder, "config.json", str(folder))
         if not config.is_file():
             raise ToolkitError(f"{folder} has no config.json; a Hugging Face model folder needs one")
-        self.config = _json(config, "a Hugging Face config.json", dict)
+        self.config = read_json(config, "a Hugging Face config.json", dict)
         for name in TOKENIZER_FILES:  # copied into the output: never one from outside the folder
             if (folder / name).exists() or (folder / name).is_symlink():
                 paths.inside(folder, name, f"{folder} (its tokenizer file)")
         index = paths.inside(folder, "model.safetensors.index.json", str(folder))
         if index.is_file():
-            weight_map = _json(index, "a safetensors index", dict).get("weight_map") or {}
+            weight_map = read_json(index, "a safetensors index", dict).get("weight_map") or {}
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise ToolkitError(f"{index} has a weight_map that is not {{tensor name: file name}}; re-save the "
                                    "model with save_pretrained")
@@ -70,6 +71,11 @@ class HFSource(Source):
             if missing:
                 raise ToolkitError(f"{folder} is incomplete: {', '.join(missing[:4])} listed in {index.name} "
                                    f"{'is' if len(missing) == 1 else 'are'} missing")
+            single = folder / "model.safetensors"
+            if (single.exists() or single.is_symlink()) and single.name not in files:
+                raise ToolkitError(f"{folder} holds both model.safetensors and {index.name}, which names other files: "
+                                   "the weights of two saves (transformers would load model.safetensors, this "
+                                   "converter the index's); move the one that is not this model out of the folder")
         else:
             files = sorted(p.name for p in folder.glob("*.safetensors"))
             if not files:
@@ -95,7 +101,28 @@ class HFSource(Source):
         if extra:
             problems.append(Problem("weights", f"{len(extra)} tensors the {dims.family} map does not know: "
                                     f"{', '.join(extra[:6])}", f"convert a {dims.family} model, or add the tensors to toolkit/families/{dims.family}.py"))
+        if dims.tied and "lm_head.weight" in self._where and not self._same_bytes("lm_head.weight",
+                                                                                 "model.embed_tokens.weight"):
+            problems.append(Problem("lm_head.weight", "differs from model.embed_tokens.weight, yet config.json ties "
+                                    "them (tie_word_embeddings): transformers loads such a folder untied",
+                                    "set tie_word_embeddings to false in config.json, or remove lm_head.weight if "
+                                    "the model is tied"))
         raise_problems(f"{folder} does not match its config.json", problems)
+        self.dtypes = {}  # weight dtype (its safetensors name) -> how many of the tensors converted have it
+        for name in known & set(self._where):
+            self.dtypes[self._where[name].dtype_name(name)] = self.dtypes.get(self._where[name].dtype_name(name), 0) + 1
+
+    def _same_bytes(self, a: str, b: str) -> bool:
+        """Whether two tensors hold the same shape, dtype and bytes (read a bounded piece at a time)."""
+        ra, rb = self._where[a], self._where[b]
+        if ra.shape(a) != rb.shape(b) or ra.dtype_name(a) != rb.dtype_name(b):
+            return False
+        (fa, at_a, n), (fb, at_b, _) = ra.span(a), rb.span(b)
+        for done in range(0, n, 2**24):
+            size = min(2**24, n - done)
+            if os.pread(fa, size, at_a + done) != os.pread(fb, size, at_b + done):
+                return False
+        return True
 
     def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
         return [self._where[n].get(n) for n in hf_names]  # torch loads here, on the first tensor
@@ -204,11 +231,31 @@ def split_field(key: str) -> str | None:
     return key.partition(":")[2] or None
 
 
-def _json(path: Path, what: str, kind: type):
-    """A JSON file of the source, or one line saying it is not `what`."""
+def require_one_dtype(source: Source) -> None:
+    """A Hugging Face folder whose weights are not all of one dtype is written in one only with --dtype (each output
+    file declares one); without it, one line saying so."""
+    counts = getattr(source, "dtypes", None) or {}
+    if len(counts) > 1:
+        common = max(counts, key=counts.get)
+        odd = ", ".join(f"{n} {d}" for d, n in sorted(counts.items()) if d != common)
+        raise ToolkitError(f"{source.folder} holds weights of more than one dtype ({counts[common]} {common}, {odd}); "
+                           "pass --dtype bf16, fp16 or fp32 to write them all in one. Nothing was written")
+
+
+JSON_BYTES = 32 * 2**20
+
+
+def read_json(path: Path, what: str, kind: type):
+    """A JSON file of the source, or one line saying it is not `what`. At most JSON_BYTES: parsed, a JSON file takes
+    ten to twenty times its size in memory."""
     try:
-        value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        with open(path, "rb") as f:
+            raw = f.read(JSON_BYTES + 1)
+        if len(raw) > JSON_BYTES:
+            raise ToolkitError(f"{path} is over {JSON_BYTES >> 20} MiB, larger than any {what} a library writes (a "
+                               "shard index of a 600B-parameter model is under 10 MiB); re-copy or re-save it")
+        value = json.loads(raw)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ToolkitError(f"{path} is not {what} ({e}); re-copy or re-save it") from None
     if not isinstance(value, kind):
         raise ToolkitError(f"{path} holds a JSON {type(value).__name__}, not {what}; re-copy or re-save it")
@@ -221,7 +268,7 @@ def follow_pointer(src: Path) -> Path:
 
     if (src / META).is_file() or not (src / POINTER).is_file():
         return src
-    pointed = paths.inside(src, (src / POINTER).read_text(errors="replace").strip(), str(src / POINTER))
+    pointed = paths.inside(src, paths.pointer(src / POINTER), str(src / POINTER))
     if not pointed.is_dir():
         raise ToolkitError(f"{src / POINTER} points at {pointed.name}, which does not exist; pass the step_* folder "
                            "to convert")

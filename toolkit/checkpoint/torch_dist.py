@@ -47,7 +47,7 @@ class Reader:
                                "not finish); use another iteration")
         try:
             backend = json.loads(meta_json.read_text()).get("sharded_backend")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, AttributeError) as e:
             raise ToolkitError(f"{meta_json} is not Megatron's checkpoint metadata ({e}); re-copy it") from None
         if backend != "torch_dist":
             raise ToolkitError(f"{meta_json} names sharded backend {backend!r}; only torch_dist checkpoints are read "

@@ -79,7 +79,7 @@ def resolve_universal(path: Path) -> Path:
     if (path / ZERO / OPTIMIZER_STATE).is_file():
         return path
     pointer = path / POINTER
-    tag = pointer.read_text(errors="replace").strip()
+    tag = paths.pointer(pointer)
     folder = paths.inside(path, tag, str(pointer))
     if not (folder / ZERO / OPTIMIZER_STATE).is_file():
         raise ToolkitError(f"{pointer} names tag {tag!r}, but {folder / ZERO / OPTIMIZER_STATE} does not exist: the "
@@ -97,6 +97,8 @@ class UniversalSource:
     def __init__(self, tag_dir: str | Path, fp32: bool = False):
         self.tag_dir, self.fp32 = Path(tag_dir), fp32
         models = sorted(p.name for p in self.tag_dir.glob("*model_states.pt"))
+        for name in models:  # never a file elsewhere through a link (paths)
+            paths.inside(self.tag_dir, name, f"universal checkpoint {self.tag_dir}")
         first = MODEL_STATES if MODEL_STATES in models else zero3_model_states(0)
         if first not in models:
             raise ToolkitError(f"{self.tag_dir} holds no {MODEL_STATES} or {zero3_model_states(0)}: not a universal "
@@ -118,13 +120,14 @@ class UniversalSource:
             self._shapes[name], self._kind[name] = tuple(module[name].shape), "buffer"
         self._module, self._models = module, [m for m in models if m != MODEL_STATES]
         self._names = [n for n in self._shapes if n not in self._shared]
-        missing = [n for n in self._names if self._kind[n] == "zero" and not (self._dir(n) / "fp32.pt").is_file()]
+        missing = [n for n in self._names if self._kind[n] == "zero" and not self._file(n, "fp32.pt").is_file()]
         if missing:
             raise ToolkitError(f"{self.tag_dir / ZERO} lacks fp32.pt of {missing[:3]}: the universal checkpoint is "
                                "incomplete; write it again")
 
-    def _dir(self, name: str) -> Path:
-        return paths.inside(self.tag_dir / ZERO, name, f"universal checkpoint {self.tag_dir}")
+    def _file(self, name: str, leaf: str) -> Path:
+        """zero/<name>/<leaf>, refused unless it resolves inside the tag folder (zero/ or a file linked out)."""
+        return paths.inside(self.tag_dir, Path(ZERO) / name / leaf, f"universal checkpoint {self.tag_dir}")
 
     def names(self) -> list[str]:
         return list(self._names)
@@ -150,7 +153,7 @@ class UniversalSource:
             frags = [load_rank_file(self.tag_dir / m)["frozen_param_fragments"][name].view(-1) for m in self._models]
             t = torch.cat(frags)[:_numel(shape)].view(shape)
         else:
-            t = load_state(self._dir(name) / "fp32.pt", shape)
+            t = load_state(self._file(name, "fp32.pt"), shape)
         return t.to(self.out_dtype(name)).contiguous()
 
     def close(self) -> None:

@@ -44,6 +44,10 @@ def config_getter(config: Any) -> Callable[..., Any]:
     return config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
 
 
+_WHOLE = ("num_key_value_heads", "head_dim")  # optional sizes, besides REQUIRED's
+_NUMBERS = ("rms_norm_eps", "rope_theta")
+
+
 def read_dims(family: str, config: Any, tp: int, divisible_by: int, tied_default: bool) -> Dims:
     """Dims from an HF config. `tied_default` is what the family's config class assumes when the key is absent."""
     get = config_getter(config)
@@ -51,6 +55,13 @@ def read_dims(family: str, config: Any, tp: int, divisible_by: int, tied_default
     if missing:
         raise ToolkitError(f"{family} config is missing {', '.join(missing)}; pass the model's config.json, which "
                            f"names all of: {', '.join(REQUIRED)}")
+    wrong = [f"{key} = {get(key)!r}" for key in (*REQUIRED, *_WHOLE) if get(key) is not None
+             and (isinstance(get(key), bool) or not isinstance(get(key), int) or get(key) < 1)]
+    wrong += [f"{key} = {get(key)!r}" for key in _NUMBERS if get(key) is not None
+              and (isinstance(get(key), bool) or not isinstance(get(key), (int, float)))]
+    if wrong:  # a float or a string where a size goes would reach the output's shapes (and its config)
+        raise ToolkitError(f"{family} config gives {', '.join(wrong)}: sizes must be positive whole numbers and "
+                           "rms_norm_eps and rope_theta numbers (JSON 32, not 32.0 or \"32\"); correct config.json")
     heads, vocab = get("num_attention_heads"), get("vocab_size")
     tied = get("tie_word_embeddings")
     return Dims(family=family, hidden=get("hidden_size"), heads=heads, kv_heads=get("num_key_value_heads") or heads,

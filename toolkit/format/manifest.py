@@ -144,7 +144,7 @@ def read_meta(tag_dir: Path) -> dict:
         meta = json.loads(path.read_text())
     except FileNotFoundError:
         raise ToolkitError(f"{path} is missing: the save never completed") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ToolkitError(f"{path} is unreadable ({e}): the save was cut short or the file was edited") from None
     if not isinstance(meta, dict):
         raise ToolkitError(f"{path} holds a {type(meta).__name__}, not the checkpoint's metadata")

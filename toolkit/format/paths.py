@@ -40,6 +40,23 @@ def inside(root: Path, name: str | Path, what: str) -> Path:
     return path
 
 
+def pointer(file: Path) -> str:
+    """The folder name a checkpoint's pointer file holds (DeepSpeed's `latest`, Megatron-LM's tracker, ...), read only
+    from a regular file inside its folder, and refused in one line unless it is a short line of printable text."""
+    file = Path(file)
+    inside(file.parent, file.name, str(file.parent))
+    if not file.is_file():
+        raise ToolkitError(f"{file} is not a regular file; it should hold the name of the checkpoint folder to read")
+    with open(file, "rb") as f:
+        raw = f.read(256)
+    text = raw.decode("utf-8", errors="replace").strip()
+    if len(raw) == 256 or not text.isprintable():
+        shown = "more than 255 bytes" if len(raw) == 256 else "characters no folder name has"
+        raise ToolkitError(f"{file} holds {shown}, not the name of a checkpoint folder: write the name of the folder "
+                           "to read into it (or pass that folder itself)")
+    return text
+
+
 def check_tree(root: Path, files, what: str) -> None:
     """inside() for each of `files` (paths under root, e.g. from a glob)."""
     for f in files:

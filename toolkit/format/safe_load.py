@@ -12,7 +12,9 @@ loaded (TORCH_FORCE_WEIGHTS_ONLY_LOAD).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
+import logging
 import os
 import pickle
 import re
@@ -29,10 +31,18 @@ REFUSED = "refused rather than unpickled"
 
 
 def _deepspeed_records() -> list:
-    """The non-tensor objects DeepSpeed 0.19 pickles into its checkpoint files (records, no code)."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # lazy: DeepSpeed paths only
-    from deepspeed.runtime.zero.config import ZeroStageEnum  # lazy: DeepSpeed paths only
-    from deepspeed.utils.tensor_fragment import fragment_address  # lazy: DeepSpeed paths only
+    """The non-tensor objects DeepSpeed 0.19 pickles into its checkpoint files (records, no code). Its first import
+    logs "Setting accelerator to CPU" to stdout on a machine without a GPU, which broke `toolkit inspect --json`'s
+    output and added a line to every conversion's: that line is dropped, and DeepSpeed's logger writes to stdout
+    afterwards as it would have."""
+    quiet = io.StringIO()
+    with contextlib.redirect_stdout(quiet):
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # lazy: DeepSpeed paths only
+        from deepspeed.runtime.zero.config import ZeroStageEnum  # lazy: DeepSpeed paths only
+        from deepspeed.utils.tensor_fragment import fragment_address  # lazy: DeepSpeed paths only
+    for handler in logging.getLogger("DeepSpeed").handlers:  # made during the import: bound to `quiet`
+        if isinstance(handler, logging.StreamHandler) and handler.stream is quiet:
+            handler.setStream(sys.stdout)
 
     return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 

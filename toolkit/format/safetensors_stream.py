@@ -111,7 +111,7 @@ class Reader:
             self._fail(f"declares a {length}-byte header in a {size}-byte file")
         try:
             header = json.loads(self._f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             self._fail(f"has a header that is not valid JSON ({e})")
         if not isinstance(header, dict):
             self._fail(f"has a header that is a JSON {type(header).__name__}, not an object of tensors")
