@@ -265,11 +265,21 @@ def _other_ffn(a, b) -> None:
     b["args"].ffn_hidden_size = 700
 
 
+def _no_model(a, b) -> None:
+    del b["model"]
+
+
+def _chunks_of_vpp2(a, b) -> None:
+    b["model0"] = b.pop("model")
+
+
 @pytest.mark.parametrize("change, phrase", [
     (_more_rows_on_rank0, "mp_rank_00/model_optim_rng.pt: chunk0.decoder.layers.0.mlp.linear_fc1.weight is"),
     (_other_iteration, "mixes two saves: "),
     (_other_ffn, "args differ from"),
-], ids=["rows moved between ranks", "another iteration", "other args"])
+    (_no_model, "mp_rank_01/model_optim_rng.pt holds the model chunks none, but its args' layout"),
+    (_chunks_of_vpp2, "mp_rank_01/model_optim_rng.pt holds the model chunks ['model0'], but its args' layout"),
+], ids=["rows moved between ranks", "another iteration", "other args", "no model", "model0 at vpp 1"])
 @pytest.mark.parametrize("verify", [True, False], ids=["verified", "no-verify"])
 def test_legacy_rank_files_that_are_not_one_save_are_refused(legacy, tmp_path, capsys, change, phrase, verify):
     """Shards whose sizes still add up (rank 0 holding 16 of rank 1's rows) converted 'verified' with gate and up
@@ -533,3 +543,95 @@ def test_inspect_of_a_config_that_is_not_json_is_one_line(sources, tmp_path, cap
     (src / "config.json").write_text("{broken")
     code, text = run(["inspect", str(src)], capsys)
     one_line(code, text, "config.json is not a Hugging Face config.json")
+
+
+def _plain_optimizer_on_rank0(a, b) -> None:
+    a["optimizer"] = {"optimizer": {"state": {}, "param_groups": []}}
+
+
+def _distributed_optimizer(a, b) -> None:
+    for state in (a, b):
+        state["args"].use_distributed_optimizer = True
+        state["optimizer"] = {"optimizer": {"param_groups": []}}
+
+
+@pytest.mark.parametrize("change, phrase", [
+    (_plain_optimizer_on_rank0, "mp_rank_01/model_optim_rng.pt: holds no optimizer state, though the other ranks'"),
+    (_distributed_optimizer, "mp_rank_00/distrib_optim.pt: is not a regular file"),
+], ids=["plain optimizer on one rank", "distrib_optim.pt a folder"])
+def test_legacy_optimizer_state_that_is_damaged_is_not_taken_for_none(legacy, tmp_path, capsys, change, phrase):
+    """One rank's plain optimizer state missing, or a folder where distrib_optim.pt goes: both converted "weights
+    only" with exit 0 (and a note blaming chained optimizers, or --no-save-optim) instead of saying what is wrong."""
+    src = _legacy_case(legacy, tmp_path, change)
+    if change is _distributed_optimizer:
+        (src / "iter_0000000" / "mp_rank_00" / "distrib_optim.pt").mkdir()
+    code, text = run(["convert", "--quiet", str(src), str(tmp_path / "o"), "--to", "megatron", "--vocab-size", "500"],
+                     capsys)
+    assert code == 2 and phrase in text and "Traceback" not in text, text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlm"]
+    assert cli.main(["convert", "--quiet", "--weights-only", str(src), str(tmp_path / "o"), "--to", "megatron",
+                     "--vocab-size", "500"]) == 0  # the fix it names
+
+
+def test_torch_dist_metadata_that_is_not_dcp_metadata_is_one_line(sources, tmp_path, capsys):
+    """A .metadata that unpickles to an int: an AttributeError traceback before; a tensor of 5,002 dimensions whose
+    chunks have 2: a numpy ValueError traceback."""
+    import shutil
+
+    src = tmp_path / "td"
+    shutil.copytree(sources / "td", src)
+    meta = next(src.glob("iter_*")) / ".metadata"
+    original = meta.read_bytes()
+    meta.write_bytes(pickle.dumps(5))
+    for argv in (["convert", "--quiet", str(src), str(tmp_path / "o"), "--to", "hf", "--vocab-size", "500"],
+                 ["inspect", str(src)]):
+        code, text = run(argv, capsys)
+        one_line(code, text, ".metadata holds a pickled int, not torch DCP metadata")
+    assert tiling_problem((4, 8), [SimpleNamespace(offsets=(0,) * 5002, sizes=(4,) * 5002)]) == (
+        "has a chunk of 5002 dimensions (sizes: 5002), but its shape has 2")
+    meta.write_bytes(original)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["td"]
+
+
+def test_tiling_is_checked_in_n_log_n_for_grids_and_refused_past_a_bound_otherwise():
+    """A .metadata listing 200,000 chunks of one tensor: the pair-by-pair check ran for minutes (it never finished).
+    A grid (what every save writes) is checked by sorting; other tilings pair by pair up to PAIRWISE_MAX chunks."""
+    import time
+
+    from toolkit.checkpoint.dist_keys import PAIRWISE_MAX
+
+    chunk = SimpleNamespace
+    n = 200_000
+    t0 = time.monotonic()
+    assert tiling_problem((n,), [chunk(offsets=(i,), sizes=(1,)) for i in range(n)]) is None
+    grid = [chunk(offsets=(r, c), sizes=(2, 3)) for r in range(0, 400, 2) for c in range(0, 300, 3)]  # 20,000
+    assert tiling_problem((400, 300), grid) is None
+    assert tiling_problem((400, 300), grid[:-1]) == (  # one missing: no longer a grid, and over the bound
+        "has 19999 chunks that do not tile it as a grid (each dimension cut into the same pieces), as every save does")
+    small = [chunk(offsets=(r, c), sizes=(2, 3)) for r in range(0, 40, 2) for c in range(0, 30, 3)]
+    assert tiling_problem((40, 30), small[:-1]) == "has chunks that cover 1194 of its 1200 values"  # within it
+    assert tiling_problem((400, 300), [*grid[:-1], chunk(offsets=(398, 296), sizes=(2, 4))]) == (
+        "has 20000 chunks that do not tile it as a grid (each dimension cut into the same pieces), as every save does")
+    assert time.monotonic() - t0 < 30  # seconds here; minutes to hours before
+    # not a grid, within the bound: checked pair by pair, and a tiling that is not a grid still passes
+    rows = [chunk(offsets=(0, 0), sizes=(2, 2)), chunk(offsets=(0, 2), sizes=(2, 2)), chunk(offsets=(2, 0), sizes=(2, 4))]
+    assert len(rows) <= PAIRWISE_MAX and tiling_problem((4, 4), rows) is None
+    assert tiling_problem((4, 4), [*rows[:2], chunk(offsets=(1, 0), sizes=(3, 4))]) == (
+        "has chunks at [0, 0] and [1, 0] that overlap")
+
+
+def test_a_tracker_of_too_many_digits_is_one_line(legacy, tmp_path, capsys):
+    """251-255 digits made iter_<digits> a name too long for the file system: an OSError traceback."""
+    import shutil
+
+    src = tmp_path / "mlm"
+    shutil.copytree(legacy, src)
+    (src / "latest_checkpointed_iteration.txt").write_text("9" * 251)
+    code, text = run(["convert", str(src), str(tmp_path / "o"), "--to", "hf", "--vocab-size", "500"], capsys)
+    one_line(code, text, "not an iteration number or 'release'")
+
+
+def test_dst_equal_to_src_is_called_an_overlap_before_it_is_called_taken(sources, capsys):
+    """Without --overwrite it said "already exists; pass --overwrite", and with it "overlaps the source"."""
+    code, text = run(["convert", str(sources / "hf"), str(sources / "hf"), "--to", "hf"], capsys)
+    one_line(code, text, "overlaps the source")

@@ -62,7 +62,8 @@ def test_dcp_metadata_unpickler_allows_only_dcp_records(tmp_path):
 
     good = md.Metadata(state_dict_metadata={"w": md.TensorStorageMetadata(
         md.TensorProperties(dtype=torch.bfloat16), torch.Size([2, 3]), [md.ChunkStorageMetadata(torch.Size([0, 0]),
-                                                                                               torch.Size([2, 3]))])})
+                                                                                               torch.Size([2, 3]))])},
+        storage_data={})  # as every save fills it (load_dcp_metadata refuses a Metadata without it)
     (tmp_path / "good").write_bytes(pickle.dumps(good))
     assert load_dcp_metadata(tmp_path / "good").state_dict_metadata["w"].properties.dtype == torch.bfloat16
     good.planner_data = _Payload(tmp_path / "pwned")
@@ -70,7 +71,7 @@ def test_dcp_metadata_unpickler_allows_only_dcp_records(tmp_path):
     with pytest.raises(ToolkitError, match=r"holds a pickled posix\.system, .* refused rather than unpickled"):
         load_dcp_metadata(tmp_path / "bad")
     assert not (tmp_path / "pwned").exists()
-    odd = md.Metadata(state_dict_metadata={})
+    odd = md.Metadata(state_dict_metadata={}, storage_data={})
     odd.__dict__["__class__"] = "not a field"
     (tmp_path / "odd").write_bytes(pickle.dumps(odd))
     with pytest.raises(ToolkitError, match="Metadata holds a state that is not its fields"):

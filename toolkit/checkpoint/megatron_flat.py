@@ -317,6 +317,12 @@ class LegacyFlatState(_Flat):
                           for t in range(tp) for e in range(ep)}
         present = [f for f in files.values() if f.is_file()]
         paths.check_tree(it_dir, present, f"Megatron-LM checkpoint {it_dir}")  # no link out of the folder
+        odd = [str(f.relative_to(it_dir)) for f in files.values() if f.exists() and not f.is_file()]
+        if odd:  # not "no optimizer state": a damaged one
+            self.problems.append(Problem(", ".join(odd[:4]), "is not a regular file",
+                                         "replace it with the file the checkpoint was saved with, or convert with "
+                                         "--weights-only"))
+            return
         if not present:
             self.note = "it holds no distrib_optim.pt files (saved with --no-save-optim?): weights only"
             return

@@ -31,7 +31,7 @@ def iteration_dir(path: Path) -> Path:
     if not (tracker.is_symlink() or tracker.exists()):
         raise ToolkitError(f"{path} is not a Megatron-LM checkpoint: no latest_checkpointed_iteration.txt")
     text = paths.pointer(tracker)  # never read through a link out of the folder, nor a pipe or a huge file
-    if text != "release" and not (text.isascii() and text.isdigit()):
+    if text != "release" and not (text.isascii() and text.isdigit() and len(text) <= 18):  # an int64, as Megatron's
         raise ToolkitError(f"{tracker} holds {text[:80]!r}, not an iteration number or 'release'; write the number "
                            "of the iteration to convert into it")
     folder = paths.inside(path, "release" if text == "release" else f"iter_{int(text):07d}", str(tracker))
@@ -88,7 +88,7 @@ def read(path: Path, load) -> tuple[argparse.Namespace, dict, int, dict]:
                                f"({', '.join(differ[:3])}); re-copy the iteration folder from one save")
         iteration = state.get("iteration", iteration)
         optimizers[rank_key(p, t, e, ep)] = {k: state.get(k) for k in ("optimizer", "opt_param_scheduler")}
-        shards[rank_key(p, t, e, ep)] = model_chunks(state, vpp)
+        shards[rank_key(p, t, e, ep)] = model_chunks(state, vpp, file)
     return args, shards, iteration, optimizers
 
 
@@ -103,10 +103,15 @@ def _arg(args, name: str):
     return getattr(args, name, None)
 
 
-def model_chunks(state: dict, vpp: int) -> list[dict]:
+def model_chunks(state: dict, vpp: int, file: Path | str = "a rank file") -> list[dict]:
     """A rank file's model chunks (`model`, or `model0..N` with virtual pipeline chunks) as {local-spec name: tensor},
-    without the `_extra_state` objects."""
+    without the `_extra_state` objects; one line when the file holds other chunks than its args' layout gives."""
     keys = ["model"] if vpp == 1 else [f"model{c}" for c in range(vpp)]
+    held = sorted(k for k in state if re.fullmatch(r"model\d*", k))
+    if held != sorted(keys) or not all(isinstance(state[k], dict) for k in keys):
+        raise ToolkitError(f"{file} holds the model chunks {held or 'none'}, but its args' layout (virtual pipeline "
+                           f"size {vpp}) gives {keys}: the file and its args are of different saves, or the file "
+                           "was edited; re-copy the checkpoint")
     return [{local_spec_name(k): v for k, v in state[key].items() if not k.endswith("_extra_state") and v is not None}
             for key in keys]
 

@@ -79,6 +79,12 @@ class MegatronLMSource(_ShardedSource):
         if not weights_only and not problems:
             if all(o is None for o in optimizers.values()):
                 self.optimizer_note = NO_OPTIMIZER_STATE
+            elif any(o is None for o in optimizers.values()):  # not "weights only": some ranks' state went missing
+                pp = self.layout[1]
+                lacking = [megatron_lm.rank_file(self._it_dir, k[1], k[0], pp, *(k[2:] or (0,)), self.ep)
+                           for k, o in sorted(optimizers.items()) if o is None]
+                problems.append(Problem(", ".join(map(str, lacking[:4])), "holds no optimizer state, though the other "
+                                        "ranks' files do", "re-copy the checkpoint, or convert with --weights-only"))
             elif not getattr(args, "use_distributed_optimizer", False):  # by position in model_optim_rng.pt
                 self._optim = megatron_plain.PlainLegacyState(
                     megatron_lm.iteration_dir(path), args, self._dims, self.layout, self.dtype() != torch.float32,

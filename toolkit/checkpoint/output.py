@@ -28,12 +28,13 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         raise ToolkitError(f"{dst} is a symbolic link; choose a destination that is not one (the toolkit never "
                            "writes through a link). Nothing was written")
     real_src, real_dst = paths.resolve(src), paths.resolve(dst)
+    if real_dst == real_src or real_src in real_dst.parents or real_dst in real_src.parents:  # before "exists":
+        # its advice (--overwrite) would only lead here
+        raise ToolkitError(f"{dst} overlaps the source {src} (the same folder, inside it, or holding it: "
+                           "--overwrite would delete the source); write the conversion somewhere else")
     if dst.exists() and not overwrite:
         raise ToolkitError(f"{dst} already exists; pass --overwrite to replace it (it is replaced only after the "
                            "new checkpoint is complete and verified)")
-    if real_dst == real_src or real_src in real_dst.parents or real_dst in real_src.parents:
-        raise ToolkitError(f"{dst} overlaps the source {src} (the same folder, inside it, or holding it: "
-                           "--overwrite would delete the source); write the conversion somewhere else")
     if dst.exists():
         foreign = _not_written_by_us(dst)
         if foreign:

@@ -275,6 +275,10 @@ def load_dcp_metadata(path: Path):
         raise NotReadHere("not a regular file")
     try:
         with open(path, "rb") as f:
-            return DCPUnpickler(f, DCP_GLOBALS).load()
+            meta = DCPUnpickler(f, DCP_GLOBALS).load()
     except Exception as e:  # noqa: BLE001 - pickle raises many kinds of error on damaged input
         raise NotReadHere(f"{type(e).__name__}: {e}") from None
+    if not (isinstance(getattr(meta, "state_dict_metadata", None), dict)
+            and isinstance(getattr(meta, "storage_data", None), dict)):  # as safe_load.is_dcp_metadata (torch-free)
+        raise NotReadHere(f"a pickled {type(meta).__name__}, not DCP metadata")
+    return meta

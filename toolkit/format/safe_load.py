@@ -168,7 +168,17 @@ def load_dcp_metadata(path: Path):
         raise ToolkitError(f"{path} is missing: the torch_dist checkpoint is incomplete (its save did not finish)")
     try:
         with open(path, "rb") as f:
-            return DCPUnpickler(f, _dcp_classes()).load()
+            meta = DCPUnpickler(f, _dcp_classes()).load()
     except Exception as e:  # noqa: BLE001 - pickle raises many kinds of error on damaged input
         raise refusal(path, e if isinstance(e, pickle.UnpicklingError) else EOFError(str(e) or type(e).__name__)) \
             from None
+    if not is_dcp_metadata(meta):
+        raise ToolkitError(f"{path} holds a pickled {type(meta).__name__}, not torch DCP metadata (its "
+                           "state_dict_metadata and storage_data); the checkpoint is damaged: re-copy it")
+    return meta
+
+
+def is_dcp_metadata(meta) -> bool:
+    """Whether an unpickled `.metadata` has DCP's Metadata fields (both readers' first check of what it holds)."""
+    return (isinstance(getattr(meta, "state_dict_metadata", None), dict)
+            and isinstance(getattr(meta, "storage_data", None), dict))
