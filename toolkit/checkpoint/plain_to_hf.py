@@ -184,7 +184,15 @@ def _verify(source, folder: Path, files: list[str], shards: list[dict], cast: di
         return
     main = json.loads((folder / "config.json").read_text())
     main = getattr(torch, main.get("dtype") or main.get("torch_dtype") or "float32")
-    model, info = cls.from_pretrained(folder, dtype=main, output_loading_info=True)
+    from transformers.utils import logging as hf_logging  # lazy: with the model class (need_class)
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar reached stderr even with --quiet
+    try:
+        model, info = cls.from_pretrained(folder, dtype=main, output_loading_info=True)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     if info.get("missing_keys") or info.get("unexpected_keys") or info.get("mismatched_keys"):
         raise ToolkitError(f"verification failed: from_pretrained reports {info}; nothing was written")
     state = model.state_dict()

@@ -86,7 +86,9 @@ class HFSource(Source):
         if index.is_file():
             wrong = [k for k, f in weight_map.items() if k not in self._where or self._where[k].path.name != f]
             if wrong:
-                raise ToolkitError(f"{index} does not match the files: {', '.join(wrong[:4])} are not where it says")
+                verb = "is" if len(wrong) == 1 else "are"
+                raise ToolkitError(f"{index} does not match the files: {', '.join(wrong[:4])} {verb} not where it "
+                                   "says (it names each shard by its file name in this folder)")
         dims = self.dims()
         problems = []
         for e in iter_entries(dims, 1, 1):
