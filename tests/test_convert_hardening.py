@@ -635,3 +635,10 @@ def test_dst_equal_to_src_is_called_an_overlap_before_it_is_called_taken(sources
     """Without --overwrite it said "already exists; pass --overwrite", and with it "overlaps the source"."""
     code, text = run(["convert", str(sources / "hf"), str(sources / "hf"), "--to", "hf"], capsys)
     one_line(code, text, "overlaps the source")
+
+
+def test_a_destination_through_a_folder_that_does_not_exist_leaves_no_folder_behind(sources, tmp_path):
+    """`convert SRC a/new/../out`: the output was written to a/out, and an empty a/new was left behind."""
+    assert cli.main(["convert", "--quiet", "--no-verify", str(sources / "hf"), str(tmp_path / "new" / ".." / "out"),
+                     "--to", "hf"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

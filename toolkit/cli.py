@@ -221,6 +221,9 @@ def _convert(args) -> int:
         raise ToolkitError(f"--vpp {args.vpp} virtual chunks need pipeline parallelism, but --pp is 1; pass --pp 2 or "
                            "more, or drop --vpp. Nothing was written")
 
+    dst = Path(args.dst)
+    if ".." in dst.parts[:-1]:  # `a/new/../out`: mkdir would make a/new (left behind) just to walk back out of it
+        args.dst = str(Path(os.path.realpath(dst.parent)) / dst.name)
     for line in left_behind(Path(args.dst)):  # what a killed conversion to DST left beside it (SIGKILL)
         print(f"note: {line}", file=sys.stderr)
     if "torch" not in sys.modules:  # read once, when torch loads its OpenMP runtime

@@ -36,7 +36,8 @@ def iteration_dir(path: Path) -> Path:
                            "of the iteration to convert into it")
     folder = paths.inside(path, "release" if text == "release" else f"iter_{int(text):07d}", str(tracker))
     if not folder.is_dir():
-        raise ToolkitError(f"{tracker} points at {folder.name}, which does not exist")
+        raise ToolkitError(f"{tracker} points at {folder.name}, which does not exist; pass an existing iter_* folder "
+                           "itself, or write the number of a saved iteration into the tracker")
     return folder
 
 
