@@ -254,8 +254,8 @@ def read_json(path: Path, what: str, kind: type):
         with open(path, "rb") as f:
             raw = f.read(JSON_BYTES + 1)
         if len(raw) > JSON_BYTES:
-            raise ToolkitError(f"{path} is over {JSON_BYTES >> 20} MiB, larger than any {what} a library writes (a "
-                               "shard index of a 600B-parameter model is under 10 MiB); re-copy or re-save it")
+            raise ToolkitError(f"{path} is over {JSON_BYTES >> 20} MiB, larger than any {what} a library writes (an "
+                               "index takes about 100 bytes a tensor); re-copy or re-save it")
         value = json.loads(raw)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ToolkitError(f"{path} is not {what} ({e}); re-copy or re-save it") from None
