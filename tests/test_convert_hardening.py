@@ -642,3 +642,29 @@ def test_a_destination_through_a_folder_that_does_not_exist_leaves_no_folder_beh
     assert cli.main(["convert", "--quiet", "--no-verify", str(sources / "hf"), str(tmp_path / "new" / ".." / "out"),
                      "--to", "hf"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_rank_folders_of_another_layout_are_refused(legacy, tmp_path, capsys):
+    """A TP2 save with a third rank's folder beside it (a TP4 save copied over it): the extra folder was skipped."""
+    import shutil
+
+    src = tmp_path / "mlm"
+    shutil.copytree(legacy, src)
+    shutil.copytree(src / "iter_0000000" / "mp_rank_01", src / "iter_0000000" / "mp_rank_02")
+    code, text = run(["convert", str(src), str(tmp_path / "o"), "--to", "hf", "--vocab-size", "500"], capsys)
+    one_line(code, text, "holds mp_rank_02, which its args' layout (tp=2 pp=1) does not use")
+
+
+@pytest.mark.parametrize("field, value", [("sharded_backend_version", 99), ("common_backend", "zarr")])
+def test_a_torch_dist_backend_this_reader_does_not_know_is_refused(sources, tmp_path, capsys, field, value):
+    """metadata.json's versions were not read: a backend version 99 or a zarr common state was converted as if known."""
+    import shutil
+
+    src = tmp_path / "td"
+    shutil.copytree(sources / "td", src)
+    meta = next(src.glob("iter_*")) / "metadata.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), field: value}))
+    code, text = run(["convert", str(src), str(tmp_path / "o"), "--to", "hf", "--vocab-size", "500"], capsys)
+    one_line(code, text, "metadata.json gives sharded_backend_version ")
+    assert repr(value) in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["td"]

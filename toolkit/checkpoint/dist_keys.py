@@ -84,3 +84,9 @@ def _grid(off, end, shape: tuple[int, ...]) -> bool:
             return False
         combinations *= len(pieces)
     return combinations == len(off) and len(np.unique(off, axis=0)) == len(off)
+
+
+def known_backend(meta: dict) -> bool:
+    """Whether a torch_dist metadata.json's versions are those this reader knows: sharded_backend_version 1 and a torch
+    common state, as Megatron-Core 0.16 writes them (either may be absent)."""
+    return meta.get("sharded_backend_version", 1) == 1 and meta.get("common_backend", "torch") == "torch"

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from toolkit.checkpoint import megatron_lm
-from toolkit.checkpoint.dist_keys import is_optimizer_key, sharded_name, tiling_problem
+from toolkit.checkpoint.dist_keys import is_optimizer_key, known_backend, sharded_name, tiling_problem
 from toolkit.checkpoint.safetensors_sources import meta_shards
 from toolkit.checkpoint.source_base import NO_OPTIMIZER_STATE, WEIGHT, Source, _ShardedSource
 from toolkit.errors import ToolkitError
@@ -148,9 +148,9 @@ class TorchDistWeights(Source):
 
     def __init__(self, it_dir: Path, vocab_size: int):
         self.dir, where = it_dir, str(it_dir)
-        backend = json.loads(paths.inside(it_dir, "metadata.json", where).read_text()).get("sharded_backend")
-        if backend != "torch_dist":
-            raise _Declined(f"sharded backend {backend!r}")
+        meta = json.loads(paths.inside(it_dir, "metadata.json", where).read_text())
+        if meta.get("sharded_backend") != "torch_dist" or not known_backend(meta):
+            raise _Declined(f"sharded backend {meta.get('sharded_backend')!r}")  # the full path says why
         common = pt_zip.load(paths.inside(it_dir, "common.pt", where))
         metadata = pt_zip.load_dcp_metadata(paths.inside(it_dir, ".metadata", where))
         sizes: dict[str, int] = {}

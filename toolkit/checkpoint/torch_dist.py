@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint.dist_keys import tiling_problem
+from toolkit.checkpoint.dist_keys import known_backend, tiling_problem
 from toolkit.errors import ToolkitError
 from toolkit.families.mapping import local_spec_name
 from toolkit.families.rules import buffer
@@ -46,12 +46,17 @@ class Reader:
             raise ToolkitError(f"{it_dir} has no metadata.json: not a complete torch_dist checkpoint (the save did "
                                "not finish); use another iteration")
         try:
-            backend = json.loads(meta_json.read_text()).get("sharded_backend")
+            meta = json.loads(meta_json.read_text())
+            backend = meta.get("sharded_backend")
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, AttributeError) as e:
             raise ToolkitError(f"{meta_json} is not Megatron's checkpoint metadata ({e}); re-copy it") from None
         if backend != "torch_dist":
             raise ToolkitError(f"{meta_json} names sharded backend {backend!r}; only torch_dist checkpoints are read "
                                "(re-save with --ckpt-format torch_dist, or convert from the legacy torch format)")
+        if not known_backend(meta):
+            raise ToolkitError(f"{meta_json} gives sharded_backend_version {meta.get('sharded_backend_version')!r} "
+                               f"and common_backend {meta.get('common_backend')!r}; this reader knows version 1 "
+                               "with torch's common.pt, what Megatron-Core 0.16 writes: re-save the checkpoint with it")
         self.common = safe_load.load(paths.inside(it_dir, "common.pt", str(it_dir)), deepspeed=False)
         if not isinstance(self.common, dict):
             raise ToolkitError(f"{it_dir / 'common.pt'} holds a {type(self.common).__name__}, not Megatron's common "
