@@ -74,7 +74,7 @@ def read(path: Path, load) -> tuple[argparse.Namespace, dict, int, dict]:
         raise ToolkitError(f"{it_dir} is incomplete for tp={tp} pp={pp}{f' ep={ep}' if ep > 1 else ''}: missing "
                            f"{', '.join(missing[:4])}")
     used = {rank_dir(t, p, pp, e, ep) for p, t, e in ranks}
-    extra = sorted(d.name for d in it_dir.glob("mp_rank_*") if d.name not in used)
+    extra = sorted(d.name for d in it_dir.glob("mp_rank_*") if d.is_dir() and d.name not in used)
     if extra:  # rank folders of another layout: a save of another tp or pp copied over this one
         raise ToolkitError(f"{it_dir} holds {', '.join(extra[:4])}, which its args' layout (tp={tp} pp={pp}"
                            f"{f' ep={ep}' if ep > 1 else ''}) does not use: it mixes saves of two layouts; re-copy the "
