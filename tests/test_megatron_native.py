@@ -292,6 +292,8 @@ def test_planted_pickles_in_torch_dist_never_run(native, tmp_path):
     ("truncated_distcp", r"\.metadata disagrees with the files: it places .* of __0_1\.distcp, which has"),
     ("tracker", r"latest_checkpointed_iteration\.txt points at iter_0000009, which does not exist"),
     ("overlapping_chunks", r"\.metadata disagrees with itself: .* has chunks at .* that overlap"),
+    ("metadata_not_dcp", r"\.metadata holds a pickled int, not torch DCP metadata"),
+    ("backend_version", r"metadata\.json gives sharded_backend_version 99 and common_backend 'torch'"),
 ])
 def test_damaged_torch_dist_gives_one_line_and_writes_nothing(native, tmp_path, damage, message):
     src = _copy(native, "torch_dist", tmp_path)
@@ -307,6 +309,11 @@ def test_damaged_torch_dist_gives_one_line_and_writes_nothing(native, tmp_path, 
         chunks = next(m.chunks for m in meta.state_dict_metadata.values() if len(getattr(m, "chunks", [])) == 2)
         chunks[1] = type(chunks[0])(offsets=chunks[0].offsets, sizes=chunks[1].sizes)
         (it / ".metadata").write_bytes(pickle.dumps(meta))
+    elif damage == "metadata_not_dcp":
+        (it / ".metadata").write_bytes(pickle.dumps(5))
+    elif damage == "backend_version":
+        (it / "metadata.json").write_text(json.dumps({**json.loads((it / "metadata.json").read_text()),
+                                                      "sharded_backend_version": 99}))
     else:
         (src / "latest_checkpointed_iteration.txt").write_text("9")
     for verify in (True, False):  # --no-verify: the torch-free reader declines it, the full path says why
@@ -326,6 +333,8 @@ def test_damaged_torch_dist_gives_one_line_and_writes_nothing(native, tmp_path, 
     ("legacy", "iteration", r"mixes two saves: .*mp_rank_00_001/model_optim_rng\.pt is iteration 4"),
     ("legacy", "args", r"mixes two saves: .*args differ from .* \(num_layers 6 against 4\)"),
     ("legacy_plain_tp2", "rows", r"mp_rank_00/model_optim_rng\.pt: chunk0\.decoder\.layers\.0\.mlp\.linear_fc1\.weight is"),
+    ("legacy", "chunks", r"mp_rank_00_001/model_optim_rng\.pt holds the model chunks \['model0'\], but its args' layout"),
+    ("legacy", "extra rank", r"holds mp_rank_00_002, which its args' layout \(tp=1 pp=2\) does not use"),
 ])
 def test_real_legacy_rank_files_of_two_saves_are_refused(native, tmp_path, kind, damage, message):
     """Megatron-Core's own rank files, one of them changed as a copy from another save would be: another iteration,
@@ -337,6 +346,10 @@ def test_real_legacy_rank_files_of_two_saves_are_refused(native, tmp_path, kind,
         states[1]["iteration"] = states[0]["iteration"] + 1
     elif damage == "args":
         states[1]["args"].num_layers = 6
+    elif damage == "chunks":  # the second virtual chunk gone from one rank file
+        del states[1]["model1"]
+    elif damage == "extra rank":  # a third pipeline stage's folder, as a PP3 save copied over this one would leave
+        shutil.copytree(files[1].parent, files[1].parent.with_name("mp_rank_00_002"))
     else:
         key = next(k for k in states[0]["model"] if k.endswith("layers.0.mlp.linear_fc1.weight"))
         a, b = states[0]["model"][key], states[1]["model"][key]
@@ -490,6 +503,8 @@ def _swap_states(s):
     ("two states swapped", _swap_states, r"state 0 is not shaped as embedding\.word_embeddings\.weight \(256, 64\), the parameter its position"),
     ("one main weight moved", lambda s: s["optimizer"]["fp32_from_fp16_params"][0][-1].add_(0.5),
      r"plain optimizer's state does not line up with the weights at output_layer\.weight .*--weights-only"),
+    ("one rank's state missing", lambda s: s.pop("optimizer"),
+     r"mp_rank_01/model_optim_rng\.pt: holds no optimizer state, though the other ranks' files do"),
 ])
 def test_plain_optimizer_state_that_does_not_fit_is_refused(damage, change, message, native, tmp_path):
     """A plain optimizer's state whose positions the model does not give is refused in one line naming the rank file
@@ -548,6 +563,7 @@ def _resave(pt_file, change) -> None:
 @pytest.mark.parametrize("kind, damage, message", [
     ("legacy_distopt_buckets", "bucket size", r"holds \d+ elements, which no layout of Megatron's parameter orders"),
     ("legacy_distopt_tp2", "one rank's file", r"mp_rank_01/distrib_optim\.pt: is missing, though other ranks"),
+    ("legacy_distopt_tp2", "a folder", r"mp_rank_01/distrib_optim\.pt: is not a regular file"),
     ("legacy_distopt", "its data", r"do not line up with the saved weights \(the norms'\)"),
     ("legacy_distopt", "one weight's data", r"do not line up with the weights at output_layer\.weight .*--weights-only"),
 ])
@@ -567,6 +583,9 @@ def test_legacy_distributed_optimizer_state_that_does_not_fit_is_refused(kind, d
 
         (it / "mp_rank_01" / "distrib_optim.pt").unlink()
         assert "distrib_optim.pt on 1 of 2 model-parallel ranks" in inspect_megatron_lm(src)["optimizer_state"]
+    elif damage == "a folder":  # where the file goes: it was taken for no optimizer state ("weights only")
+        (it / "mp_rank_01" / "distrib_optim.pt").unlink()
+        (it / "mp_rank_01" / "distrib_optim.pt").mkdir()
     else:  # the buffer's start holds the last parameter registered, output_layer.weight, in either order
         end = None if damage == "its data" else 64
         _resave(it / "mp_rank_00" / "distrib_optim.pt", lambda s: s[0][next(iter(s[0]))]["param"][:end].add_(0.5))
