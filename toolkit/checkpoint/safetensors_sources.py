@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -110,9 +111,8 @@ class HFSource(Source):
                                     "set tie_word_embeddings to false in config.json, or remove lm_head.weight if "
                                     "the model is tied"))
         raise_problems(f"{folder} does not match its config.json", problems)
-        self.dtypes = {}  # weight dtype (its safetensors name) -> how many of the tensors converted have it
-        for name in known & set(self._where):
-            self.dtypes[self._where[name].dtype_name(name)] = self.dtypes.get(self._where[name].dtype_name(name), 0) + 1
+        # weight dtype (its safetensors name) -> how many of the tensors converted have it
+        self.dtypes = Counter(self._where[name].dtype_name(name) for name in known & set(self._where))
 
     def _same_bytes(self, a: str, b: str) -> bool:
         """Whether two tensors hold the same shape, dtype and bytes (read a bounded piece at a time)."""

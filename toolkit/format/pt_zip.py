@@ -32,7 +32,7 @@ from pathlib import Path, PosixPath
 
 import numpy as np
 
-from toolkit.format.records import (DCP_CLASSES, DCPUnpickler, GuardedUnpickler, Record, by_name,
+from toolkit.format.records import (DCP_CLASSES, DCPUnpickler, GuardedUnpickler, Record, by_name, is_dcp_metadata,
                                     megatron_lm_records, numpy_records)
 
 STORAGES = {"BFloat16Storage": "BF16", "HalfStorage": "F16", "FloatStorage": "F32", "DoubleStorage": "F64",
@@ -278,7 +278,6 @@ def load_dcp_metadata(path: Path):
             meta = DCPUnpickler(f, DCP_GLOBALS).load()
     except Exception as e:  # noqa: BLE001 - pickle raises many kinds of error on damaged input
         raise NotReadHere(f"{type(e).__name__}: {e}") from None
-    if not (isinstance(getattr(meta, "state_dict_metadata", None), dict)
-            and isinstance(getattr(meta, "storage_data", None), dict)):  # as safe_load.is_dcp_metadata (torch-free)
+    if not is_dcp_metadata(meta):
         raise NotReadHere(f"a pickled {type(meta).__name__}, not DCP metadata")
     return meta

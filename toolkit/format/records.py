@@ -162,3 +162,10 @@ class DCPUnpickler(GuardedUnpickler):
 
     def persistent_load(self, pid):
         raise pickle.UnpicklingError("persistent ids are not allowed")
+
+
+def is_dcp_metadata(meta) -> bool:
+    """Whether an unpickled `.metadata` has DCP's Metadata fields: what both its readers (safe_load's, with torch;
+    pt_zip's, without) check first."""
+    return (isinstance(getattr(meta, "state_dict_metadata", None), dict)
+            and isinstance(getattr(meta, "storage_data", None), dict))

@@ -25,7 +25,7 @@ from pathlib import Path, PosixPath
 import torch
 
 from toolkit.errors import ToolkitError
-from toolkit.format.records import DCP_CLASSES, DCPUnpickler, megatron_lm_records, numpy_records
+from toolkit.format.records import DCP_CLASSES, DCPUnpickler, is_dcp_metadata, megatron_lm_records, numpy_records
 
 REFUSED = "refused rather than unpickled"
 
@@ -176,9 +176,3 @@ def load_dcp_metadata(path: Path):
         raise ToolkitError(f"{path} holds a pickled {type(meta).__name__}, not torch DCP metadata (its "
                            "state_dict_metadata and storage_data); the checkpoint is damaged: re-copy it")
     return meta
-
-
-def is_dcp_metadata(meta) -> bool:
-    """Whether an unpickled `.metadata` has DCP's Metadata fields (both readers' first check of what it holds)."""
-    return (isinstance(getattr(meta, "state_dict_metadata", None), dict)
-            and isinstance(getattr(meta, "storage_data", None), dict))

@@ -1,0 +1,285 @@
+"""Inputs a second new-user trial broke (2026-12-07), each now refused with nothing written: a tied config with its
+own lm_head and model.safetensors beside an index of other files (both converted "verified" to what transformers
+does not load), weights of two dtypes, config values of the wrong type, JSON nested too deep, pointer files that
+name no folder, options that do not apply, damaged Megatron-LM optimizer state, torch_dist metadata that is not
+DCP metadata or of another backend version, a huge chunk list, and rank folders of another layout. The trial of
+2026-12-06 is in test_convert_hardening.py, whose fixtures and helpers these share."""
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_convert_hardening import _legacy_case, legacy, listing, one_line, run, sources  # noqa: F401 - fixtures
+
+from toolkit import cli
+from toolkit.checkpoint.dist_keys import tiling_problem
+
+
+def _copy_hf(sources, tmp_path: Path, name: str) -> Path:
+    import shutil
+
+    folder = tmp_path / name
+    shutil.copytree(sources / "hf", folder)
+    return folder
+
+
+def _edit_config(folder: Path, **fields) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+def _tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+def _save(tensors: dict, folder: Path, name: str = "model.safetensors") -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, folder / name, {"format": "pt"})
+
+
+def test_a_tied_config_with_its_own_lm_head_is_refused(sources, tmp_path, capsys):
+    """tie_word_embeddings true, and an lm_head.weight that differs from the embeddings: transformers loads it untied,
+    but the conversion dropped lm_head and said "verified" (the output's logits were another model's)."""
+    src = _copy_hf(sources, tmp_path, "src")
+    _edit_config(src, tie_word_embeddings=True)
+    tensors = _tensors(src)
+    _save({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"] + 1}, src)
+    before = listing(tmp_path)
+    code = cli.main(["convert", "--quiet", str(src), str(tmp_path / "out"), "--to", "hf"])
+    err = capsys.readouterr().err
+    assert code == 2 and "lm_head.weight: differs from model.embed_tokens.weight, yet config.json ties them" in err
+    assert listing(tmp_path) == before
+    _save({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()}, src)  # the same bytes: fine
+    assert cli.main(["convert", "--quiet", str(src), str(tmp_path / "out"), "--to", "hf"]) == 0
+    assert "lm_head.weight" not in _tensors(tmp_path / "out")
+
+
+def test_a_folder_with_model_safetensors_and_an_index_of_other_files_is_refused(sources, tmp_path, capsys):
+    """transformers loads model.safetensors when both are there; the converter read the index's shards and said
+    "verified" for weights transformers never loads from that folder."""
+    src = _copy_hf(sources, tmp_path, "src")
+    tensors = _tensors(src)
+    _save(tensors, src, "model-00001-of-00001.safetensors")
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in tensors}}))
+    _save({n: t * 2 for n, t in tensors.items()}, src)
+    before = listing(tmp_path)
+    code, text = run(["convert", "--quiet", str(src), str(tmp_path / "out"), "--to", "hf"], capsys)
+    one_line(code, text, "holds both model.safetensors and model.safetensors.index.json, which names other files")
+    assert listing(tmp_path) == before
+
+
+def test_weights_of_two_dtypes_need_dtype(sources, tmp_path, capsys):
+    src = _copy_hf(sources, tmp_path, "src")
+    tensors = _tensors(src)
+    _save({**tensors, "model.norm.weight": tensors["model.norm.weight"].float()}, src)
+    before = listing(tmp_path)
+    for to in ("hf", "megatron"):
+        code, text = run(["convert", "--quiet", str(src), str(tmp_path / "out"), "--to", to], capsys)
+        one_line(code, text, "holds weights of more than one dtype (20 BF16, 1 F32); pass --dtype bf16, fp16 or fp32")
+    assert listing(tmp_path) == before
+    assert cli.main(["convert", "--quiet", str(src), str(tmp_path / "out"), "--to", "hf", "--dtype", "bf16"]) == 0
+    assert {t.dtype for t in _tensors(tmp_path / "out").values()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("field, value", [("num_attention_heads", 4.0), ("hidden_size", "64"), ("num_key_value_heads", True),
+                                          ("rms_norm_eps", "1e-5")])
+def test_a_config_value_of_the_wrong_type_is_refused(sources, tmp_path, capsys, field, value):
+    """4.0 heads reached the output's safetensors header as the shape [64.0, 64] (unloadable) with --no-verify; a
+    string eps crashed the check with a transformers traceback. `inspect` called both complete."""
+    src = _copy_hf(sources, tmp_path, "src")
+    _edit_config(src, **{field: value})
+    before = listing(tmp_path)
+    code, text = run(["convert", "--quiet", "--no-verify", str(src), str(tmp_path / "out"), "--to", "hf"], capsys)
+    one_line(code, text, f"llama config gives {field} = {value!r}: sizes must be positive whole numbers")
+    assert listing(tmp_path) == before
+    assert cli.main(["inspect", str(src), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["complete"] is False
+
+
+@pytest.mark.parametrize("where", ["config.json", "model.safetensors.index.json", "header"])
+def test_json_nested_too_deep_is_one_line(sources, tmp_path, capsys, where):
+    """Nested 100,000 deep: a RecursionError traceback of 40 lines before."""
+    import struct
+
+    src = _copy_hf(sources, tmp_path, "src")
+    deep = "[" * 100_000 + "]" * 100_000
+    if where == "header":
+        raw = (src / "model.safetensors").read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        text = deep.encode().ljust(n)
+        (src / "model.safetensors").write_bytes(raw[:8].replace(raw[:8], struct.pack("<Q", len(text))) + text
+                                                + raw[8 + n:])
+    else:
+        (src / where).write_text(deep)
+    before = listing(tmp_path)
+    code, text = run(["convert", "--quiet", str(src), str(tmp_path / "out"), "--to", "hf"], capsys)
+    one_line(code, text, "maximum recursion depth exceeded")
+    assert listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00", b"a" * 300], ids=["binary", "long"])
+def test_a_pointer_file_that_names_no_folder_is_one_line(sources, tmp_path, capsys, content):
+    """A checkpoint's pointer file (here a toolkit Megatron latest_complete; DeepSpeed's latest, Megatron-LM's tracker
+    and latest_universal are read the same way) holding NUL bytes crashed with "embedded null byte", and a 50 MB one
+    with "File name too long" after reading it whole."""
+    import shutil
+
+    assert cli.main(["convert", "--quiet", "--no-verify", str(sources / "hf"), str(tmp_path / "mg"), "--to",
+                     "megatron"]) == 0
+    src = tmp_path / "src"
+    shutil.copytree(tmp_path / "mg", src)
+    (src / "latest_complete").write_bytes(content)
+    capsys.readouterr()
+    before = listing(tmp_path)
+    code, text = run(["convert", "--quiet", str(src), str(tmp_path / "out"), "--to", "hf"], capsys)
+    one_line(code, text, "latest_complete holds ")
+    assert listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("option", [["--config", "x"], ["--dp", "4"], ["--fp32"]])
+def test_an_option_that_does_not_apply_is_refused_not_ignored(sources, tmp_path, capsys, option):
+    """HF -> HF with --config qwen2 --fp32 --dp 4 exited 0 with a llama bf16 output: each option was ignored."""
+    before = listing(tmp_path)
+    code, text = run(["convert", "--quiet", str(sources / "hf"), str(tmp_path / "out"), "--to", "hf", *option], capsys)
+    one_line(code, text, f"{option[0]} ")
+    assert listing(tmp_path) == before
+
+
+def test_inspect_of_a_config_that_is_not_json_is_one_line(sources, tmp_path, capsys):
+    src = _copy_hf(sources, tmp_path, "src")
+    (src / "config.json").write_text("{broken")
+    code, text = run(["inspect", str(src)], capsys)
+    one_line(code, text, "config.json is not a Hugging Face config.json")
+
+
+def _plain_optimizer_on_rank0(a, b) -> None:
+    a["optimizer"] = {"optimizer": {"state": {}, "param_groups": []}}
+
+
+def _distributed_optimizer(a, b) -> None:
+    for state in (a, b):
+        state["args"].use_distributed_optimizer = True
+        state["optimizer"] = {"optimizer": {"param_groups": []}}
+
+
+@pytest.mark.parametrize("change, phrase", [
+    (_plain_optimizer_on_rank0, "mp_rank_01/model_optim_rng.pt: holds no optimizer state, though the other ranks'"),
+    (_distributed_optimizer, "mp_rank_00/distrib_optim.pt: is not a regular file"),
+], ids=["plain optimizer on one rank", "distrib_optim.pt a folder"])
+def test_legacy_optimizer_state_that_is_damaged_is_not_taken_for_none(legacy, tmp_path, capsys, change, phrase):
+    """One rank's plain optimizer state missing, or a folder where distrib_optim.pt goes: both converted "weights
+    only" with exit 0 (and a note blaming chained optimizers, or --no-save-optim) instead of saying what is wrong."""
+    src = _legacy_case(legacy, tmp_path, change)
+    if change is _distributed_optimizer:
+        (src / "iter_0000000" / "mp_rank_00" / "distrib_optim.pt").mkdir()
+    code, text = run(["convert", "--quiet", str(src), str(tmp_path / "o"), "--to", "megatron", "--vocab-size", "500"],
+                     capsys)
+    assert code == 2 and phrase in text and "Traceback" not in text, text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlm"]
+    assert cli.main(["convert", "--quiet", "--weights-only", str(src), str(tmp_path / "o"), "--to", "megatron",
+                     "--vocab-size", "500"]) == 0  # the fix it names
+
+
+def test_torch_dist_metadata_that_is_not_dcp_metadata_is_one_line(sources, tmp_path, capsys):
+    """A .metadata that unpickles to an int: an AttributeError traceback before; a tensor of 5,002 dimensions whose
+    chunks have 2: a numpy ValueError traceback."""
+    import shutil
+
+    src = tmp_path / "td"
+    shutil.copytree(sources / "td", src)
+    meta = next(src.glob("iter_*")) / ".metadata"
+    original = meta.read_bytes()
+    meta.write_bytes(pickle.dumps(5))
+    for argv in (["convert", "--quiet", str(src), str(tmp_path / "o"), "--to", "hf", "--vocab-size", "500"],
+                 ["inspect", str(src)]):
+        code, text = run(argv, capsys)
+        one_line(code, text, ".metadata holds a pickled int, not torch DCP metadata")
+    assert tiling_problem((4, 8), [SimpleNamespace(offsets=(0,) * 5002, sizes=(4,) * 5002)]) == (
+        "has a chunk of 5002 dimensions (sizes: 5002), but its shape has 2")
+    meta.write_bytes(original)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["td"]
+
+
+def test_tiling_is_checked_in_n_log_n_for_grids_and_refused_past_a_bound_otherwise():
+    """A .metadata listing 200,000 chunks of one tensor: the pair-by-pair check ran for minutes (it never finished).
+    A grid (what every save writes) is checked by sorting; other tilings pair by pair up to PAIRWISE_MAX chunks."""
+    import time
+
+    from toolkit.checkpoint.dist_keys import PAIRWISE_MAX
+
+    chunk = SimpleNamespace
+    n = 200_000
+    t0 = time.monotonic()
+    assert tiling_problem((n,), [chunk(offsets=(i,), sizes=(1,)) for i in range(n)]) is None
+    grid = [chunk(offsets=(r, c), sizes=(2, 3)) for r in range(0, 400, 2) for c in range(0, 300, 3)]  # 20,000
+    assert tiling_problem((400, 300), grid) is None
+    assert tiling_problem((400, 300), grid[:-1]) == (  # one missing: no longer a grid, and over the bound
+        "has 19999 chunks that do not tile it as a grid (each dimension cut into the same pieces), as every save does")
+    small = [chunk(offsets=(r, c), sizes=(2, 3)) for r in range(0, 40, 2) for c in range(0, 30, 3)]
+    assert tiling_problem((40, 30), small[:-1]) == "has chunks that cover 1194 of its 1200 values"  # within it
+    assert tiling_problem((400, 300), [*grid[:-1], chunk(offsets=(398, 296), sizes=(2, 4))]) == (
+        "has 20000 chunks that do not tile it as a grid (each dimension cut into the same pieces), as every save does")
+    assert time.monotonic() - t0 < 30  # seconds here; minutes to hours before
+    # not a grid, within the bound: checked pair by pair, and a tiling that is not a grid still passes
+    rows = [chunk(offsets=(0, 0), sizes=(2, 2)), chunk(offsets=(0, 2), sizes=(2, 2)), chunk(offsets=(2, 0), sizes=(2, 4))]
+    assert len(rows) <= PAIRWISE_MAX and tiling_problem((4, 4), rows) is None
+    assert tiling_problem((4, 4), [*rows[:2], chunk(offsets=(1, 0), sizes=(3, 4))]) == (
+        "has chunks at [0, 0] and [1, 0] that overlap")
+
+
+def test_a_tracker_of_too_many_digits_is_one_line(legacy, tmp_path, capsys):
+    """251-255 digits made iter_<digits> a name too long for the file system: an OSError traceback."""
+    import shutil
+
+    src = tmp_path / "mlm"
+    shutil.copytree(legacy, src)
+    (src / "latest_checkpointed_iteration.txt").write_text("9" * 251)
+    code, text = run(["convert", str(src), str(tmp_path / "o"), "--to", "hf", "--vocab-size", "500"], capsys)
+    one_line(code, text, "not an iteration number or 'release'")
+
+
+def test_dst_equal_to_src_is_called_an_overlap_before_it_is_called_taken(sources, capsys):
+    """Without --overwrite it said "already exists; pass --overwrite", and with it "overlaps the source"."""
+    code, text = run(["convert", str(sources / "hf"), str(sources / "hf"), "--to", "hf"], capsys)
+    one_line(code, text, "overlaps the source")
+
+
+def test_a_destination_through_a_folder_that_does_not_exist_leaves_no_folder_behind(sources, tmp_path):
+    """`convert SRC a/new/../out`: the output was written to a/out, and an empty a/new was left behind."""
+    assert cli.main(["convert", "--quiet", "--no-verify", str(sources / "hf"), str(tmp_path / "new" / ".." / "out"),
+                     "--to", "hf"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_rank_folders_of_another_layout_are_refused(legacy, tmp_path, capsys):
+    """A TP2 save with a third rank's folder beside it (a TP4 save copied over it): the extra folder was skipped."""
+    import shutil
+
+    src = tmp_path / "mlm"
+    shutil.copytree(legacy, src)
+    shutil.copytree(src / "iter_0000000" / "mp_rank_01", src / "iter_0000000" / "mp_rank_02")
+    code, text = run(["convert", str(src), str(tmp_path / "o"), "--to", "hf", "--vocab-size", "500"], capsys)
+    one_line(code, text, "holds mp_rank_02, which its args' layout (tp=2 pp=1) does not use")
+
+
+@pytest.mark.parametrize("field, value", [("sharded_backend_version", 99), ("common_backend", "zarr")])
+def test_a_torch_dist_backend_this_reader_does_not_know_is_refused(sources, tmp_path, capsys, field, value):
+    """metadata.json's versions were not read: a backend version 99 or a zarr common state was converted as if known."""
+    import shutil
+
+    src = tmp_path / "td"
+    shutil.copytree(sources / "td", src)
+    meta = next(src.glob("iter_*")) / "metadata.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), field: value}))
+    code, text = run(["convert", str(src), str(tmp_path / "o"), "--to", "hf", "--vocab-size", "500"], capsys)
+    one_line(code, text, "metadata.json gives sharded_backend_version ")
+    assert repr(value) in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["td"]
