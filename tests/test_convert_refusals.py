@@ -283,3 +283,63 @@ def test_a_torch_dist_backend_this_reader_does_not_know_is_refused(sources, tmp_
     one_line(code, text, "metadata.json gives sharded_backend_version ")
     assert repr(value) in text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["td"]
+
+
+def test_a_safetensors_header_listing_too_many_tensors_is_refused_before_it_is_parsed(sources, tmp_path, capsys,
+                                                                                       monkeypatch):
+    """A 98 MiB header of 1.5 million one-byte tensors took 2.35 GB to parse before it was refused; the tensors are
+    now counted in the raw header first (the bound lowered here, so that the file stays small)."""
+    from toolkit.format import safetensors_stream as st
+
+    folder = _copy_hf(sources, tmp_path, "many")
+    _save({f"t{i}": torch.zeros(1, dtype=torch.uint8) for i in range(11)}, folder, "extra.safetensors")
+    monkeypatch.setattr(st, "_MAX_TENSORS", 10)
+    for argv in (["convert", str(folder), str(tmp_path / "o"), "--to", "hf"], ["inspect", str(folder)]):
+        code, text = run(argv, capsys)
+        assert code != 0 and "extra.safetensors lists 11 tensors, more than the 10 this toolkit reads" in text, text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many"]
+    monkeypatch.setattr(st, "_MAX_TENSORS", 11)
+    with st.Reader(folder / "extra.safetensors") as reader:
+        assert len(reader.keys()) == 11
+
+
+def test_torch_dist_files_past_the_open_file_limit_raise_it_or_say_what_to_raise(tmp_path):
+    """locate() keeps every .distcp file open: a save of more files than `ulimit -n` would have failed with EMFILE
+    part way through a conversion. Run in a child process, whose limits this test may lower."""
+    import subprocess
+    import sys
+
+    code = f"""
+import resource
+from pathlib import Path
+from toolkit.checkpoint.torch_dist import _descriptors
+from toolkit.errors import ToolkitError
+resource.setrlimit(resource.RLIMIT_NOFILE, (300, 2000))
+_descriptors(1000, Path("x"))
+assert resource.getrlimit(resource.RLIMIT_NOFILE) == (1256, 2000)
+resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+try:
+    _descriptors(1000, Path("{tmp_path}"))
+except ToolkitError as e:
+    print(e)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == (f"{tmp_path} holds 1000 .distcp files, more than this process may open (ulimit -n: "
+                                   "hard limit 300); raise it to at least 1256 (ulimit -Hn as root, or the job's "
+                                   "limits) and rerun")
+
+
+def test_a_megatron_folder_without_its_tracker_names_the_iteration_to_pass(legacy, tmp_path, capsys):
+    """It listed every format this toolkit reads, Megatron-LM's among them, as if the folder were none of them."""
+    import shutil
+
+    src = tmp_path / "mlm"
+    shutil.copytree(legacy, src)
+    (src / "latest_checkpointed_iteration.txt").unlink()
+    for argv in (["convert", str(src), str(tmp_path / "o"), "--to", "hf", "--vocab-size", "500"], ["inspect", str(src)]):
+        code, text = run(argv, capsys)
+        one_line(code, text, f"{src} holds Megatron iter_* folders (1) but no latest_checkpointed_iteration.txt naming "
+                             f"the one to read: pass that folder itself, e.g. {src / 'iter_0000000'}")
+    assert cli.main(["convert", "--quiet", str(src / "iter_0000000"), str(tmp_path / "o"), "--to", "hf",
+                     "--vocab-size", "500"]) == 0

@@ -179,6 +179,9 @@ BAD = {  # name: (damage to a copy of llama_z3_bf16, the start of the one line)
                  "the optimizer files are at different steps"),
     "latest names a missing tag": (lambda c, m: (c / "latest").write_text("global_step9"),
                                    "names tag 'global_step9', but"),
+    "no latest": (lambda c, m: (c / "latest").unlink(),  # it listed every format, and asked to drop --config
+                  "holds DeepSpeed tag folders (2) but no `latest` file naming the one to read: pass that folder "
+                  "itself, e.g. "),
     "planted pickle": (lambda c, m: _plant(c / "global_step3" / OPT.format(1), m),
                        "holds a pickled posix.system, which is neither a tensor nor a known checkpoint record"),
 }
@@ -394,6 +397,10 @@ def test_universal_bad_input_one_line_nothing_written(runs, tmp_path, capsys):
         assert cli.main(["convert", str(src), str(tmp_path / "out"), "--to", "universal", "--quiet"]) != 0
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err and message in err, err
+    for to in (["megatron"], ["torch_dist"], ["deepspeed", "--dp", "2"]):  # said "not a toolkit DeepSpeed checkpoint"
+        assert cli.main(["convert", str(universal), str(tmp_path / "out"), "--to", *to, "--quiet"]) != 0
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "is a DeepSpeed universal checkpoint, which DeepSpeed itself loads at any" in err, err
     assert cli.main(["convert", str(root / "uc_llama_z2_bf16"), str(tmp_path / "taken"), "--to", "universal"]) != 0
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["no_optim", "planted", "taken", "uc"]

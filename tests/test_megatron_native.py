@@ -31,6 +31,7 @@ from test_families import CONFIGS, tiny_model
 
 from toolkit.checkpoint import torch_dist
 from toolkit.checkpoint.convert import convert, convert_to_hf
+from toolkit.checkpoint.inspect import inspect
 from toolkit.errors import ToolkitError
 
 VOCAB = 500
@@ -221,7 +222,6 @@ def test_planted_pickle_in_a_real_distrib_optim_file_never_runs(native, tmp_path
 @pytest.mark.slow
 def test_torch_dist_converts_bit_exact_to_hf_and_any_layout(native, tmp_path):
     """dist_checkpointing.save at TP2 -> HF equals the HF weights bit for bit; -> toolkit TP1 x PP2 -> HF too."""
-    from toolkit.checkpoint.inspect import inspect
 
     report = inspect(native["torch_dist"])
     assert report["format"] == "megatron torch_dist" and report["complete"] and report["step"] == 5
@@ -294,10 +294,27 @@ def test_planted_pickles_in_torch_dist_never_run(native, tmp_path):
     ("overlapping_chunks", r"\.metadata disagrees with itself: .* has chunks at .* that overlap"),
     ("metadata_not_dcp", r"\.metadata holds a pickled int, not torch DCP metadata"),
     ("backend_version", r"metadata\.json gives sharded_backend_version 99 and common_backend 'torch'"),
+    ("record_dtype", r"__0_0\.distcp \(bytes .*embedding\.word_embeddings\.weight\) holds .*torch\.float32\), but "
+                     r".*\.metadata says .* torch\.float16: the metadata disagrees with the files"),
+    ("missing_storage", r"\.metadata lists a chunk of embedding\.word_embeddings\.weight at \[0, 0\] but no file"),
+    ("complex_dtype", r"\.metadata gives embedding\.word_embeddings\.weight the dtype torch\.complex64, which no"),
 ])
 def test_damaged_torch_dist_gives_one_line_and_writes_nothing(native, tmp_path, damage, message):
     src = _copy(native, "torch_dist", tmp_path)
     it = src / "iter_0000005"
+    if damage in ("record_dtype", "missing_storage", "complex_dtype"):  # the metadata against its own files
+        import torch.distributed.checkpoint  # noqa: F401 - DCP's classes, to unpickle this test's own file
+
+        meta = pickle.loads((it / ".metadata").read_bytes())
+        emb = "embedding.word_embeddings.weight"
+        if damage == "missing_storage":
+            del meta.storage_data[next(i for i in meta.storage_data if i.fqn == emb and not any(i.offset))]
+        else:
+            meta.state_dict_metadata[emb].properties.dtype = (torch.float16 if damage == "record_dtype"
+                                                              else torch.complex64)
+        (it / ".metadata").write_bytes(pickle.dumps(meta))
+        with pytest.raises(ToolkitError, match=message):  # `inspect` does not call it complete: it says the same
+            inspect(src)
     if damage == "missing_distcp":
         (it / "__1_0.distcp").unlink()
     elif damage == "truncated_distcp":
@@ -314,7 +331,7 @@ def test_damaged_torch_dist_gives_one_line_and_writes_nothing(native, tmp_path, 
     elif damage == "backend_version":
         (it / "metadata.json").write_text(json.dumps({**json.loads((it / "metadata.json").read_text()),
                                                       "sharded_backend_version": 99}))
-    else:
+    elif damage == "tracker":
         (src / "latest_checkpointed_iteration.txt").write_text("9")
     for verify in (True, False):  # --no-verify: the torch-free reader declines it, the full path says why
         with pytest.raises(ToolkitError, match=message) as e:

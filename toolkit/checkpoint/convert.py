@@ -38,7 +38,8 @@ from toolkit.checkpoint.megatron_lm_optim import optimizer_plan, optimizer_write
 from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.plain_to_hf import convert_plain_to_hf
 from toolkit.checkpoint.safetensors_sources import require_one_dtype
-from toolkit.checkpoint.sources import WEIGHT, DeepSpeedHFSource, Source, follow_pointer, open_source
+from toolkit.checkpoint.sources import (WEIGHT, DeepSpeedHFSource, Source, follow_pointer, not_a_checkpoint,
+                                       open_source)
 from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, report, writers
 from toolkit.checkpoint.targets import HFTarget, MegatronTarget
 from toolkit.checkpoint.torch_dist_write import TorchDistTarget
@@ -49,13 +50,20 @@ from toolkit.families.entries import iter_entries
 from toolkit.families.registry import family_of_config
 from toolkit.families.rules import views
 from toolkit.format import manifest, safe_load
-from toolkit.format.names import META
+from toolkit.format.names import META, POINTER
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None, field: str) -> torch.Tensor:
     return t.to(dtype) if dtype is not None and field == WEIGHT else t
+
+
+def _known(src: Path) -> bool:
+    """Whether some reader takes `src`, by its names alone (what it is comes from open_source)."""
+    markers = ("config.json", META, POINTER, "latest_checkpointed_iteration.txt")
+    return src.name.startswith(("step_", "iter_")) or any((src / m).is_file() for m in markers) or is_plain(src) \
+        or is_universal(src)
 
 
 def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1, vpp: int = 1,
@@ -69,6 +77,10 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     src, dst = Path(src), Path(dst)
     if to == "universal":  # DeepSpeed's universal checkpoint from a ZeRO checkpoint (toolkit/checkpoint/universal.py)
         return write_universal(src, dst, overwrite, log)
+    if is_universal(src) and to != "hf":
+        raise ToolkitError(f"{src} is a DeepSpeed universal checkpoint, which DeepSpeed itself loads at any "
+                           "data-parallel size (checkpoint.load_universal: true in its config): it converts --to hf, "
+                           "and that folder on to any other format")
     if to == "hf" and is_universal(src):
         if dtype is not None and dtype not in DTYPES:
             raise ToolkitError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -79,6 +91,8 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
             raise ToolkitError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         return convert_plain_to_hf(src, dst, config, fp32, DTYPES[dtype] if dtype else None, overwrite, verify, log)
     if config is not None:  # read by the two branches above only: never ignored silently
+        if not _known(src):
+            raise not_a_checkpoint(src) if src.exists() else ToolkitError(f"{src} does not exist")
         raise ToolkitError(f"--config gives the model of a DeepSpeed checkpoint (plain or universal) converted --to hf; "
                            f"{src} --to {to} reads its own: drop --config")
     if dp is not None and to != "deepspeed":

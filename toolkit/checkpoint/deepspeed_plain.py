@@ -37,7 +37,7 @@ _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt
 _MP_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 
 
-def _is_tag(folder: Path) -> bool:
+def is_tag(folder: Path) -> bool:
     return folder.is_dir() and any(_ZERO3_MODEL.match(p.name) or _MP_MODEL.match(p.name) for p in folder.iterdir())
 
 
@@ -46,13 +46,13 @@ def is_plain(path: Path) -> bool:
     path = Path(path)
     if not path.is_dir() or (path / META).is_file() or (path / POINTER).is_file() or path.name.startswith("step_"):
         return False  # the toolkit's own DeepSpeed checkpoints (toolkit_meta.json, latest_complete, step_*)
-    return (path / LATEST).is_file() or _is_tag(path)
+    return (path / LATEST).is_file() or is_tag(path)
 
 
 def resolve_tag(path: Path) -> Path:
     """The tag folder to read: `path` itself when it holds model-states files, else the one its `latest` names."""
     path = Path(path)
-    if _is_tag(path):
+    if is_tag(path):
         return path
     pointer = path / LATEST
     if not pointer.is_file():
@@ -60,7 +60,7 @@ def resolve_tag(path: Path) -> Path:
                            "folder engine.save_checkpoint wrote, or one of its global_step* folders")
     tag = paths.pointer(pointer)
     folder = paths.inside(path, tag, str(pointer))
-    if not _is_tag(folder):
+    if not is_tag(folder):
         what = "holds no model-states files" if folder.is_dir() else "does not exist"
         raise ToolkitError(f"{pointer} names tag {tag!r}, but {folder} {what}"
                            f"; pass an existing global_step* folder instead (the save of {tag!r} did not finish or "
@@ -255,7 +255,7 @@ def inspect_plain(path: Path) -> dict:
         report["problems"].append(str(e))
         return report
     r = src.report
-    tags = sorted(p.name for p in path.iterdir() if _is_tag(p)) if tag != path else [tag.name]
+    tags = sorted(p.name for p in path.iterdir() if is_tag(p)) if tag != path else [tag.name]
     report.update(complete=True, step=r["step"], tag=tag.name, tags=tags,
                   layout={"zero_stage": r["zero_stage"], "dp": r["dp"]},
                   written_by=f"DeepSpeed {r['ds_version']} (engine.save_checkpoint)",

@@ -13,7 +13,7 @@ from toolkit.checkpoint import megatron_lm, torch_dist
 from toolkit.checkpoint.deepspeed_plain import inspect_plain, is_plain
 from toolkit.checkpoint.safetensors_sources import read_json
 from toolkit.checkpoint.universal import inspect_universal, is_universal
-from toolkit.checkpoint.sources import refusal
+from toolkit.checkpoint.sources import not_a_checkpoint, refusal
 from toolkit.errors import ToolkitError
 from toolkit.families import dims_from_hf, iter_entries
 from toolkit.format import manifest, paths
@@ -43,9 +43,7 @@ def inspect(path: str | Path) -> dict:
         return inspect_universal(path)
     if is_plain(path):  # engine.save_checkpoint in a user's own script: DeepSpeed's records only
         return inspect_plain(path)
-    raise ToolkitError(f"{path} is not a checkpoint this toolkit reads: expected a Hugging Face folder (config.json + "
-                       "*.safetensors), a step_* folder with toolkit_meta.json, or a checkpoint directory of step_* "
-                       "folders")
+    raise not_a_checkpoint(path)
 
 
 def _agree(report: dict, path: Path, vocab_size: int | None = None) -> dict:

@@ -19,7 +19,7 @@ import torch
 from toolkit.adapters.megatron import scheduler_state
 from toolkit.checkpoint import megatron_flat, megatron_lm
 from toolkit.checkpoint.deepspeed_io import DeepSpeedSource
-from toolkit.checkpoint.deepspeed_plain import is_plain
+from toolkit.checkpoint.deepspeed_plain import is_plain, is_tag
 from toolkit.checkpoint.megatron_sources import MegatronLMSource, TorchDistSource, rank_state
 from toolkit.checkpoint.safetensors_sources import HFSource, ToolkitWeights, follow_pointer, stored_config
 from toolkit.checkpoint.source_base import WEIGHT, Source  # noqa: F401 (WEIGHT, Source: re-exported)
@@ -204,6 +204,29 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
         raise ToolkitError(f"{src} is a plain DeepSpeed checkpoint (engine.save_checkpoint, no toolkit files): it "
                            "converts --to hf (with --config HF_FOLDER_OR_config.json when it holds no config.json), "
                            "--to universal, or --to deepspeed --dp N (another DP size)")
-    raise ToolkitError(f"{src} is not a checkpoint this toolkit reads: expected a Hugging Face folder (config.json + "
-                       "*.safetensors), a toolkit checkpoint (step_* folder with toolkit_meta.json, or its directory) "
-                       "or a Megatron-LM checkpoint (latest_checkpointed_iteration.txt + iter_*/mp_rank_* or a torch_dist iter_*)")
+    raise not_a_checkpoint(src)
+
+
+READS = ("a Hugging Face folder (config.json + *.safetensors), a toolkit checkpoint (a step_* folder with "
+         "toolkit_meta.json, or its directory), a Megatron-LM checkpoint (latest_checkpointed_iteration.txt + iter_* "
+         "folders, legacy or torch_dist; or one iter_* folder) or a DeepSpeed one (the folder engine.save_checkpoint "
+         "wrote, with `latest`; one global_step* folder; or a universal checkpoint)")
+
+
+def not_a_checkpoint(path: Path) -> ToolkitError:
+    """The one line for a folder no reader takes: where it holds the tag or iteration folders of a checkpoint whose
+    pointer file is missing, it names the newest of them to pass instead; otherwise it lists what is read."""
+    def newest(folders: list[Path]) -> Path:
+        return max(folders, key=lambda p: (int("0" + "".join(c for c in p.name if c.isdigit())), p.name))
+
+    subfolders = [p for p in path.iterdir() if p.is_dir()] if path.is_dir() else []
+    tags = [p for p in subfolders if is_tag(p)]
+    if tags:
+        return ToolkitError(f"{path} holds DeepSpeed tag folders ({len(tags)}) but no `latest` file naming the one to "
+                            f"read: pass that folder itself, e.g. {newest(tags)}")
+    iters = [p for p in subfolders if p.name.startswith("iter_")]
+    if iters:
+        return ToolkitError(f"{path} holds Megatron iter_* folders ({len(iters)}) but no "
+                            f"latest_checkpointed_iteration.txt naming the one to read: pass that folder itself, "
+                            f"e.g. {newest(iters)}")
+    return ToolkitError(f"{path} is not a checkpoint this toolkit reads: expected {READS}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 from pathlib import Path
 
 import torch
@@ -33,6 +34,23 @@ from toolkit.format.pt_zip import Slice
 from toolkit.format import safetensors_stream as st
 
 _SKIP = ("_extra_state",)  # Transformer Engine / Megatron module metadata (bytes), not weights
+# the dtypes a model's weights and optimizer state are saved in (and safetensors stores)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool)
+
+
+def _descriptors(files: int, where: Path) -> None:
+    """Room to hold every .distcp file open at once (locate() keeps them, a thousand for a 512-rank save): the soft
+    limit on open files raised towards the hard one, or one line saying what to raise."""
+    want = files + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    if hard == resource.RLIM_INFINITY or hard >= want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        return
+    raise ToolkitError(f"{where} holds {files} .distcp files, more than this process may open (ulimit -n: hard limit "
+                       f"{hard}); raise it to at least {want} (ulimit -Hn as root, or the job's limits) and rerun")
 
 
 class Reader:
@@ -75,6 +93,7 @@ class Reader:
         self._located: dict[tuple, tuple | None] = {}  # (fqn, chunk offsets) -> (fd, byte offset, meta tensor)
         for index, info in self.metadata.storage_data.items():
             self._where[(index.fqn, tuple(index.offset) if index.offset is not None else None)] = info
+        self._check_records()
         # local-spec name (layers without their index) -> sharded key
         self.names = {local_spec_name(fqn): fqn for fqn in self._tensors if not fqn.endswith(_SKIP)}
 
@@ -96,6 +115,22 @@ class Reader:
                 raise ToolkitError(f"{self.dir / '.metadata'} disagrees with the files: it places {index.fqn} at bytes "
                                    f"{info.offset}..{info.offset + info.length} of {name}, which has {sizes[name]}; "
                                    "the checkpoint is damaged or mixes two saves: re-copy it")
+        _descriptors(len(sizes), self.dir)
+
+    def _check_records(self) -> None:
+        """Before anything is written: every chunk the metadata lists has a storage entry, a dtype a model is saved
+        in, and a record (read to its pickle only: locate(), whose answers are kept for the conversion) holding a
+        tensor of the chunk's shape and dtype. So `toolkit inspect` calls complete only what convert reads whole."""
+        metadata = self.dir / ".metadata"
+        for fqn, m in self._tensors.items():
+            if m.properties.dtype not in _DTYPES:
+                raise ToolkitError(f"{metadata} gives {fqn} the dtype {m.properties.dtype}, which no Megatron model "
+                                   "is saved in; the checkpoint is damaged or not a model's: re-copy it")
+            for chunk in m.chunks:
+                if (fqn, tuple(chunk.offsets)) not in self._where:
+                    raise ToolkitError(f"{metadata} lists a chunk of {fqn} at {list(chunk.offsets)} but no file holds "
+                                       "it; the checkpoint is damaged: re-copy it")
+                self.locate(fqn, tuple(chunk.offsets))
 
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
@@ -191,14 +226,14 @@ class Reader:
             self._fds[info.relative_path] = os.open(self.dir / info.relative_path, os.O_RDONLY)
         fd = self._fds[info.relative_path]
         where = f"{self.dir / info.relative_path} (bytes {info.offset}..{info.offset + info.length}, {fqn})"
-        try:
-            meta = safe_load.load_buffer(Slice(fd, info.offset, info.length), where, map_location="meta")
-        except ToolkitError:
-            return None  # read through memory, where the same load reports what is wrong with the chunk
-        at = getattr(meta.untyped_storage(), "_checkpoint_offset", None) if torch.is_tensor(meta) else None
+        meta = safe_load.load_buffer(Slice(fd, info.offset, info.length), where, map_location="meta")
         sizes = next((tuple(c.sizes) for c in want.chunks if tuple(c.offsets) == key[1]), None)
-        if not isinstance(at, int) or tuple(meta.shape) != sizes or meta.dtype != want.properties.dtype \
-                or not meta.is_contiguous() or at < 0 or \
+        if not torch.is_tensor(meta) or tuple(meta.shape) != sizes or meta.dtype != want.properties.dtype:
+            got = (tuple(meta.shape), meta.dtype) if torch.is_tensor(meta) else type(meta).__name__
+            raise ToolkitError(f"{where} holds {got}, but {self.dir / '.metadata'} says {sizes} "
+                               f"{want.properties.dtype}: the metadata disagrees with the files; re-copy the checkpoint")
+        at = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+        if not isinstance(at, int) or not meta.is_contiguous() or at < 0 or \
                 at + (meta.storage_offset() + meta.numel()) * meta.element_size() > info.length:
             return None
         return fd, info.offset + at + meta.storage_offset() * meta.element_size(), meta

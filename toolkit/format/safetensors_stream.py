@@ -34,6 +34,7 @@ toolkit/checkpoint/copy_only.py); torch dtypes are mapped to them where tensors 
 _BY_TORCH: dict = {}  # torch dtype -> name, filled on first use (by then torch is loaded)
 _ALIGN = 8  # header padded so the data starts 8-byte aligned, as the reference writer does
 _MAX_HEADER = 100 * 2**20
+_MAX_TENSORS = 2**18  # per file: its header parses in about 400 MB
 _mapping = threading.local()
 
 
@@ -109,8 +110,13 @@ class Reader:
         (length,) = struct.unpack("<Q", raw)
         if length > min(_MAX_HEADER, size - 8):
             self._fail(f"declares a {length}-byte header in a {size}-byte file")
+        raw = self._f.read(length)
+        count = raw.count(b'"data_offsets"')  # before the parse, whose objects take about 1.5 KB per tensor
+        if count > _MAX_TENSORS:
+            self._fail(f"lists {count:,} tensors, more than the {_MAX_TENSORS:,} this toolkit reads from one file (the "
+                       "largest models' files hold a few thousand)")
         try:
-            header = json.loads(self._f.read(length))
+            header = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             self._fail(f"has a header that is not valid JSON ({e})")
         if not isinstance(header, dict):
