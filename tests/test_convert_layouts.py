@@ -190,6 +190,7 @@ def test_distributed_optimizer_training_checkpoint_resumes_after_a_convert(unint
     again = ["training.steps=4", *UNINTERRUPTED, f"checkpoint.resume={moved}"]
     refused = launch("tiny_dp2_distopt", again, nproc=2, out_dir=tmp_path / "refused", check=False)
     assert refused.returncode != 0 and "was written with" in refused.stderr and "zero_stage=0" in refused.stderr
+    assert not (tmp_path / "refused").exists()  # a refused resume leaves no run folder (it left TensorBoard's)
     proc = launch("tiny_dp2_distopt", [*again, "parallel.zero_stage=0"], nproc=2, out_dir=tmp_path / "second")
     assert "resumed from" in proc.stdout
     second = read_metrics(tmp_path / "second")
@@ -198,3 +199,11 @@ def test_distributed_optimizer_training_checkpoint_resumes_after_a_convert(unint
     print("uninterrupted DP2 distributed optimizer:", straight[2:], "resumed with the plain optimizer:", got)
     # a lost optimizer state (fresh Adam moments at step 3) moves the loss by ~1e-2 here
     assert got == pytest.approx(straight[2:], rel=1e-5)
+    # the plain optimizer's files hold whole states per (tp, pp): they resume at another dp with no convert (this
+    # was refused, with a convert to the same layout as the advice)
+    proc = launch("tiny_dp2_distopt", [*again, "parallel.zero_stage=0", "parallel.world_size=1"], nproc=1,
+                  out_dir=tmp_path / "dp1")
+    assert "resumed from" in proc.stdout and "dp=1" in proc.stdout
+    alone = [m["loss"] for m in read_metrics(tmp_path / "dp1")]
+    print("resumed with the plain optimizer at DP1:", alone)
+    assert alone == pytest.approx(straight[2:], rel=1e-5)

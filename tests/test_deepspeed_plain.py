@@ -370,10 +370,19 @@ def test_universal_reads_back_to_hf_as_the_zero_checkpoint_does(name, universal,
     capsys.readouterr()
     assert cli.main(["inspect", str(out / "ours" / name), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["format"] == "deepspeed universal checkpoint" and report["step"] == 2 and report["complete"]
+    assert report["format"] == "deepspeed universal" and report["step"] == 2 and report["complete"]
     assert report["layout"]["dp"] == 2 and report["optimizer_state"].startswith("complete")
     assert report["architecture"]["tied"] == ({"lm_head.weight": "model.embed_tokens.weight"} if "qwen" in name
                                               else None)
+    # one written from a toolkit run names its tag step_*: inspect took it for an unfinished toolkit save
+    renamed = tmp_path / "renamed"
+    shutil.copytree(out / "ours" / name, renamed)
+    (renamed / "global_step2").rename(renamed / "step_00000002")
+    (renamed / "latest_universal").write_text("step_00000002")
+    for path in (renamed, renamed / "step_00000002"):
+        assert cli.main(["inspect", str(path), "--json"]) == 0
+        again = json.loads(capsys.readouterr().out)
+        assert again["format"] == "deepspeed universal" and again["complete"] and again["step"] == 2
 
 
 @pytest.mark.slow

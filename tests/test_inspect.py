@@ -9,6 +9,7 @@ import pytest
 
 from conftest import REPO, launch
 from toolkit.checkpoint.inspect import inspect
+from toolkit.checkpoint.sources import open_source
 from toolkit.errors import ToolkitError
 
 
@@ -42,6 +43,31 @@ def test_training_checkpoint_and_damage(tmp_path):
     damaged = json.loads(proc.stdout)
     assert not damaged["complete"] and f"{victim.name} has 100 bytes" in damaged["problems"][0]
     assert inspect(root)["step"] == 1  # the directory's latest intact checkpoint is the older one
+    (root / "latest_complete").unlink()  # convert of the directory names the complete step to pass (it listed formats)
+    with pytest.raises(ToolkitError, match=f"holds step_\\* folders but no latest_complete naming the newest complete "
+                                           f"one: pass that folder itself, e.g. {root / 'step_00000001'}"):
+        open_source(root)
+
+
+def test_a_directory_whose_only_save_was_killed_is_reported_incomplete_not_refused(tmp_path, capsys):
+    """A run killed during its first save leaves step_00000002/ with only toolkit_started.json: inspect exited 2
+    with an error (not 1 with its report), called the step folder "unknown", and convert listed every format."""
+    from toolkit import cli
+
+    run = tmp_path / "checkpoints"
+    (run / "step_00000002").mkdir(parents=True)
+    (run / "step_00000002" / "toolkit_started.json").write_text("{}")
+    capsys.readouterr()
+    assert cli.main(["inspect", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert "toolkit checkpoint, INCOMPLETE" in out and "step_00000002: incomplete: toolkit_meta.json is missing" in out
+    assert inspect(run / "step_00000002")["format"] == "toolkit"
+    assert cli.main(["convert", str(run), str(tmp_path / "out"), "--to", "hf"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {run} holds no complete toolkit checkpoint: its newest, step_00000002, is incomplete "
+        f"(toolkit_meta.json is missing: the save never completed); resume the run to write a complete one, or see "
+        f"`toolkit inspect {run}`")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
 
 
 def test_not_a_checkpoint(tmp_path):

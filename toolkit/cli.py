@@ -346,17 +346,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "verified, all-or-nothing)", description="Convert SRC to DST. SRC's format and layout are "
                        "read from its own files: a Hugging Face folder, a toolkit Megatron or DeepSpeed checkpoint "
                        "(step_* folder or its directory), a plain DeepSpeed checkpoint (the folder engine.save_checkpoint "
-                       "wrote, or a global_step* folder in it; --to hf) or a Megatron-LM checkpoint (iter_*/mp_rank_*).")
+                       "wrote, or a global_step* folder in it), a universal one (--to hf), or Megatron-LM's (legacy or torch_dist).")
     p.add_argument("src", help="the checkpoint to read")
     p.add_argument("dst", help="the folder to write (must not exist unless --overwrite)")
     p.add_argument("--to", choices=["hf", "megatron", "torch_dist", "megatron_lm", "deepspeed", "universal"],
                    required=True,
                    help="hf: a Hugging Face folder; megatron: a toolkit Megatron checkpoint at --tp/--pp/--vpp "
                    "(with the optimizer state when SRC has it, so training resumes on the new layout); torch_dist: "
-                   "Megatron-Core's distributed checkpoint (weights; args for --tp/--pp/--vpp); megatron_lm: Megatron-LM's "
-                   "legacy layout at --tp/--pp/--vpp (weights); deepspeed: "
+                   "Megatron-Core's distributed checkpoint and megatron_lm: Megatron-LM's legacy layout, at --tp/--pp/--vpp "
+                   "(with the optimizer state when SRC has it); deepspeed: "
                    "a DeepSpeed ZeRO checkpoint (the toolkit's or a plain one) at another data-parallel size (--dp); universal: DeepSpeed's universal "
-                   "checkpoint of a ZeRO-1/2/3 checkpoint (resumes at any DP size with checkpoint.load_universal)")
+                   "checkpoint of a ZeRO-1/2/3 one, which engine.load_checkpoint loads at any DP size with ds_config checkpoint.load_universal")
     p.add_argument("--tp", type=count("a tensor-parallel size, e.g. 2", RANKS), default=1, help="tensor-parallel size of a Megatron target (default 1)")
     p.add_argument("--pp", type=count("a pipeline-parallel size, e.g. 2", RANKS), default=1, help="pipeline-parallel size of a Megatron target (default 1)")
     p.add_argument("--vpp", type=count("virtual chunks per rank, e.g. 2", 1024), default=1, help="virtual pipeline chunks per rank (default 1)")

@@ -43,15 +43,19 @@ class RunLog:
     """Writes each logged step to the console, <out>/metrics.jsonl and TensorBoard. Only rank 0 writes."""
 
     def __init__(self, out_dir: str, enabled: bool, tensorboard: bool):
-        self.enabled = enabled
+        self.enabled, self.tensorboard = enabled, tensorboard
         self.writer = None
         self.path = Path(out_dir) / "metrics.jsonl"
-        if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter  # lazy: only when a run logs to TensorBoard
 
-                self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+    def _open(self) -> None:
+        """The output folder and TensorBoard's writer, at the first logged step: a run refused before it trains
+        (a checkpoint of another layout, a model that does not match) leaves nothing behind."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.tensorboard and self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter  # lazy: only when a run logs to TensorBoard
+
+            self.writer = SummaryWriter(str(self.path.parent / "tensorboard"))
+        self.tensorboard = False
 
     def info(self, text: str) -> None:
         if self.enabled:
@@ -60,6 +64,7 @@ class RunLog:
     def step(self, record: dict) -> None:
         if not self.enabled:
             return
+        self._open()
         record = {"time": round(time.time(), 3), **record}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")

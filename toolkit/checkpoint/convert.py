@@ -79,7 +79,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
         return write_universal(src, dst, overwrite, log)
     if is_universal(src) and to != "hf":
         raise ToolkitError(f"{src} is a DeepSpeed universal checkpoint, which DeepSpeed itself loads at any "
-                           "data-parallel size (checkpoint.load_universal: true in its config): it converts --to hf, "
+                           "data-parallel size (with \"checkpoint\": {\"load_universal\": true} in its ds_config): it converts --to hf, "
                            "and that folder on to any other format")
     if to == "hf" and is_universal(src):
         if dtype is not None and dtype not in DTYPES:

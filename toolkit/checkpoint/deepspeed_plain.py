@@ -29,7 +29,7 @@ from toolkit.checkpoint.deepspeed_io import (
 )
 from toolkit.errors import ToolkitError
 from toolkit.format import paths
-from toolkit.format.names import META, POINTER
+from toolkit.format.names import META, POINTER, STARTED
 
 LATEST = "latest"
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -46,6 +46,8 @@ def is_plain(path: Path) -> bool:
     path = Path(path)
     if not path.is_dir() or (path / META).is_file() or (path / POINTER).is_file() or path.name.startswith("step_"):
         return False  # the toolkit's own DeepSpeed checkpoints (toolkit_meta.json, latest_complete, step_*)
+    if any(path.glob(f"step_*/{STARTED}")):  # the toolkit's directory without its pointer: DeepSpeed's `latest` too
+        return False
     return (path / LATEST).is_file() or is_tag(path)
 
 

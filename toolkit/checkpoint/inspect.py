@@ -18,7 +18,7 @@ from toolkit.errors import ToolkitError
 from toolkit.families import dims_from_hf, iter_entries
 from toolkit.format import manifest, paths
 from toolkit.format import safetensors_stream as st
-from toolkit.format.names import POINTER, TAG_GLOB
+from toolkit.format.names import POINTER, STARTED, TAG_GLOB
 from toolkit.format.safe_load import check_file, load
 from toolkit.metrics import count_params
 from toolkit.recipe.schema import Recipe
@@ -32,6 +32,8 @@ def inspect(path: str | Path) -> dict:
         raise ToolkitError(f"{path} does not exist")
     if (path / "config.json").is_file() and list(path.glob("*.safetensors")):
         return _agree(inspect_hf(path), path)
+    if is_universal(path):  # DeepSpeed's universal format (universal.py); `convert --to universal` names tags step_*
+        return inspect_universal(path)
     if (path / "toolkit_meta.json").is_file() or path.name.startswith("step_"):
         return _agree(inspect_toolkit(path), path)
     if (path / POINTER).is_file() or list(path.glob(TAG_GLOB)):
@@ -39,8 +41,6 @@ def inspect(path: str | Path) -> dict:
     if (path / "latest_checkpointed_iteration.txt").is_file() or path.name.startswith("iter_"):
         report = inspect_megatron_lm(path)
         return _agree(report, path, report.pop("padded_vocab"))
-    if is_universal(path):  # DeepSpeed's universal format (universal.py)
-        return inspect_universal(path)
     if is_plain(path):  # engine.save_checkpoint in a user's own script: DeepSpeed's records only
         return inspect_plain(path)
     raise not_a_checkpoint(path)
@@ -97,7 +97,8 @@ def inspect_toolkit(tag_dir: Path) -> dict:
         meta = manifest.read_meta(tag_dir)
     except ToolkitError:
         meta = {}  # the problem is already listed
-    report = {"path": str(tag_dir), "format": meta.get("backend", "unknown"), "complete": not problems,
+    unfinished = "toolkit" if (tag_dir / STARTED).is_file() else "unknown"
+    report = {"path": str(tag_dir), "format": meta.get("backend", unfinished), "complete": not problems,
               "problems": problems, "step": meta.get("step"), "layout": meta.get("layout"), "architecture": None,
               "parameters": None, "dtypes": None, "bytes": _bytes(tag_dir),
               "checked": manifest.describe_check(meta.get("files") or {}) if meta.get("files") else None}
@@ -202,9 +203,11 @@ def inspect_root(root: Path) -> dict:
 
     steps = {p.name: manifest.verify(p) for p in sorted(root.glob(TAG_GLOB)) if p.is_dir()}
     intact = [name for name, problems in steps.items() if not problems]
-    if not intact:
-        raise ToolkitError(f"{root} holds no complete checkpoint; incomplete: "
-                           + ("; ".join(f"{n}: {p[0]}" for n, p in steps.items()) or "none"))
+    if not intact:  # a report (exit 1, as for any incomplete checkpoint), not an error
+        return {"path": str(root), "format": "toolkit", "complete": False,
+                "problems": [f"holds no complete checkpoint ({len(steps)} step_* folders, none complete)"],
+                "step": None, "layout": None, "architecture": None, "parameters": None, "dtypes": None,
+                "bytes": _bytes(root), "checkpoints": {name: "incomplete: " + "; ".join(p) for name, p in steps.items()}}
     report = _agree(_agree(inspect_toolkit(root / intact[-1]), root / intact[-1]), root)
     report["checkpoints"] = {name: "complete" if not p else "incomplete: " + "; ".join(p) for name, p in steps.items()}
     return report
@@ -230,8 +233,9 @@ def render(report: dict) -> str:
         lines.append(f"  parameters: {report['parameters']:,}")
     if report["dtypes"]:
         lines.append("  dtypes: " + ", ".join(f"{k} {v:,}" for k, v in report["dtypes"].items()))
-    arch = report["architecture"] or {}
-    lines.append("  architecture: " + ", ".join(f"{k}={v}" for k, v in arch.items() if v is not None))
+    arch = {k: v for k, v in (report["architecture"] or {}).items() if v is not None}
+    if arch:
+        lines.append("  architecture: " + ", ".join(f"{k}={v}" for k, v in arch.items()))
     lines.append(f"  bytes on disk: {report['bytes']:,}")
     if report.get("checked"):
         lines.append(f"  manifest: {report['checked']}" + (" match" if report["complete"] else ""))

@@ -28,7 +28,7 @@ from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import raise_problems, rank_key
 from toolkit.families.registry import family_of_config
 from toolkit.format import manifest, paths
-from toolkit.format.names import META, OPTIM_GROUPS, OPTIM_SCHEDULER, chunk_key, rank_tag
+from toolkit.format.names import META, OPTIM_GROUPS, OPTIM_SCHEDULER, POINTER, chunk_key, rank_tag
 from toolkit.model import to_hf_config
 from toolkit.recipe.schema import Recipe
 
@@ -220,6 +220,16 @@ def not_a_checkpoint(path: Path) -> ToolkitError:
         return max(folders, key=lambda p: (int("0" + "".join(c for c in p.name if c.isdigit())), p.name))
 
     subfolders = [p for p in path.iterdir() if p.is_dir()] if path.is_dir() else []
+    steps = sorted(p for p in subfolders if p.name.startswith("step_"))
+    if steps:  # a toolkit checkpoint directory without its latest_complete pointer
+        problems = {p: manifest.verify(p, checksums=False) for p in steps}
+        whole = [p for p in steps if not problems[p]]
+        if whole:
+            return ToolkitError(f"{path} holds step_* folders but no {POINTER} naming the newest complete one: pass "
+                                f"that folder itself, e.g. {whole[-1]}")
+        return ToolkitError(f"{path} holds no complete toolkit checkpoint: its newest, {steps[-1].name}, is "
+                            f"incomplete ({problems[steps[-1]][0]}); resume the run to write a complete one, or see "
+                            f"`toolkit inspect {path}`")
     tags = [p for p in subfolders if is_tag(p)]
     if tags:
         return ToolkitError(f"{path} holds DeepSpeed tag folders ({len(tags)}) but no `latest` file naming the one to "

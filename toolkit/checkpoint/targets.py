@@ -155,6 +155,8 @@ class MegatronTarget:
                 "layout": layout, "hf_config": self.source.config,
                 "make_vocab_size_divisible_by": self.source.divisible_by,
                 "converted_from": self.source.describe(), "weights_only": not resumable}
+        if src_meta.get("micro_batch") is not None:  # with dp, what moves the data position to another dp on resume
+            meta["micro_batch"] = src_meta["micro_batch"]
         if src_meta.get("recipe") and src_meta.get("backend") == "megatron":
             recipe = json.loads(json.dumps(src_meta["recipe"]))
             par = recipe.setdefault("parallel", {})

@@ -361,7 +361,7 @@ def _zero3(tag: Path, zero: Path, models: list[str], optims: list[str], dp: int)
 def inspect_universal(path: Path) -> dict:
     """`toolkit inspect` of a universal checkpoint."""
     path = Path(path)
-    report = {"path": str(path), "format": "deepspeed universal checkpoint", "complete": False, "problems": [],
+    report = {"path": str(path), "format": "deepspeed universal", "complete": False, "problems": [],
               "step": None, "layout": None, "architecture": None, "parameters": None, "dtypes": None,
               "bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file())}
     try:

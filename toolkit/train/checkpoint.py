@@ -285,7 +285,19 @@ def load(backend, tag_dir: Path, layout_meta: dict, micro_batch: int | None = No
     moved = saved != layout_meta
     if moved and meta.get("checkpoint_format") == "torch_dist" and "tp" in layout_meta:
         _check_reshard(tag_dir, saved, layout_meta)
+    elif moved and _only_data_parallel(saved, layout_meta):
+        pass  # the plain optimizer's per-(tp, pp) files hold whole states: every data-parallel rank loads its own
     elif moved:
+        if _only_data_parallel({**saved, "zero_stage": 0}, {**layout_meta, "zero_stage": 0}):
+            was = f"checkpoint {tag_dir} was written with {_describe(saved)}, this run has {_describe(layout_meta)}"
+            if saved.get("zero_stage") == 0:  # the plain optimizer's whole states, into a distributed optimizer
+                raise ToolkitError(f"{was}: it holds the plain optimizer's state; set parallel.zero_stage: 0 to "
+                                   "resume it (at any dp), or checkpoint.resume: never to start fresh")
+            raise ToolkitError(f"{was}: the distributed optimizer's state is sharded over its data-parallel ranks; "
+                               f"relaunch with the saved layout, or `toolkit convert {tag_dir} NEW_DIR --to megatron` (the "
+                               "plain optimizer's state, by parameter name) and resume from NEW_DIR "
+                               "(checkpoint.resume) with parallel.zero_stage: 0 at any dp; checkpoint.format: "
+                               "torch_dist saves checkpoints that resume at any layout")
         if "tp" in layout_meta:
             move = (f"toolkit convert {tag_dir} NEW_DIR --to megatron --tp {layout_meta['tp']} --pp "
                     f"{layout_meta['pp']} --vpp {layout_meta['vpp']}")
@@ -310,6 +322,15 @@ def load(backend, tag_dir: Path, layout_meta: dict, micro_batch: int | None = No
         backend.load_state(tag_dir)
     set_rng_state(state["rng"])
     return state
+
+
+def _only_data_parallel(saved: dict, layout_meta: dict) -> bool:
+    """A Megatron checkpoint with the plain optimizer (zero_stage 0) whose layout differs from this run's only in
+    data parallelism (dp and the world size): its files are per (tp, pp, ep) rank, each holding that rank's
+    whole weights and optimizer state, so any number of data-parallel ranks loads them."""
+    same = ("tp", "pp", "vpp", "cp", "ep")
+    return "tp" in layout_meta and saved.get("zero_stage") == 0 == layout_meta.get("zero_stage") and all(
+        saved.get(k, 1) == layout_meta.get(k, 1) for k in same)
 
 
 def _check_reshard(tag_dir: Path, saved: dict, layout_meta: dict) -> None:
