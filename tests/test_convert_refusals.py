@@ -144,7 +144,8 @@ def test_a_pointer_file_that_names_no_folder_is_one_line(sources, tmp_path, caps
     assert listing(tmp_path) == before
 
 
-@pytest.mark.parametrize("option", [["--config", "x"], ["--dp", "4"], ["--fp32"]])
+@pytest.mark.parametrize("option", [["--config", "x"], ["--dp", "4"], ["--fp32"], ["--vocab-size", "300"],
+                                    ["--verify", "--no-verify"]])
 def test_an_option_that_does_not_apply_is_refused_not_ignored(sources, tmp_path, capsys, option):
     """HF -> HF with --config qwen2 --fp32 --dp 4 exited 0 with a llama bf16 output: each option was ignored."""
     before = listing(tmp_path)

@@ -223,6 +223,11 @@ def test_default_verification_runs_the_output_once_and_hashes_the_source(tmp_pat
     assert len(runs) == 2, len(runs)  # one run per decoder layer
     assert any("each of the 21 weights it loaded is bit-identical in the source and the output" in line
                for line in lines), lines
+    lines.clear()  # with --dtype the source proved equal is the cast one: the lines said "the source" regardless
+    convert(hf, tmp_path / "bf16", "megatron", dtype="bf16", progress=False, log=lines.append)
+    assert any("gives the source's logits (its weights cast to bfloat16, as --dtype asks)" in line and
+               "bit-identical in the cast source and the output" in line for line in lines), lines
+    assert any("against the source's cast to bfloat16" in line for line in lines), lines
     runs.clear()
     reference, output = open_source(hf), open_source(mg)
     try:

@@ -82,3 +82,42 @@ def test_keyword_mappings_name_each_part_once():
         mapping("linear_fc1.weight", GatedMLP(), gate=("a", (96, 64)), down=("b", (96, 64)))
     pm = mapping("linear_fc1.weight", GatedMLP(), up=("u", (96, 64)), gate=("g", (96, 64)))
     assert pm.hf_names == ("g", "u")  # the rule's order, whatever order the keywords came in
+
+
+@pytest.mark.parametrize("to", ["torch_dist", "megatron_lm"])
+def test_llama31_rope_scaling_travels_in_megatron_lm_args(llama31, tmp_path, to):
+    """Megatron-LM's args said only rotary_base: a Llama 3.1 converted --to torch_dist or --to megatron_lm came back
+    without its scaling, "verified", and transformers' logits moved. Now the args carry --use-rope-scaling and
+    --rope-scaling-factor (what Megatron-LM builds its model from), and the round trip gives the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.checkpoint.convert import convert
+    from toolkit.families.mapping import rope_of
+    from toolkit.format import safe_load
+
+    folder, model = llama31
+    mid = convert(folder, tmp_path / to, to, progress=False, log=lambda *_: None)
+    pt = next(mid.rglob("common.pt" if to == "torch_dist" else "model_optim_rng.pt"))
+    args = safe_load.load(pt, deepspeed=False)["args"]
+    assert (args.use_rope_scaling, args.rope_scaling_factor, args.rotary_base) == (True, 2.0, 10000)
+    back = convert(mid, tmp_path / "hf", "hf", vocab_size=256, progress=False, log=lambda *_: None)
+    import json
+
+    assert rope_of(json.loads((back / "config.json").read_text())) == (10000.0, ROPE)
+    again = AutoModelForCausalLM.from_pretrained(back).eval()
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(hf_logits(again, ids), hf_logits(model, ids))
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 4.0},
+                                  {**ROPE, "original_max_position_embeddings": 64},
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}],
+                         ids=["linear", "llama3-other-constants", "yarn"])
+def test_a_rope_scaling_megatron_lm_cannot_say_is_refused_before_writing(tmp_path, rope):
+    from toolkit.checkpoint.convert import convert
+
+    tiny_llama31(rope).save_pretrained(tmp_path / "hf")
+    for to in ("torch_dist", "megatron_lm"):
+        with pytest.raises(ToolkitError, match="has no Megatron-LM arguments .*the output would give other logits"):
+            convert(tmp_path / "hf", tmp_path / to, to, progress=False, log=lambda *_: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

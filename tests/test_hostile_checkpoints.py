@@ -356,7 +356,7 @@ def dst_output_plus_user_file(case: Path, built):
 
 def dst_a_file(case: Path, built):
     (case / "dst").write_text("a user's file")
-    return case / "dst", ["--overwrite"], ["holds a file where a folder would go", "choose another destination"]
+    return case / "dst", ["--overwrite"], ["is a file; a checkpoint is a folder: choose another destination"]
 
 
 def dst_a_link(case: Path, built):

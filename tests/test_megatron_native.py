@@ -672,3 +672,39 @@ def test_distributed_optimizer_state_written_loads_in_megatron_core_at_other_lay
     weights = convert(native["legacy_distopt_tp2"], tmp_path / "w", "megatron_lm", weights_only=True, **quiet)
     assert not list(weights.rglob("distrib_optim.pt"))
     assert "optimizer" not in torch.load(next(weights.rglob("model_optim_rng.pt")), weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", [{"rotary_interleaved": True}, {"apply_layernorm_1p": True},
+                                    {"rotary_seq_len_interpolation_factor": 4}, {"mtp_num_layers": 1},
+                                    {"apply_residual_connection_post_layernorm": True}])
+def test_megatron_lm_args_that_change_the_model_are_refused(change, native, tmp_path):
+    """Each of these args was ignored: the checkpoint converted to a plain Llama, "verified", whose logits are not
+    the model Megatron-LM trained. `--rotary-seq-len-interpolation-factor 1` (what conversion scripts pass) still
+    converts."""
+    src = tmp_path / "src"
+    shutil.copytree(native["legacy"], src)
+    files = sorted(src.rglob("model_optim_rng.pt"))
+    for f in files:
+        _resave(f, lambda s: [setattr(s["args"], k, v) for k, v in change.items()])
+    (name, value), = change.items()
+    with pytest.raises(ToolkitError, match=f"none of the families \\({name}={value!r}\\)"):
+        convert(src, tmp_path / "hf", "hf", vocab_size=VOCAB, progress=False, log=lambda *_: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    if name == "rotary_seq_len_interpolation_factor":
+        for f in files:
+            _resave(f, lambda s: setattr(s["args"], name, 1))
+        convert(src, tmp_path / "hf", "hf", vocab_size=VOCAB, progress=False, log=lambda *_: None)
+
+
+@pytest.mark.slow
+def test_megatron_lm_rope_scaling_args_are_llama31s(native, tmp_path):
+    """--use-rope-scaling --rope-scaling-factor 8 (Megatron-Core's Llama 3.1 scaling) was read as no scaling."""
+    src = tmp_path / "src"
+    shutil.copytree(native["legacy"], src)
+    for f in sorted(src.rglob("model_optim_rng.pt")):
+        _resave(f, lambda s: (setattr(s["args"], "use_rope_scaling", True), setattr(s["args"], "rope_scaling_factor", 8.0)))
+    out = convert(src, tmp_path / "hf", "hf", vocab_size=VOCAB, progress=False, log=lambda *_: None)
+    assert json.loads((out / "config.json").read_text())["rope_scaling"] == {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}

@@ -126,7 +126,7 @@ def test_a_cast_conversion_hashes_the_cast_source(layouts, tmp_path):
     hashed (not hashed in place), and the conversion still verifies."""
     lines = []
     convert(layouts["tp2pp2"], tmp_path / "fp32", "hf", dtype="fp32", progress=False, log=lines.append)
-    assert any("bit-identical in the source and the output" in line for line in lines), lines
+    assert any("bit-identical in the cast source and the output" in line for line in lines), lines
     with pytest.raises(ToolkitError, match="must be cast before it is hashed"):
         Hashed(torch.float32).check_ranges("w", [], (1,), torch.bfloat16, output=False)
 

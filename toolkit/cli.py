@@ -221,6 +221,8 @@ def _convert(args) -> int:
         raise ToolkitError(f"--vpp {args.vpp} virtual chunks need pipeline parallelism, but --pp is 1; pass --pp 2 or "
                            "more, or drop --vpp. Nothing was written")
 
+    if args.verify and args.no_verify:
+        raise ToolkitError("--verify and --no-verify contradict each other: pass one (verification is the default)")
     dst = Path(args.dst)
     if ".." in dst.parts[:-1]:  # `a/new/../out`: mkdir would make a/new (left behind) just to walk back out of it
         args.dst = str(Path(os.path.realpath(dst.parent)) / dst.name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from toolkit.errors import Problem
 from toolkit.families import family_named
+from toolkit.families.mapping import LLAMA3_ROPE_FIXED
 from toolkit.layout import Layout, padded_vocab_size
 from toolkit.recipe.schema import Recipe
 
@@ -20,8 +21,6 @@ def _dtype(precision: str):
 
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
-# Megatron's rope_scaling implements Llama 3.1's scheme with these fixed constants.
-LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def to_parallel_kwargs(layout: Layout) -> dict:

@@ -36,6 +36,7 @@ from toolkit.checkpoint.deepspeed_plain import is_plain
 from toolkit.checkpoint.deepspeed_reshard import reshard_deepspeed, reshard_plain
 from toolkit.checkpoint.megatron_lm_optim import optimizer_plan, optimizer_writer
 from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
+from toolkit.checkpoint.megatron_sources import MegatronLMSource, TorchDistSource
 from toolkit.checkpoint.plain_to_hf import convert_plain_to_hf
 from toolkit.checkpoint.safetensors_sources import require_one_dtype
 from toolkit.checkpoint.sources import (WEIGHT, DeepSpeedHFSource, Source, follow_pointer, not_a_checkpoint,
@@ -77,6 +78,9 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     src, dst = Path(src), Path(dst)
     if to == "universal":  # DeepSpeed's universal checkpoint from a ZeRO checkpoint (toolkit/checkpoint/universal.py)
         return write_universal(src, dst, overwrite, log)
+    if vocab_size is not None and (is_universal(src) or is_plain(src)):
+        raise ToolkitError(f"--vocab-size gives the true vocabulary of a Megatron-LM or torch_dist checkpoint; {src} is a "
+                           "DeepSpeed one, whose model's config gives it: drop --vocab-size")
     if is_universal(src) and to != "hf":
         raise ToolkitError(f"{src} is a DeepSpeed universal checkpoint, which DeepSpeed itself loads at any "
                            "data-parallel size (with \"checkpoint\": {\"load_universal\": true} in its ds_config): it converts --to hf, "
@@ -119,6 +123,11 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     # a Hugging Face target carries no optimizer state: it never reads (nor can be stopped by) the source's
     source, check = _open_checking(src, vocab_size, fp32, weights_only or to == "hf")
     try:
+        if vocab_size is not None and not isinstance(source, (MegatronLMSource, TorchDistSource)) \
+                and vocab_size != source.dims().vocab:
+            raise ToolkitError(f"--vocab-size {vocab_size}: {src} records its vocabulary ({source.dims().vocab}); "
+                               "--vocab-size gives the true vocabulary of a Megatron-LM or torch_dist checkpoint, "
+                               "whose padded rows do not tell it: drop it")
         if fp32 and not isinstance(source, DeepSpeedHFSource):
             raise ToolkitError(f"--fp32 takes a DeepSpeed checkpoint's fp32 master weights; {src} is a "
                                f"{source.kind} checkpoint: drop --fp32 (--dtype fp32 casts the weights)")

@@ -19,7 +19,7 @@ from pathlib import Path
 from toolkit.errors import ToolkitError
 from toolkit.families import family_named
 from toolkit.families.entries import rank_key
-from toolkit.families.mapping import local_spec_name
+from toolkit.families.mapping import LLAMA3_ROPE_FIXED, local_spec_name
 from toolkit.format import paths
 
 
@@ -124,10 +124,15 @@ def model_chunks(state: dict, vpp: int, file: Path | str = "a rank file") -> lis
 
 
 LLAMA_ARGS = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "add_bias_linear": False,
-              "rotary_percent": 1.0, "multi_latent_attention": False, "window_size": None}
+              "rotary_percent": 1.0, "multi_latent_attention": False, "window_size": None, "rotary_interleaved": False,
+              "apply_layernorm_1p": False, "apply_residual_connection_post_layernorm": False}
+NO_OP_ARGS = {"rotary_seq_len_interpolation_factor": (None, 1), "mtp_num_layers": (None, 0)}
+"""Arguments that change nothing at these values (conversion scripts pass --rotary-seq-len-interpolation-factor 1)."""
 """Megatron-LM arguments (when present) that every family the converters know has (Llama, Mistral, Qwen2, Qwen3,
 Qwen3-MoE: RMSNorm, SwiGLU, RoPE over the whole head, no linear biases, no sliding window); anything else is another
-architecture. Three arguments tell the families apart: `--add-qkv-bias` (Qwen2), `--qk-layernorm` (Qwen3) and, with
+architecture (interleaved or interpolated RoPE, LayerNorm's 1 + weight, a residual after the norm, multi-token
+prediction layers included). `--use-rope-scaling` is Llama 3.1's RoPE scaling (hf_config). Three arguments tell the
+families apart: `--add-qkv-bias` (Qwen2), `--qk-layernorm` (Qwen3) and, with
 it, `--num-experts` (Qwen3-MoE)."""
 
 MOE_ARGS = {"moe_router_score_function": "softmax", "moe_shared_expert_intermediate_size": None, "moe_layer_freq": 1,
@@ -144,6 +149,7 @@ def family_of_args(args: argparse.Namespace, where: Path | str = "the checkpoint
     Mistral 7B v0.2/v0.3 has exactly Llama's arguments and weights, so only its tokenizer names it. One line when the
     args describe a model no family converts exactly."""
     wrong = [f"{k}={getattr(args, k)!r}" for k, v in LLAMA_ARGS.items() if hasattr(args, k) and getattr(args, k) != v]
+    wrong += [f"{k}={getattr(args, k)!r}" for k, v in NO_OP_ARGS.items() if getattr(args, k, None) not in v]
     bias, qk_norm = bool(getattr(args, "add_qkv_bias", False)), bool(getattr(args, "qk_layernorm", False))
     experts = getattr(args, "num_experts", None)
     if bias and qk_norm:
@@ -157,10 +163,6 @@ def family_of_args(args: argparse.Namespace, where: Path | str = "the checkpoint
     tokenizer = str(getattr(args, "tokenizer_model", None) or "")
     family = ("qwen3_moe" if experts else "qwen2" if bias else "qwen3" if qk_norm else
               "mistral" if "mistral" in tokenizer.lower() else "llama")
-    heads = getattr(args, "num_attention_heads", None)
-    kv = getattr(args, "kv_channels", None)
-    if family not in ("qwen3", "qwen3_moe") and heads and kv and kv * heads != args.hidden_size:  # Qwen3: own head_dim
-        wrong.append(f"kv_channels={kv} (not hidden_size / num_attention_heads)")
     if wrong:
         raise ToolkitError(f"{where}: the model is none of the families ({', '.join(wrong)}); only GPT models "
                            "with RMSNorm, SwiGLU, RoPE and no linear biases (Llama, Mistral; Qwen2 with "
@@ -182,6 +184,9 @@ def hf_config(args: argparse.Namespace, vocab_size: int, where: Path | str = "th
               "rope_theta": float(getattr(args, "rotary_base", 10000)),
               "tie_word_embeddings": not getattr(args, "untie_embeddings_and_output_weights", False),
               "hidden_act": "silu", "torch_dtype": "float32", **family.hf_config_fields}
+    if getattr(args, "use_rope_scaling", False):  # Megatron-Core's rope_scaling: llama3 with fixed constants
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": float(getattr(args, "rope_scaling_factor", 8.0)),
+                                  **LLAMA3_ROPE_FIXED}
     head_dim = getattr(args, "kv_channels", None)
     if head_dim and head_dim * args.num_attention_heads != args.hidden_size:  # Qwen3's own head size
         config["head_dim"] = head_dim

@@ -33,7 +33,7 @@ from toolkit.checkpoint.byte_ranges import addressing
 from toolkit.checkpoint.megatron_lm import LOCAL_ORDER, rank_dir, registration_order
 from toolkit.families import family_named
 from toolkit.families.entries import holders, iter_entries, raise_problems, rank_key
-from toolkit.families.mapping import check_dims
+from toolkit.families.mapping import check_dims, megatron_rope_args
 from toolkit.format import pt_write
 from toolkit.format import safetensors_stream as st
 from toolkit.format.pt_write import Skeleton, Tensor
@@ -64,14 +64,13 @@ def model_args(dims, config: dict, tp: int, pp: int, vpp: int, divisible_by: int
     torch's (then params_dtype is it), or a safetensors name (then params_dtype is pt_write's name for torch's, which
     only pt_write pickles)."""
     name = st.dtype_name(dtype)
-    rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000)
     return argparse.Namespace(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, num_layers=dims.layers,
         hidden_size=dims.hidden, ffn_hidden_size=dims.ffn, num_attention_heads=dims.heads,
         group_query_attention=dims.kv_heads != dims.heads, num_query_groups=dims.kv_heads, kv_channels=dims.head_dim,
         max_position_embeddings=config.get("max_position_embeddings"), norm_epsilon=config.get("rms_norm_eps", 1e-5),
-        rotary_base=int(rope), untie_embeddings_and_output_weights=not dims.tied, padded_vocab_size=dims.padded_vocab,
+        **megatron_rope_args(config, "the model's config"), untie_embeddings_and_output_weights=not dims.tied, padded_vocab_size=dims.padded_vocab,
         make_vocab_size_divisible_by=divisible_by, normalization="RMSNorm", swiglu=True,
         position_embedding_type="rope", add_position_embedding=False, add_bias_linear=False,
         params_dtype=pt_write.torch_dtype(name) if isinstance(dtype, str) else dtype, bf16=name == "BF16",

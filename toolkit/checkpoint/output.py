@@ -32,6 +32,9 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         # its advice (--overwrite) would only lead here
         raise ToolkitError(f"{dst} overlaps the source {src} (the same folder, inside it, or holding it: "
                            "--overwrite would delete the source); write the conversion somewhere else")
+    if dst.exists() and not dst.is_dir():  # --overwrite replaces only folders toolkit convert wrote
+        raise ToolkitError(f"{dst} is a file; a checkpoint is a folder: choose another destination (--overwrite "
+                           "replaces only a folder toolkit convert wrote). Nothing was written")
     if dst.exists() and not overwrite:
         raise ToolkitError(f"{dst} already exists; pass --overwrite to replace it (it is replaced only after the "
                            "new checkpoint is complete and verified)")

@@ -227,8 +227,9 @@ class TorchDistTarget:
                        check_dims(self.dims, tp, pp, vpp, ep))
         self.step = int(source.step or 0)
         self.tag_dir = root / f"iter_{self.step:07d}"
-        self.tag_dir.mkdir(parents=True)
         self.dtype_name = st.dtype_name(dtype) if dtype is not None else source.dtype_name()
+        self._args()  # before anything is written: a config Megatron-LM's arguments cannot say is refused
+        self.tag_dir.mkdir(parents=True)
         self.out_dtype = None  # torch's, for the optimizer plan (the full path only)
         self.note, self._optim = None, None
         if not weights_only and optimizer_plan is not None:

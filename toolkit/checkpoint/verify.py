@@ -39,7 +39,7 @@ import torch
 
 from toolkit.checkpoint.safetensors_sources import HFSource
 from toolkit.checkpoint.sources import WEIGHT, Source, open_source
-from toolkit.checkpoint.verify_hash import HASH_NAME, Hashed, cast, digest, pieces
+from toolkit.checkpoint.verify_hash import HASH_NAME, Hashed, cast, cast_note, digest, pieces
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
 from toolkit.families.registry import family_named
@@ -135,8 +135,8 @@ def read_back(source: Source, written: Path, fields: tuple[str, ...], digests: D
     jobs = [(e.hf_names, f) for e in iter_entries(source.dims(), 1, 1) if e.reads_back for f in fields
             if not all((n, f) in proved for n in e.hf_names)]
     if not jobs:
-        log(f"verified: all {len(proved)} tensors read back bit-exactly ({HASH_NAME} against the source's, on the "
-            "logit check's reads of both)")
+        log(f"verified: all {len(proved)} tensors read back bit-exactly ({HASH_NAME} against the source's"
+            f"{cast_note(source, cast_to, ' cast to ')}, on the logit check's reads of both)")
         return
     # the true vocabulary, for Megatron-LM-style outputs; its manifest was just taken from these files
     again = open_source(written, source.dims().vocab, checksums=False)
@@ -159,7 +159,8 @@ def read_back(source: Source, written: Path, fields: tuple[str, ...], digests: D
         count = sum(map(check, jobs))  # one at a time: two threads were no faster here and held two parameters
     finally:
         again.close()
-    log(f"verified: {count + len(proved)} tensors read back bit-exactly ({HASH_NAME} against the source's; "
+    log(f"verified: {count + len(proved)} tensors read back bit-exactly ({HASH_NAME} against the source's"
+        f"{cast_note(source, cast_to, ' cast to ')}; "
         f"{count} read again in {time.monotonic() - t0:.1f} s, {len(proved)} on the logit check's reads)")
 
 
@@ -469,10 +470,12 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
             log(f"verified: transformers' {type(model).__name__} gives the source's logits on {TOKENS} fixed tokens, "
                 f"layer by layer ({len(inner.layers)} layers, one in memory at a time; {took:.1f} s)")
             return set()
-        log(f"verified: transformers' {type(model).__name__} gives the source's logits: it ran the "
+        note = cast_note(reference, written, " (its weights cast to ", ", as --dtype asks)")
+        source = "the cast source" if note else "the source"
+        log(f"verified: transformers' {type(model).__name__} gives the source's logits{note}: it ran the "
             f"{('source', 'output')[runs]}'s weights on {TOKENS} fixed tokens, layer by layer ({len(inner.layers)} "
             f"layers, one in memory at a time), and each of the {len(hashed.proved)} weights it loaded is "
-            f"bit-identical in the source and the output, so is every logit, on any input ({took:.1f} s)")
+            f"bit-identical in {source} and the output, so is every logit, on any input ({took:.1f} s)")
         return hashed.proved
     finally:
         if hashed is not None:

@@ -172,3 +172,13 @@ class Hashed:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def cast_note(source, cast_to: torch.dtype | None, before: str, after: str = "") -> str:
+    """The dtype --dtype cast the weights to, between `before` and `after`, for the verified lines (the source
+    they prove equal is the cast one); "" when nothing was cast."""
+    try:
+        same = cast_to is None or cast_to == source.dtype()
+    except ToolkitError:  # weights of several dtypes (then --dtype was given)
+        same = False
+    return "" if same else before + str(cast_to).removeprefix("torch.") + after

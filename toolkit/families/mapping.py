@@ -47,6 +47,39 @@ def config_getter(config: Any) -> Callable[..., Any]:
 _WHOLE = ("num_key_value_heads", "head_dim")  # optional sizes, besides REQUIRED's
 _NUMBERS = ("rms_norm_eps", "rope_theta")
 
+LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""Megatron-Core's rope_scaling (Megatron-LM's --use-rope-scaling) is Llama 3.1's llama3 scheme with these constants
+and any factor (--rope-scaling-factor)."""
+
+
+def rope_of(config: Mapping) -> tuple[float, dict]:
+    """(rope_theta, the scaling as a dict with its rope_type; {} for none) of a Hugging Face config, whether it
+    spells them as transformers 5 does (rope_parameters) or as before (rope_theta, rope_scaling)."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = config.get("rope_theta") or rope.pop("rope_theta", None) or 10000
+    rope.pop("rope_theta", None)
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    return float(theta), ({} if rope.get("rope_type", "default") == "default" else rope)
+
+
+def megatron_rope_args(config: Mapping, where: str) -> dict:
+    """Megatron-LM's RoPE arguments of a Hugging Face config: rotary_base, and Llama 3.1's scaling as
+    use_rope_scaling + rope_scaling_factor. One line for what Megatron's arguments cannot say (a base that is not
+    a whole number, any other scaling), so that no checkpoint is written whose args give other logits."""
+    theta, scaling = rope_of(config)
+    if theta != int(theta):
+        raise ToolkitError(f"{where}: rope_theta {theta} is not a whole number, which Megatron-LM's --rotary-base "
+                           "must be; convert --to hf or --to megatron instead")
+    if not scaling:
+        return {"rotary_base": int(theta)}
+    if scaling.get("rope_type") == "llama3" and all(float(scaling.get(k, v)) == v for k, v in LLAMA3_ROPE_FIXED.items()):
+        return {"rotary_base": int(theta), "use_rope_scaling": True,
+                "rope_scaling_factor": float(scaling.get("factor", 8.0))}
+    raise ToolkitError(f"{where}: RoPE scaling {scaling} has no Megatron-LM arguments (Megatron-Core has Llama 3.1's "
+                       f"llama3 scaling with {LLAMA3_ROPE_FIXED} and any factor); the output would give other logits: "
+                       "convert --to hf or --to megatron instead")
+
 
 def read_dims(family: str, config: Any, tp: int, divisible_by: int, tied_default: bool) -> Dims:
     """Dims from an HF config. `tied_default` is what the family's config class assumes when the key is absent."""
