@@ -121,3 +121,17 @@ def test_a_rope_scaling_megatron_lm_cannot_say_is_refused_before_writing(tmp_pat
         with pytest.raises(ToolkitError, match="has no Megatron-LM arguments .*the output would give other logits"):
             convert(tmp_path / "hf", tmp_path / to, to, progress=False, log=lambda *_: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_verification_sees_a_config_the_target_loses(llama31, tmp_path, monkeypatch):
+    """The logit check runs the source's config on both sides' weights, so it could not see a scaling the
+    output's args dropped (what happened before the args carried it): the output's config is now compared too."""
+    from toolkit.checkpoint import megatron_lm_write
+    from toolkit.checkpoint.convert import convert
+
+    folder, _ = llama31
+    monkeypatch.setattr(megatron_lm_write, "megatron_rope_args", lambda config, where: {"rotary_base": 10000})
+    with pytest.raises(ToolkitError, match=r"verification failed: the output's config makes another model: rope "
+                                           r"\(10000\.0, \{\}\) \(the source's: \(10000\.0, \{'factor': 2\.0, .*'rope_type': 'llama3'\}\)\)"):
+        convert(folder, tmp_path / "td", "torch_dist", progress=False, log=lambda *_: None)
+    assert not (tmp_path / "td").exists()

@@ -45,7 +45,8 @@ from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, rep
 from toolkit.checkpoint.targets import HFTarget, MegatronTarget
 from toolkit.checkpoint.torch_dist_write import TorchDistTarget
 from toolkit.checkpoint.universal import UniversalSource, is_universal, resolve_universal, write_universal
-from toolkit.checkpoint.verify import Digests, release
+from toolkit.checkpoint.verify import release
+from toolkit.checkpoint.verify_hash import Digests
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
 from toolkit.families.registry import family_of_config

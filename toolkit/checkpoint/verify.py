@@ -39,9 +39,10 @@ import torch
 
 from toolkit.checkpoint.safetensors_sources import HFSource
 from toolkit.checkpoint.sources import WEIGHT, Source, open_source
-from toolkit.checkpoint.verify_hash import HASH_NAME, Hashed, cast, cast_note, digest, pieces
+from toolkit.checkpoint.verify_hash import HASH_NAME, Digests, Hashed, cast, cast_note, digest, pieces
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
+from toolkit.families.mapping import model_differences
 from toolkit.families.registry import family_named
 from toolkit.families.rules import merged_into, views
 from toolkit.format.names import chunk_key
@@ -108,21 +109,6 @@ def release() -> None:
     """Hand freed memory back to the kernel. glibc keeps what a loop of same-sized tensors frees in its heaps
     (about 1 MB more per decoder layer was measured here), which would let peak memory creep up with the layer count."""
     _trim(0)
-
-
-class Digests:
-    """The digest (HASH_NAME) of each (HF name, field) the conversion wrote, taken from the source's tensors as they
-    are written."""
-
-    def __init__(self):
-        self.of: dict[tuple[str, str], str] = {}
-        self.seconds = 0.0
-
-    def add(self, names, field: str, tensors) -> None:
-        t0 = time.monotonic()
-        for name, t in zip(names, tensors):
-            self.of[(name, field)] = digest(t)
-        self.seconds += time.monotonic() - t0
 
 
 def read_back(source: Source, written: Path, fields: tuple[str, ...], digests: Digests, log,
@@ -492,6 +478,10 @@ def verify_output(source: Source, written: Path, fields: tuple[str, ...], cast_t
     # (hashing them again would prove nothing the tensors' read-back does not)
     output_source = open_source(written, source.dims().vocab, checksums=False)
     try:
+        changed = model_differences(source.config, output_source.config)
+        if changed:  # what a Megatron-LM or torch_dist target's args could not say (the weights cannot show it)
+            raise ToolkitError(f"verification failed: the output's config makes another model: {'; '.join(changed)}; "
+                               "nothing was written")
         proved = verify_logits(source, output_source, cast_to or source.dtype(), hf_folder, log, True, cast_to)
     finally:
         output_source.close()

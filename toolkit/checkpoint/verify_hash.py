@@ -11,6 +11,7 @@ weights the logit check runs needs them assembled in memory.
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable
 
@@ -182,3 +183,18 @@ def cast_note(source, cast_to: torch.dtype | None, before: str, after: str = "")
     except ToolkitError:  # weights of several dtypes (then --dtype was given)
         same = False
     return "" if same else before + str(cast_to).removeprefix("torch.") + after
+
+
+class Digests:
+    """The digest (HASH_NAME) of each (HF name, field) the conversion wrote, taken from the source's tensors as they
+    are written."""
+
+    def __init__(self):
+        self.of: dict[tuple[str, str], str] = {}
+        self.seconds = 0.0
+
+    def add(self, names, field: str, tensors) -> None:
+        t0 = time.monotonic()
+        for name, t in zip(names, tensors):
+            self.of[(name, field)] = digest(t)
+        self.seconds += time.monotonic() - t0

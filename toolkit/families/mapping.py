@@ -58,9 +58,31 @@ def rope_of(config: Mapping) -> tuple[float, dict]:
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     theta = config.get("rope_theta") or rope.pop("rope_theta", None) or 10000
     rope.pop("rope_theta", None)
-    if "type" in rope and "rope_type" not in rope:
-        rope["rope_type"] = rope.pop("type")
+    kind = rope.pop("type", None)  # the older spelling; rope_type wins where both are given
+    rope.setdefault("rope_type", kind or "default")
     return float(theta), ({} if rope.get("rope_type", "default") == "default" else rope)
+
+
+_SAME = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "rms_norm_eps", "tie_word_embeddings",
+         "moe_intermediate_size", "num_experts_per_tok", "norm_topk_prob")
+
+
+def model_differences(a: Mapping, b: Mapping) -> list[str]:
+    """What in Hugging Face config `b` makes another model than `a` of the same weights (values that change the
+    logits; a field that only one of them sets is the library's default in the other and not compared): the check
+    of a conversion's output config, which a Megatron-LM or torch_dist target rebuilds from the arguments it wrote."""
+    def derived(c: Mapping) -> dict:
+        heads = c.get("num_attention_heads") or 1
+        return {"num_key_value_heads": c.get("num_key_value_heads") or heads,
+                "head_dim": c.get("head_dim") or (c.get("hidden_size") or 0) // heads,
+                "experts": c.get("num_experts") or c.get("num_local_experts") or 0, "rope": rope_of(c)}
+    da, db = derived(a), derived(b)
+    out = [f"{k} {b[k]!r} (the source's: {a[k]!r})" for k in _SAME if k in a and k in b and a[k] != b[k]]
+    ffn = "intermediate_size"  # a mixture of experts' is moe_intermediate_size (its dense one may be unused)
+    if not da["experts"] and ffn in a and ffn in b and a[ffn] != b[ffn]:
+        out.append(f"{ffn} {b[ffn]!r} (the source's: {a[ffn]!r})")
+    out += [f"{k} {db[k]!r} (the source's: {da[k]!r})" for k in da if da[k] != db[k]]
+    return out
 
 
 def megatron_rope_args(config: Mapping, where: str) -> dict:
@@ -73,7 +95,8 @@ def megatron_rope_args(config: Mapping, where: str) -> dict:
                            "must be; convert --to hf or --to megatron instead")
     if not scaling:
         return {"rotary_base": int(theta)}
-    if scaling.get("rope_type") == "llama3" and all(float(scaling.get(k, v)) == v for k, v in LLAMA3_ROPE_FIXED.items()):
+    fixed = all(float(scaling.get(k, v)) == v for k, v in LLAMA3_ROPE_FIXED.items())
+    if scaling.get("rope_type") == "llama3" and fixed:
         return {"rotary_base": int(theta), "use_rope_scaling": True,
                 "rope_scaling_factor": float(scaling.get("factor", 8.0))}
     raise ToolkitError(f"{where}: RoPE scaling {scaling} has no Megatron-LM arguments (Megatron-Core has Llama 3.1's "
