@@ -358,6 +358,7 @@ def test_toolkit_convert_zero3_to_hf_from_model_states_and_fp32_master(bf16_run,
         assert set(got) == set(want) and got["model.layers.1.self_attn.k_proj.bias"].abs().max() > 0
         assert all(got[k].dtype == dtype and torch.equal(got[k], want[k]) for k in got)
         loaded = AutoModelForCausalLM.from_pretrained(dst)
+        assert loaded.config.use_cache is True  # not the training-time use_cache=False
         assert loaded.dtype == dtype and type(loaded).__name__ == "Qwen2ForCausalLM"
         assert loaded.config.tie_word_embeddings
         assert len(AutoTokenizer.from_pretrained(dst)) == 512  # the recipe's tokenizer came along

@@ -63,6 +63,8 @@ def test_export_after_tp2_pp2_training_equals_single_process_weights(tiny4l_hf_c
                             "training.steps=3", *schedule, "checkpoint.interval=1000"], nproc=4, out_dir=tmp_path / "run")
     out = convert_to_hf(tmp_path / "run" / "checkpoints", tmp_path / "hf")
     got = load_file(str(out / "model.safetensors"))
+    # the training-time use_cache=False stays behind: it turned generate()'s KV cache off in the released model
+    assert json.loads((out / "config.json").read_text()).get("use_cache", True) is True
     ref: dict = {}
     reference_losses(tiny4l_hf_checkpoint, 3, schedule, model_out=ref)
     assert set(got) == set(ref["state"])

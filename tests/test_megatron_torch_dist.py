@@ -80,6 +80,9 @@ def test_megatron_core_loads_the_training_checkpoint_and_convert_reads_it(saved,
     checkpoints = saved / "checkpoints"
     report = inspect(checkpoints / "step_00000003")
     assert report["format"] == "megatron torch_dist" and report["complete"], report["problems"]
+    # the model's weights, counted as every format's report counts them (Adam's moments were counted in too)
+    assert report["dtypes"] == {"F32": report["parameters"]}
+    assert report["optimizer_state"] == "exp_avg, exp_avg_sq per parameter"
     hf = convert(checkpoints, tmp_path / "hf", "hf", progress=False, log=lambda *_: None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
            str(REPO / "tests" / "megatron_dist_load_probe.py"), str(hf), str(checkpoints / "step_00000003"), "1x1x1"]

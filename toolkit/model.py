@@ -39,6 +39,14 @@ def to_hf_config(m: ModelConfig, tokenizer=None):
     )
 
 
+def released_config(m: ModelConfig) -> dict:
+    """The config.json a conversion of a training checkpoint writes: to_hf_config's, without the training-time
+    use_cache=False, which would turn generate()'s KV cache off by default in the released model."""
+    config = to_hf_config(m).to_dict()
+    config.pop("use_cache", None)
+    return config
+
+
 def build_model(m: ModelConfig, seed: int, tokenizer=None, zero3_config: dict | None = None):
     """The family's causal LM (e.g. LlamaForCausalLM) in fp32 (DeepSpeed casts for mixed precision).
 

@@ -116,14 +116,18 @@ def inspect_toolkit(tag_dir: Path) -> dict:
     if meta.get("backend") == "megatron" and meta.get("checkpoint_format") == "torch_dist":
         report["format"] = "megatron torch_dist"  # checkpoint.format: torch_dist, read as Megatron-LM's iter_* folders
         if not problems:
-            report["dtypes"] = _inspect_torch_dist(tag_dir, tag_dir)["dtypes"]
+            inner = _inspect_torch_dist(tag_dir, tag_dir)
+            report["dtypes"], report["optimizer_state"] = inner["dtypes"], inner["optimizer_state"]
     elif meta.get("backend") == "megatron" and not problems:
-        report["dtypes"] = _megatron_dtypes(tag_dir)
+        report["dtypes"] = _megatron_dtypes(tag_dir, report["parameters"])
+        report["optimizer_state"] = ("by parameter name, in optim_* files" if any(tag_dir.glob("optim_*"))
+                                     else "none (weights only)")
     return report
 
 
-def _megatron_dtypes(tag_dir: Path) -> dict:
-    """Element counts per dtype over the per-rank weight files (TP-replicated norms count once per rank)."""
+def _megatron_dtypes(tag_dir: Path, parameters: int | None) -> dict:
+    """The model's weights by dtype, as every format's report gives them: all parameters in the one dtype the
+    per-rank weight files hold, else element counts over those files (TP-replicated norms once per rank)."""
 
     dtypes: dict[str, int] = {}
     for f in sorted(tag_dir.glob("model_*.safetensors")):
@@ -131,7 +135,7 @@ def _megatron_dtypes(tag_dir: Path) -> dict:
             for k in r.keys():
                 name = st.dtype_name(r.dtype(k))
                 dtypes[name] = dtypes.get(name, 0) + _numel(r.shape(k))
-    return dtypes
+    return {name: parameters for name in dtypes} if len(dtypes) == 1 and parameters else dtypes
 
 
 def inspect_megatron_lm(path: Path) -> dict:
@@ -176,18 +180,22 @@ def _inspect_torch_dist(path: Path, it_dir: Path) -> dict:
     config = megatron_lm.hf_config(args, args.padded_vocab_size)
     dtypes: dict[str, int] = {}
     for fqn in reader.names.values():
-        key = st.dtype_name(reader.dtype(fqn))
-        dtypes[key] = dtypes.get(key, 0) + _numel(reader.shape(fqn))
+        if not fqn.startswith("optimizer."):  # the model's weights (padded vocabulary rows included), not Adam's
+            key = st.dtype_name(reader.dtype(fqn))
+            dtypes[key] = dtypes.get(key, 0) + _numel(reader.shape(fqn))
+    parameters = sum(_numel(s) for e in iter_entries(dims_from_hf(config), 1, 1) if e.reads_back for s in e.hf_shapes)
+    if len(dtypes) == 1:  # all of the model's parameters, as the other formats' reports count them
+        dtypes = {name: parameters for name in dtypes}
+    optim = sorted({fqn.split(".")[2] for fqn in reader.tensor_names() if fqn.startswith("optimizer.state.")})
     return {"path": str(path), "format": "megatron torch_dist", "complete": True, "problems": [],
+            "optimizer_state": f"{', '.join(optim)} per parameter" if optim else "none (weights only)",
             "step": reader.common.get("iteration"),
             "layout": {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
                        "vpp": getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,
                        **({"ep": megatron_lm.expert_parallel_size(args)} if megatron_lm.expert_parallel_size(args) > 1
                           else {})},
             "architecture": {**_hf_architecture(config), "vocab_size": f"{args.padded_vocab_size} (padded)"},
-            "parameters": sum(_numel(s) for e in iter_entries(dims_from_hf(config), 1, 1) if e.reads_back
-                              for s in e.hf_shapes),
-            "dtypes": dtypes, "bytes": _bytes(it_dir), "padded_vocab": args.padded_vocab_size}
+            "parameters": parameters, "dtypes": dtypes, "bytes": _bytes(it_dir), "padded_vocab": args.padded_vocab_size}
 
 
 def _numel(shape) -> int:

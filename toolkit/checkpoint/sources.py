@@ -29,7 +29,7 @@ from toolkit.families.entries import raise_problems, rank_key
 from toolkit.families.registry import family_of_config
 from toolkit.format import manifest, paths
 from toolkit.format.names import META, OPTIM_GROUPS, OPTIM_SCHEDULER, POINTER, chunk_key, rank_tag
-from toolkit.model import to_hf_config
+from toolkit.model import released_config
 from toolkit.recipe.schema import Recipe
 
 
@@ -117,7 +117,7 @@ def model_config(meta: dict) -> tuple[dict, int]:
         return stored
 
     recipe = Recipe.model_validate(meta["recipe"])
-    return to_hf_config(recipe.model).to_dict(), recipe.parallel.megatron.make_vocab_size_divisible_by
+    return released_config(recipe.model), recipe.parallel.megatron.make_vocab_size_divisible_by
 
 
 class DeepSpeedHFSource(Source):
