@@ -262,6 +262,9 @@ def test_toolkit_checkpoint_to_universal_equals_deepspeeds_ds_to_universal(zero2
         keep_temp_folder=False, strict=True, inject_missing_state=True))
     files = assert_same_universal(tmp_path / "ours", tmp_path / "ds")
     assert len([f for f in files if f.endswith("/step.pt")]) >= 10
+    # the run's model config travels in the tag folder: --to hf needs no --config (it asked for one)
+    assert (tmp_path / "ours" / "step_00000008" / "config.json").is_file()
+    assert cli.main(["convert", str(tmp_path / "ours"), str(tmp_path / "hf"), "--to", "hf", "--quiet"]) == 0
 
 
 def _assert_same(a, b, where: str) -> None:

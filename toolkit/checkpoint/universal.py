@@ -30,6 +30,8 @@ folder beside OUT and moved into place only when complete (output.py).
 """
 from __future__ import annotations
 
+import json
+
 import shutil
 import time
 from collections import OrderedDict
@@ -58,6 +60,8 @@ from toolkit.checkpoint.sources import follow_pointer
 from toolkit.errors import ToolkitError
 from toolkit.format import manifest, paths, safe_load
 from toolkit.format.names import META
+from toolkit.model import released_config
+from toolkit.recipe.schema import Recipe
 
 POINTER = "latest_universal"
 ZERO = "zero"
@@ -203,11 +207,27 @@ def write_universal(src: str | Path, dst: str | Path, overwrite: bool = False, l
         count = (_zero3 if stage == 3 else _zero12)(tag, out / ZERO, models, optims, dp)
         for name in models:
             shutil.copy2(paths.inside(tag, name, str(tag)), out / name)
+        _carry_config(src, tag, out)
         (tmp / POINTER).write_text(tag.name)
         log(f"wrote {count} parameters (fp32, exp_avg, exp_avg_sq each), read back and compared, in "
             f"{time.monotonic() - t0:.1f} s")
         output.replace(tmp, dst)
     return dst
+
+
+def _carry_config(src: Path, tag: Path, out: Path) -> None:
+    """The model's config.json into the universal tag folder, where `--to hf` finds it with no --config: a
+    toolkit run's, made from its recipe, or the one beside a plain checkpoint (DeepSpeed's loader ignores it)."""
+    if (tag / META).is_file():
+        recipe = manifest.read_meta(tag).get("recipe")
+        if recipe:
+            config = released_config(Recipe.model_validate(recipe).model)
+            (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        return
+    for folder in (tag, src):
+        if (folder / "config.json").is_file():
+            shutil.copy2(paths.inside(folder, "config.json", str(folder)), out / "config.json")
+            return
 
 
 def _tag_of(src: Path) -> Path:
