@@ -154,6 +154,9 @@ def test_reshard_dp2_to_dp1_resumes_like_uninterrupted_run(zero2_dp2, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "toolkit", "convert", str(src), str(dst), "--to", "deepspeed",
                            "--dp", "1"], cwd=REPO, capture_output=True, text=True, check=False)  # the command line
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # it printed only "wrote ...", and left DeepSpeed's consolidation script behind
+    assert "re-partitioning DeepSpeed ZeRO-2 dp=2 at" in proc.stdout and "-> dp=1" in proc.stdout
+    assert (dst / "zero_to_fp32.py").is_file() == (src.parent / "zero_to_fp32.py").is_file()
     tag_dir = dst / "step_00000004"
     assert (dst / "latest_complete").read_text() == (dst / "latest").read_text() == "step_00000004"
     meta = json.loads((tag_dir / "toolkit_meta.json").read_text())

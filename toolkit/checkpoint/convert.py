@@ -254,7 +254,7 @@ def _to_deepspeed(src: Path, dst: Path, dp: int | None, overwrite: bool, log=pri
         raise ToolkitError(f"{src} is not a toolkit DeepSpeed checkpoint; DeepSpeed runs load Hugging Face weights "
                            "directly (model.hf_path + model.pretrained: true), so convert other formats --to hf")
 
-    return reshard_deepspeed(tag, dst, dp, overwrite=overwrite)
+    return reshard_deepspeed(tag, dst, dp, overwrite=overwrite, log=log)
 
 
 def convert_to_hf(src: str | Path, dst: str | Path, vocab_size: int | None = None, dtype: str | None = None,

@@ -74,7 +74,8 @@ class _Scratch:
         self.folder.mkdir()
 
 
-def reshard_deepspeed(src_tag_dir: str | Path, dst_root: str | Path, dp: int, overwrite: bool = False) -> Path:
+def reshard_deepspeed(src_tag_dir: str | Path, dst_root: str | Path, dp: int, overwrite: bool = False,
+                      log=lambda *_: None) -> Path:
     """Write a copy of a toolkit ZeRO-0/1/2/3 checkpoint re-partitioned for `dp` data-parallel ranks, as the new checkpoint
     directory `dst_root` (the step folder under the same tag, toolkit_meta.json with the new layout and manifest,
     `latest` and `latest_complete`). Returns the new step folder.
@@ -116,6 +117,7 @@ def reshard_deepspeed(src_tag_dir: str | Path, dst_root: str | Path, dp: int, ov
                                manifest.free_bytes(tmp), str(dst_root), f"the size of {src.name}")
         tag_dir = tmp / tag
         tag_dir.mkdir()
+        log(f"re-partitioning DeepSpeed ZeRO-{stage} dp={old_dp} at {src} -> dp={dp}")
         _write_resharded(src, tag_dir, stage, old_dp, dp, bf16, new_plan.batch, data_states,
                          _Scratch(tmp / ".scratch"))
         layout = {**meta["layout"], "world_size": dp, "dp": dp}
@@ -126,6 +128,8 @@ def reshard_deepspeed(src_tag_dir: str | Path, dst_root: str | Path, dp: int, ov
         (tag_dir / META).write_text(json.dumps(new_meta, indent=2))
         (tmp / DEEPSPEED_POINTER).write_text(tag)
         (tmp / POINTER).write_text(tag)
+        if (src.parent / "zero_to_fp32.py").is_file():  # DeepSpeed's own consolidation script, as beside the source
+            shutil.copy2(src.parent / "zero_to_fp32.py", tmp / "zero_to_fp32.py")
         output.replace(tmp, dst_root)  # an old one (overwrite) is moved aside first, so a failure never leaves neither
     return dst_root / tag
 
