@@ -126,14 +126,14 @@ def model_chunks(state: dict, vpp: int, file: Path | str = "a rank file") -> lis
 LLAMA_ARGS = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "add_bias_linear": False,
               "rotary_percent": 1.0, "multi_latent_attention": False, "window_size": None, "rotary_interleaved": False,
               "apply_layernorm_1p": False, "apply_residual_connection_post_layernorm": False}
-NO_OP_ARGS = {"rotary_seq_len_interpolation_factor": (None, 1), "mtp_num_layers": (None, 0)}
-"""Arguments that change nothing at these values (conversion scripts pass --rotary-seq-len-interpolation-factor 1)."""
 """Megatron-LM arguments (when present) that every family the converters know has (Llama, Mistral, Qwen2, Qwen3,
 Qwen3-MoE: RMSNorm, SwiGLU, RoPE over the whole head, no linear biases, no sliding window); anything else is another
 architecture (interleaved or interpolated RoPE, LayerNorm's 1 + weight, a residual after the norm, multi-token
 prediction layers included). `--use-rope-scaling` is Llama 3.1's RoPE scaling (hf_config). Three arguments tell the
 families apart: `--add-qkv-bias` (Qwen2), `--qk-layernorm` (Qwen3) and, with
 it, `--num-experts` (Qwen3-MoE)."""
+NO_OP_ARGS = {"rotary_seq_len_interpolation_factor": (None, 1), "mtp_num_layers": (None, 0)}
+"""Arguments that change nothing at these values (conversion scripts pass --rotary-seq-len-interpolation-factor 1)."""
 
 MOE_ARGS = {"moe_router_score_function": "softmax", "moe_shared_expert_intermediate_size": None, "moe_layer_freq": 1,
             "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,

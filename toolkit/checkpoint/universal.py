@@ -31,7 +31,6 @@ folder beside OUT and moved into place only when complete (output.py).
 from __future__ import annotations
 
 import json
-
 import shutil
 import time
 from collections import OrderedDict
