@@ -29,6 +29,7 @@ LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope
     ({"tokenizer_model": "/models/Mistral-7B-v0.3"}, "mistral"),
     ({"add_qkv_bias": True, "untie_embeddings_and_output_weights": False}, "qwen2"),
     ({"qk_layernorm": True, "kv_channels": 32}, "qwen3"),
+    ({"kv_channels": 32}, "llama"),  # a head size of its own: head_dim in any family's config (it was refused)
 ])
 def test_args_name_the_family(change, family):
     args = argparse.Namespace(**{**LLAMA, **change})
@@ -44,7 +45,8 @@ def test_args_name_the_family(change, family):
     ({"add_qkv_bias": True, "qk_layernorm": True}, "add_qkv_bias=True with qk_layernorm=True"),
     ({"add_bias_linear": True}, "add_bias_linear=True"),
     ({"window_size": (4096, 0)}, "window_size=(4096, 0)"),
-    ({"kv_channels": 32}, "kv_channels=32"),  # only Qwen3 (q/k norms) has its own head size
+    ({"rotary_interleaved": True}, "rotary_interleaved=True"),
+    ({"rotary_seq_len_interpolation_factor": 2}, "rotary_seq_len_interpolation_factor=2"),
     ({"num_experts": 8}, "num_experts=8"),
 ])
 def test_args_no_family_converts_are_refused_in_one_line(change, needle):
