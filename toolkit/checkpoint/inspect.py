@@ -106,7 +106,7 @@ def inspect_toolkit(tag_dir: Path) -> dict:
 
         dims = dims_from_hf(meta["hf_config"])
         report["architecture"] = _hf_architecture(meta["hf_config"])
-        report["parameters"] = sum(_numel(s) for e in iter_entries(dims, 1, 1) if e.reads_back for s in e.hf_shapes)
+        report["parameters"] = _parameters(dims)
         report["converted_from"] = meta.get("converted_from")
         report["weights_only"] = meta.get("weights_only")
     elif "recipe" in meta:
@@ -167,7 +167,7 @@ def inspect_megatron_lm(path: Path) -> dict:
             "optimizer_state": optimizer,
             "step": state.get("iteration"), "layout": {"tp": tp, "pp": pp, "vpp": vpp, **({"ep": ep} if ep > 1 else {})},
             "architecture": {**_hf_architecture(config), "vocab_size": f"{args.padded_vocab_size} (padded)"},
-            "parameters": sum(_numel(s) for e in iter_entries(dims, 1, 1) if e.reads_back for s in e.hf_shapes),
+            "parameters": _parameters(dims),
             "dtypes": None, "bytes": _bytes(it_dir), "padded_vocab": args.padded_vocab_size}
 
 
@@ -183,7 +183,7 @@ def _inspect_torch_dist(path: Path, it_dir: Path) -> dict:
         if not fqn.startswith("optimizer."):  # the model's weights (padded vocabulary rows included), not Adam's
             key = st.dtype_name(reader.dtype(fqn))
             dtypes[key] = dtypes.get(key, 0) + _numel(reader.shape(fqn))
-    parameters = sum(_numel(s) for e in iter_entries(dims_from_hf(config), 1, 1) if e.reads_back for s in e.hf_shapes)
+    parameters = _parameters(dims_from_hf(config))
     if len(dtypes) == 1:  # all of the model's parameters, as the other formats' reports count them
         dtypes = {name: parameters for name in dtypes}
     optim = sorted({fqn.split(".")[2] for fqn in reader.tensor_names() if fqn.startswith("optimizer.state.")})
@@ -196,6 +196,11 @@ def _inspect_torch_dist(path: Path, it_dir: Path) -> dict:
                           else {})},
             "architecture": {**_hf_architecture(config), "vocab_size": f"{args.padded_vocab_size} (padded)"},
             "parameters": parameters, "dtypes": dtypes, "bytes": _bytes(it_dir), "padded_vocab": args.padded_vocab_size}
+
+
+def _parameters(dims) -> int:
+    """The model's parameter count, from its Hugging Face shapes (a tied output layer once)."""
+    return sum(_numel(s) for e in iter_entries(dims, 1, 1) if e.reads_back for s in e.hf_shapes)
 
 
 def _numel(shape) -> int:

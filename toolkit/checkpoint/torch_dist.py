@@ -34,9 +34,7 @@ from toolkit.format.pt_zip import Slice
 from toolkit.format import safetensors_stream as st
 
 _SKIP = ("_extra_state",)  # Transformer Engine / Megatron module metadata (bytes), not weights
-# the dtypes a model's weights and optimizer state are saved in (and safetensors stores)
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool)
+_DTYPES = {getattr(torch, name) for name in st.TORCH_NAMES.values()}  # what models are saved in (safetensors' too)
 
 
 def _descriptors(files: int, where: Path) -> None:
@@ -219,9 +217,7 @@ class Reader:
         return fd, at + skip * meta.element_size(), count * meta.element_size()
 
     def _find(self, fqn: str, key: tuple):
-        info, want = self._where.get(key), self._tensors[fqn]
-        if info is None:
-            return None
+        info, want = self._where[key], self._tensors[fqn]  # every chunk has its entry (_check_records)
         if info.relative_path not in self._fds:
             self._fds[info.relative_path] = os.open(self.dir / info.relative_path, os.O_RDONLY)
         fd = self._fds[info.relative_path]
@@ -231,7 +227,8 @@ class Reader:
         if not torch.is_tensor(meta) or tuple(meta.shape) != sizes or meta.dtype != want.properties.dtype:
             got = (tuple(meta.shape), meta.dtype) if torch.is_tensor(meta) else type(meta).__name__
             raise ToolkitError(f"{where} holds {got}, but {self.dir / '.metadata'} says {sizes} "
-                               f"{want.properties.dtype}: the metadata disagrees with the files; re-copy the checkpoint")
+                               f"{want.properties.dtype}: the metadata disagrees with the files; re-copy the "
+                               "checkpoint")
         at = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
         if not isinstance(at, int) or not meta.is_contiguous() or at < 0 or \
                 at + (meta.storage_offset() + meta.numel()) * meta.element_size() > info.length:
@@ -257,10 +254,7 @@ class Reader:
                                            f"{info.offset + info.length}, {fqn})")
 
     def _chunk(self, fqn: str, offsets: tuple, sizes: tuple, dtype: torch.dtype) -> torch.Tensor:
-        info = self._where.get((fqn, offsets))
-        if info is None:
-            raise ToolkitError(f"{self.dir / '.metadata'} lists a chunk of {fqn} at {list(offsets)} but no file holds "
-                               "it; the checkpoint is damaged: re-copy it")
+        info = self._where[(fqn, offsets)]  # every chunk has its entry (_check_records)
         where = f"{self.dir / info.relative_path} (bytes {info.offset}..{info.offset + info.length}, {fqn})"
         located = self.locate(fqn, offsets) if st.mapping() else None
         if located is not None and located[2]:  # within mapped() (the verification's reads): the bytes torch.load
