@@ -25,6 +25,21 @@ def test_hugging_face_folder(tiny_hf_checkpoint):
     assert report["dtypes"] == {"F32": report["parameters"]}
 
 
+@pytest.mark.parametrize("config,shown", [
+    ({"model_type": "mixtral", "hidden_size": 64, "num_attention_heads": 4, "num_local_experts": 8},
+     {"num_experts": 8}),  # Mixtral's key, named as the Megatron formats' reports name it
+    ({"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4, "num_experts": 4, "head_dim": 32},
+     {"num_experts": 4, "head_dim": 32}),
+    ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16, "num_experts": None},
+     {}),  # the default head size and a null field: nothing to show
+])
+def test_architecture_names_experts_and_head_size_one_way(config, shown):
+    from toolkit.checkpoint.inspect import _hf_architecture
+
+    got = _hf_architecture(config)
+    assert got == {"model_type": config["model_type"], "hidden_size": 64, "num_attention_heads": 4, **shown}
+
+
 @pytest.mark.slow
 def test_training_checkpoint_and_damage(tmp_path):
     out = tmp_path / "run"

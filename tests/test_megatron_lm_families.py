@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from test_families import CONFIGS, tiny_model
 
 from toolkit.checkpoint.convert import convert, convert_to_hf
+from toolkit.checkpoint.inspect import inspect
 from toolkit.checkpoint.megatron_lm import family_of_args, hf_config
 from toolkit.errors import ToolkitError
 
@@ -66,3 +67,14 @@ def test_toolkit_megatron_lm_outputs_keep_the_family(family, to, layout, tmp_pat
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     config = json.loads((back / "config.json").read_text())
     assert config["model_type"] == family and config["architectures"] == [CONFIGS[family][1]]
+    # inspect names the shape alike in the three formats (Qwen3's head_dim 32 included: it was left out)
+    shapes = [{k: v for k, v in inspect(p)["architecture"].items() if k != "vocab_size"}
+              for p in (tmp_path / "hf", out, back)]
+    assert shapes[0] == shapes[1] == shapes[2] and shapes[0].get("head_dim") == (32 if family == "qwen3" else None)
+    # a folder toolkit convert wrote from weights: its note does not guess at Megatron-LM's --no-save-optim
+    lines = []
+    convert(out, tmp_path / "mg", "megatron", vocab_size=500, progress=False, log=lines.append)
+    assert "optimizer state: it holds no optimizer state (toolkit convert wrote it without any): weights only" \
+        in lines, lines
+    assert inspect(out)["optimizer_state"] == {"megatron_lm": "none (toolkit convert wrote it without any)",
+                                               "torch_dist": "none (weights only)"}[to]

@@ -31,9 +31,40 @@ def test_resume_reproduces_uninterrupted_run(recipe, uninterrupted, tmp_path, re
     split = read_metrics(tmp_path / "split")
 
     assert [m["step"] for m in split] == list(range(1, STEPS + 1))
+    assert [m.get("resumed_from") for m in split] == [None] * 4 + [4] + [None] * (STEPS - 5)  # the launch's first
     # bit-identical on CPU: same layout, same data position, same RNG, optimizer and scheduler state
     assert [m["loss"] for m in split] == [m["loss"] for m in straight]
     assert [m["lr"] for m in split] == [m["lr"] for m in straight]
     if recipe.endswith("_blend.yaml"):  # eval.split 0.1 of each source's documents, one global batch every 4 steps
         assert "eval: every 4 steps and at the end, 16 of 16 held-out sequences (eval.split 0.1)" in proc.stdout
         assert_blend_val_loss(recipe, tmp_path / "split", COMMON, split, straight, [4, 8])
+
+
+def test_a_resumed_launch_marks_its_first_record_and_purges_tensorboards_later_steps(tmp_path):
+    """A launch killed after its checkpoint of step 3 had logged steps 4-5; the rerun logs them again. metrics.jsonl
+    keeps both launches' records, the rerun's first marked resumed_from=3 (so the last record of a step is the run's);
+    TensorBoard keeps only the rerun's steps 4-5 (purge_step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from toolkit.metrics import RunLog
+
+    def record(step: int, loss: float) -> dict:
+        return {"step": step, "loss": loss, "lr": 1e-3, "tokens_per_s": 1.0, "tflops_per_rank": 1.0}
+
+    killed = RunLog(str(tmp_path), enabled=True, tensorboard=True)
+    for step in range(1, 6):
+        killed.step(record(step, 10.0 + step))
+    killed.close()
+    rerun = RunLog(str(tmp_path), enabled=True, tensorboard=True)
+    rerun.resumed(3)
+    for step in (4, 5):
+        rerun.step(record(step, 20.0 + step))
+    rerun.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m.get("resumed_from")) for m in lines] == [(1, None), (2, None), (3, None), (4, None),
+                                                                   (5, None), (4, 3), (5, None)]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 11.0), (2, 12.0), (3, 13.0),
+                                                                          (4, 24.0), (5, 25.0)]
+    assert "train/resumed_from" not in events.Tags()["scalars"]

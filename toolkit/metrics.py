@@ -46,6 +46,14 @@ class RunLog:
         self.enabled, self.tensorboard = enabled, tensorboard
         self.writer = None
         self.path = Path(out_dir) / "metrics.jsonl"
+        self.resumed_from: int | None = None
+
+    def resumed(self, step: int) -> None:
+        """This launch continues a checkpoint of `step`: the launch that wrote it may have logged later steps before
+        it stopped. Its first record carries "resumed_from": step (metrics.jsonl keeps every launch's records: the
+        last record of a step is the run's), and TensorBoard discards the events of steps after `step`
+        (SummaryWriter's purge_step)."""
+        self.resumed_from = step
 
     def _open(self) -> None:
         """The output folder and TensorBoard's writer, at the first logged step: a run refused before it trains
@@ -54,7 +62,8 @@ class RunLog:
         if self.tensorboard and self.writer is None:
             from torch.utils.tensorboard import SummaryWriter  # lazy: only when a run logs to TensorBoard
 
-            self.writer = SummaryWriter(str(self.path.parent / "tensorboard"))
+            purge = None if self.resumed_from is None else self.resumed_from + 1
+            self.writer = SummaryWriter(str(self.path.parent / "tensorboard"), purge_step=purge)
         self.tensorboard = False
 
     def info(self, text: str) -> None:
@@ -66,6 +75,8 @@ class RunLog:
             return
         self._open()
         record = {"time": round(time.time(), 3), **record}
+        if self.resumed_from is not None:  # the first record of a launch that resumed
+            record["resumed_from"], self.resumed_from = self.resumed_from, None
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         parts = [f"step {record['step']:>6}", f"loss {record['loss']:.4f}", f"lr {record['lr']:.3e}"]
@@ -80,7 +91,7 @@ class RunLog:
         print(" | ".join(parts), flush=True)
         if self.writer:
             for k, v in record.items():
-                if k not in ("step", "time") and isinstance(v, (int, float)):
+                if k not in ("step", "time", "resumed_from") and isinstance(v, (int, float)):
                     self.writer.add_scalar(f"{'eval' if k.startswith('val_') else 'train'}/{k}", v, record["step"])
 
     def close(self) -> None:

@@ -157,6 +157,7 @@ def train(recipe: Recipe) -> list[dict]:
         stream.load_state_dict(state["data"])
         start = state["step"]
         log.info(f"[toolkit] resumed from {tag_dir} at step {start}")
+        log.resumed(start)
     meta = {"layout": backend.layout_meta, "recipe": r.model_dump(mode="json"), "backend": backend.name,
             "checkpoint_format": r.checkpoint.format, "micro_batch": batch.micro_batch}
     if info.rank == 0:

@@ -39,6 +39,7 @@ from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.megatron_sources import MegatronLMSource, TorchDistSource
 from toolkit.checkpoint.plain_to_hf import convert_plain_to_hf
 from toolkit.checkpoint.safetensors_sources import require_one_dtype
+from toolkit.checkpoint.source_base import optimizer_note
 from toolkit.checkpoint.sources import (WEIGHT, DeepSpeedHFSource, Source, follow_pointer, not_a_checkpoint,
                                        open_source)
 from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, report, writers
@@ -151,7 +152,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
             # the copy path that began this printed the source's note (copy_only.convert_by_copy): not twice
             if to != "hf" and not (announced and getattr(source, "optimizer_note", None)) and (
                     getattr(source, "optimizer_note", None) or getattr(target, "note", None)):
-                log(f"optimizer state: {source.optimizer_note or target.note}")
+                log(f"optimizer state: {optimizer_note(source.optimizer_note, src) or target.note}")
             digests = Digests() if verify else None
             if verify:
                 verification.import_early(family_of_config(source.config).hf_architecture, source.config)

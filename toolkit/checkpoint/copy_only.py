@@ -37,6 +37,7 @@ from toolkit.checkpoint import byte_ranges, output
 from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.pickled_copy import open_megatron
 from toolkit.checkpoint.safetensors_sources import HFSource, ToolkitWeights, follow_pointer, stored_config
+from toolkit.checkpoint.source_base import optimizer_note
 from toolkit.checkpoint.source_base import WEIGHT, Source
 from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, report, writers
 from toolkit.checkpoint.targets import HFTarget, MegatronTarget
@@ -84,7 +85,7 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
                 + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write; file to file, "
                 + ("verified after" if verify else "torch-free") + ")")
             if to != "hf" and getattr(source, "optimizer_note", None):
-                log(f"optimizer state: {source.optimizer_note}")
+                log(f"optimizer state: {optimizer_note(source.optimizer_note, src)}")
             begun = True
             checker = (_Verification(verifier, src, source.config, vocab_size, weights_only or to == "hf")
                        if verify else None)

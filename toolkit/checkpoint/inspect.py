@@ -18,7 +18,7 @@ from toolkit.errors import ToolkitError
 from toolkit.families import dims_from_hf, iter_entries
 from toolkit.format import manifest, paths
 from toolkit.format import safetensors_stream as st
-from toolkit.format.names import POINTER, STARTED, TAG_GLOB
+from toolkit.format.names import OUTPUT_MARK, POINTER, STARTED, TAG_GLOB
 from toolkit.format.safe_load import check_file, load
 from toolkit.metrics import count_params
 from toolkit.recipe.schema import Recipe
@@ -84,10 +84,17 @@ def inspect_hf(folder: Path) -> dict:
 
 
 def _hf_architecture(config: dict) -> dict:
+    """The model's shape as every format's report names it: the Hugging Face config's keys, a mixture of experts'
+    count as num_experts whichever key the config uses (Mixtral's num_local_experts), head_dim where it is not
+    hidden_size / num_attention_heads (Qwen3)."""
     keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "vocab_size", "max_position_embeddings", "tie_word_embeddings", "num_experts",
-            "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")  # transformers 5: num_local_experts
-    return {k: config[k] for k in keys if k in config}
+            "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
+            "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    config = {"num_experts": config.get("num_local_experts"), **{k: v for k, v in config.items() if v is not None}}
+    if config.get("head_dim") and config.get("num_attention_heads") and (
+            config["head_dim"] * config["num_attention_heads"] == config.get("hidden_size")):
+        del config["head_dim"]  # the default: not worth a field
+    return {k: config[k] for k in keys if config.get(k) is not None}
 
 
 def inspect_toolkit(tag_dir: Path) -> dict:
@@ -161,6 +168,8 @@ def inspect_megatron_lm(path: Path) -> dict:
         optimizer = f"distributed optimizer, distrib_optim.pt on {found} of {len(ranks)} model-parallel ranks"
     else:
         optimizer = ("plain optimizer, in model_optim_rng.pt" if state.get("optimizer")
+                     else "none (toolkit convert wrote it without any)" if any(
+                         (f / OUTPUT_MARK).is_file() for f in (path, path.parent))
                      else "none (saved with --no-save-optim?)")
     dims = dims_from_hf(config)
     return {"path": str(path), "format": "megatron-lm", "complete": not problems, "problems": problems,

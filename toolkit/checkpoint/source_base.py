@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from toolkit.families.entries import iter_entries
 from toolkit.families.mapping import Dims
 from toolkit.families.registry import dims_from_hf
-from toolkit.format.names import chunk_key
+from toolkit.format.names import OUTPUT_MARK, chunk_key
 from toolkit.format.safetensors_stream import dtype_name
 
 if TYPE_CHECKING:
@@ -18,6 +18,14 @@ if TYPE_CHECKING:
 WEIGHT = "weight"
 NO_OPTIMIZER_STATE = "it holds no optimizer state (saved with --no-save-optim?): weights only"
 """The note of a Megatron source without optimizer state, whichever reader opened it."""
+
+
+def optimizer_note(note: str | None, folder: Path) -> str | None:
+    """The note to print for a source at `folder`: NO_OPTIMIZER_STATE's guess at a Megatron-LM flag is wrong for a
+    folder that `toolkit convert` wrote (its OUTPUT_MARK names it), which says so instead."""
+    if note == NO_OPTIMIZER_STATE and any((f / OUTPUT_MARK).is_file() for f in (folder, folder.parent)):
+        return "it holds no optimizer state (toolkit convert wrote it without any): weights only"
+    return note
 
 
 class Source:
