@@ -93,6 +93,9 @@ def run_ranks(args: list[str], nproc: int, env: dict, launcher: str = "torchrun"
                 cmd = [sys.executable]
             proc = subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
                                   preexec_fn=preexec_fn)
+        if proc.returncode == 0:  # DeepSpeed's CPU allreduce buffers of this run: unlinked by every rank
+            leaked = sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+            assert not leaked, f"the run left {[p.name for p in leaked]} in /dev/shm"
         if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:  # else the free port was taken meanwhile
             return proc
     return proc
