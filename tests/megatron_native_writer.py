@@ -125,7 +125,9 @@ def torch_dist(hf: str, out: Path, tp: int = 2, pp: int = 1) -> None:
     if dist.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(state, str(folder))
+    # with the content metadata Megatron-LM 0.16's save_checkpoint stores (no optimizer: no sharding type)
+    dist_checkpointing.save(state, str(folder),
+                            content_metadata={"singleton_local_shards": False, "chained_optim_avoid_prefix": True})
     if dist.get_rank() == 0:
         (out / "latest_checkpointed_iteration.txt").write_text("5")
     dist.barrier()
@@ -188,7 +190,10 @@ def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: s
         if dist.get_rank() == 0:
             folder.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(state, str(folder))
+        # the content metadata Megatron-LM 0.16's save_checkpoint stores (its _build_sharded_state_dict_metadata)
+        saved = {"singleton_local_shards": False, **meta, **({"distrib_optim_fully_reshardable_mem_efficient": False}
+                                                              if sharding == "fully_reshardable" else {})}
+        dist_checkpointing.save(state, str(folder), content_metadata=saved)
         if dist.get_rank() == 0:
             (Path(out) / "latest_checkpointed_iteration.txt").write_text("2")
             _save_live(Path(out), live)

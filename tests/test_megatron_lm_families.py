@@ -71,6 +71,14 @@ def test_toolkit_megatron_lm_outputs_keep_the_family(family, to, layout, tmp_pat
     shapes = [{k: v for k, v in inspect(p)["architecture"].items() if k != "vocab_size"}
               for p in (tmp_path / "hf", out, back)]
     assert shapes[0] == shapes[1] == shapes[2] and shapes[0].get("head_dim") == (32 if family == "qwen3" else None)
+    # weights only: the args say so as Megatron-LM's do after --no-save-optim --no-save-rng, so its load_checkpoint
+    # asks a torch_dist checkpoint for neither; torch_dist's content metadata is what Megatron-LM's save stores
+    from toolkit.format import safe_load
+
+    saved = safe_load.load(next(out.glob("iter_*/common.pt" if to == "torch_dist" else "iter_*/mp_rank_*/*.pt")))
+    assert (saved["args"].no_save_optim, saved["args"].no_save_rng) == (True, True)
+    assert saved.get("content_metadata") == ({"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+                                             if to == "torch_dist" else None)
     # a folder toolkit convert wrote from weights: its note does not guess at Megatron-LM's --no-save-optim
     lines = []
     convert(out, tmp_path / "mg", "megatron", vocab_size=500, progress=False, log=lines.append)

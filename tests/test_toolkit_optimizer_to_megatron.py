@@ -71,6 +71,28 @@ def test_toolkit_run_optimizer_state_loads_in_megatron_core(recipe, fmt, tmp_pat
     assert not any("weights only" in line for line in lines), lines
     distributed = recipe == "tiny_dp2_distopt"
     assert bool(list(lm.rglob("distrib_optim.pt"))) == distributed
+    # what Megatron-LM's load_checkpoint (and Megatron-Bridge's) read before they load a torch_dist checkpoint: the
+    # content metadata its save stores (else a distributed optimizer's state is taken for dp_zero_gather_scatter), and
+    # args saying there is optimizer state and no RNG state (else it asks for an rng_state the files do not have)
+    from megatron.core.dist_checkpointing import load_content_metadata
+
+    from toolkit.format import safe_load
+
+    want = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+            **({"distrib_optim_sharding_type": "fully_reshardable",
+                "distrib_optim_fully_reshardable_mem_efficient": False} if distributed else {})}
+    it_dir = next(td.glob("iter_*"))
+    with safe_load.weights_only_everywhere(it_dir):
+        assert load_content_metadata(str(it_dir)) == want
+    args = safe_load.load(it_dir / "common.pt")["args"]
+    assert (args.no_save_rng, args.no_save_optim, args.use_distributed_optimizer) == (True, False, distributed)
+    legacy_args = safe_load.load(next(lm.glob("iter_*/mp_rank_*/model_optim_rng.pt")))["args"]
+    assert (legacy_args.no_save_rng, legacy_args.no_save_optim) == (True, False)
+    if fmt == "torch_dist":  # the run's own save: the same metadata, the RNG kept in the toolkit's own files
+        saved = ckpt / "step_00000002"
+        with safe_load.weights_only_everywhere(saved):
+            assert load_content_metadata(str(saved)) == want
+        assert safe_load.load(saved / "common.pt")["args"].no_save_rng is True
     specs = [f"{lm},{hf},{live},bf16,1x2x1,checkpoint", f"{td},{hf},{live},bf16,2x1x1,checkpoint"]
     proc = run_ranks([str(REPO / "tests" / "megatron_legacy_optim_probe.py"), *specs], 2, dict(os.environ),
                      timeout=300)

@@ -109,6 +109,7 @@ class DistOptimWriter:
         self.step, self.source_args = plan["step"], plan["args"]
         args = target._args  # what fixes the layout below (megatron_flat.bucket_size gives None)
         args.use_distributed_optimizer, args.overlap_grad_reduce = plan["distributed"], False
+        args.no_save_optim = False
         args.ddp_bucket_size, args.data_parallel_size = None, 1
         tp, pp, vpp = target.layout
         self.ep = getattr(target, "ep", 1)

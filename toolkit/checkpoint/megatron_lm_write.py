@@ -62,7 +62,9 @@ def model_args(dims, config: dict, tp: int, pp: int, vpp: int, divisible_by: int
     """Megatron-LM's model arguments for a model of dims.family at tp x pp x vpp (x ep) (the family's own Megatron
     fields, add_qkv_bias or qk_layernorm, and the experts included: the readers take the family from them). `dtype`:
     torch's (then params_dtype is it), or a safetensors name (then params_dtype is pt_write's name for torch's, which
-    only pt_write pickles)."""
+    only pt_write pickles). `no_save_rng` and `no_save_optim` say what the checkpoint lacks, as Megatron-LM's own args
+    do after a save with --no-save-rng --no-save-optim: its load_checkpoint (and Megatron-Bridge's) then asks a
+    torch_dist checkpoint for neither; a writer that adds optimizer state sets no_save_optim False."""
     name = st.dtype_name(dtype)
     return argparse.Namespace(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -74,8 +76,21 @@ def model_args(dims, config: dict, tp: int, pp: int, vpp: int, divisible_by: int
         make_vocab_size_divisible_by=divisible_by, normalization="RMSNorm", swiglu=True,
         position_embedding_type="rope", add_position_embedding=False, add_bias_linear=False,
         params_dtype=pt_write.torch_dtype(name) if isinstance(dtype, str) else dtype, bf16=name == "BF16",
-        fp16=name == "F16", ckpt_format=ckpt_format,
+        fp16=name == "F16", ckpt_format=ckpt_format, no_save_rng=True, no_save_optim=True,
         **family_named(dims.family).megatron_fields, **moe_args(dims, config, ep))
+
+
+def content_metadata(distributed: bool) -> dict:
+    """What Megatron-LM 0.16's save_checkpoint stores as a torch_dist checkpoint's content metadata
+    (dist_checkpointing.save(content_metadata=...): common.pt's "content_metadata"). Its load_checkpoint, and
+    Megatron-Bridge's, read it back (dist_checkpointing.load_content_metadata) and hand it to the model's and the
+    optimizer's sharded_state_dict: without it they would take a distributed optimizer's state for
+    'dp_zero_gather_scatter', and refuse it at another TP x PP or misread it at the same one. `distributed`: the
+    checkpoint holds the distributed optimizer's state (saved fully_reshardable, per parameter)."""
+    meta = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if distributed:
+        meta.update(distrib_optim_sharding_type="fully_reshardable", distrib_optim_fully_reshardable_mem_efficient=False)
+    return meta
 
 
 def _registered(chunk: dict) -> dict:

@@ -1,7 +1,8 @@
 """Writing Megatron-Core `torch_dist` checkpoints (`toolkit convert --to torch_dist`), one tensor at a time.
 
 Output: <dst>/latest_checkpointed_iteration.txt and <dst>/iter_XXXXXXX/ with metadata.json, common.pt (a
-Megatron-LM-style args Namespace for the target TP x PP x VPP, iteration, checkpoint_version), two item files
+Megatron-LM-style args Namespace for the target TP x PP x VPP, iteration, checkpoint_version, and the content metadata
+Megatron-LM's save stores: megatron_lm_write.content_metadata), two item files
 `__0_0.distcp` and `__0_1.distcp` (ITEM_FILES) and torch DCP's `.metadata`. The tensors are Megatron-Core's sharded
 keys (layers stacked on a leading axis, one chunk per layer, the full TP = 1 tensor, Transformer Engine names for
 the per-layer norms, `_extra_state` objects as Megatron's local spec saves them), so Megatron-Core's
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from toolkit.checkpoint.byte_ranges import addressing
 from toolkit.checkpoint.dist_keys import SAVED_AS, sharded_name
-from toolkit.checkpoint.megatron_lm_write import model_args
+from toolkit.checkpoint.megatron_lm_write import content_metadata, model_args
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries, raise_problems
 from toolkit.families.mapping import TE_NORM_NAMES, check_dims
@@ -315,10 +316,11 @@ class TorchDistTarget:
                                                  "storage_data": storage, "storage_meta": None, "version": None})
         (self.tag_dir / ".metadata").write_bytes(pt_write.dumps(metadata)[0])
         common = {"args": self._args(), "checkpoint_version": 3.0, "iteration": self.step,
-                  "num_floating_point_operations_so_far": 0}
+                  "num_floating_point_operations_so_far": 0,
+                  "content_metadata": content_metadata(bool(self._optim) and self._distributed)}
         fills = []
         if self._optim:
-            common["args"].use_distributed_optimizer = self._distributed
+            common["args"].use_distributed_optimizer, common["args"].no_save_optim = self._distributed, False
             parts = [self._common_optimizer(g, fills) for g in (self._optim["groups"], self._optim["expert_groups"])
                      if g]
             common["optimizer"] = parts[0] if len(parts) == 1 else dict(enumerate(parts))  # ChainedOptimizer's

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint.megatron_lm_write import model_args
+from toolkit.checkpoint.megatron_lm_write import content_metadata, model_args
 from toolkit.errors import ToolkitError
 from toolkit.families import dims_from_hf
 from toolkit.format import safe_load
@@ -30,20 +30,19 @@ DCP_METADATA = ".metadata"
 
 
 def _metadata(backend) -> dict:
-    """How Megatron-Core shapes the optimizer's sharded state: per parameter, whatever the layout."""
-    meta = {"chained_optim_avoid_prefix": True}
-    if backend.layout_meta["zero_stage"] == 1:
-        meta["distrib_optim_sharding_type"] = "fully_reshardable"
-    return meta
+    """How Megatron-Core shapes the model's and the optimizer's sharded state (per parameter, whatever the layout),
+    as Megatron-LM's save_checkpoint says it and stores it in the checkpoint (megatron_lm_write.content_metadata)."""
+    return content_metadata(backend.layout_meta["zero_stage"] == 1)
 
 
 def _keys(chunks: list) -> list[str]:
     return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
 
 
-def sharded_state(backend, is_loading: bool) -> dict:
-    """Megatron-LM's sharded state dict of this rank: model chunk(s) and optimizer (ShardedTensors)."""
-    meta = _metadata(backend)
+def sharded_state(backend, is_loading: bool, meta: dict | None = None) -> dict:
+    """Megatron-LM's sharded state dict of this rank: model chunk(s) and optimizer (ShardedTensors), shaped by `meta`
+    (the content metadata; default: what this run saves)."""
+    meta = meta or _metadata(backend)
     state = {k: w.module.sharded_state_dict(metadata=meta) for k, w in zip(_keys(backend.chunks), backend.chunks)}
     state["optimizer"] = backend.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=meta)
     return state
@@ -56,7 +55,7 @@ def _args(backend):
     dims = dims_from_hf(to_hf_config(r.model), lm["tp"], divisible_by)
     dtype = next(backend.chunks[0].module.parameters()).dtype
     args = model_args(dims, config, lm["tp"], lm["pp"], lm["vpp"], divisible_by, dtype, FORMAT, lm.get("ep", 1))
-    args.use_distributed_optimizer = lm["zero_stage"] == 1
+    args.use_distributed_optimizer, args.no_save_optim = lm["zero_stage"] == 1, False  # the RNG is the toolkit's own
     args.data_parallel_size = lm["dp"]
     return args
 
@@ -67,7 +66,7 @@ def save(backend, tag_dir: Path, step: int) -> None:
 
     state = {"args": _args(backend), "checkpoint_version": 3.0, "iteration": step,
              "num_floating_point_operations_so_far": 0, **sharded_state(backend, is_loading=False)}
-    dist_checkpointing.save(state, str(tag_dir), async_sharded_save=False)
+    dist_checkpointing.save(state, str(tag_dir), async_sharded_save=False, content_metadata=_metadata(backend))
 
 
 def written_files(rank: int, tag_dir: Path) -> list[str]:
@@ -93,7 +92,10 @@ def load(backend, tag_dir: Path) -> None:
 
     if backend.layout_meta["zero_stage"] == 1:
         _prefill_adam_state(backend.optimizer)
-    loaded = dist_checkpointing.load(sharded_state(backend, is_loading=True), str(tag_dir))
+    # as Megatron-LM's load_checkpoint does: the sharded state dicts shaped as the checkpoint says it was saved (a
+    # checkpoint written before 2026-12-07 says nothing: then as this run saves)
+    saved = dist_checkpointing.load_content_metadata(str(tag_dir))
+    loaded = dist_checkpointing.load(sharded_state(backend, is_loading=True, meta=saved), str(tag_dir))
     for k, w in zip(_keys(backend.chunks), backend.chunks):
         w.module.load_state_dict(loaded[k], strict=True)
     if backend.layout_meta["zero_stage"] == 1:
