@@ -86,3 +86,30 @@ def test_toolkit_megatron_lm_outputs_keep_the_family(family, to, layout, tmp_pat
         in lines, lines
     assert inspect(out)["optimizer_state"] == {"megatron_lm": "none (toolkit convert wrote it without any)",
                                                "torch_dist": "none (weights only)"}[to]
+
+
+def test_a_megatron_lm_runs_own_args_travel_so_its_script_continues(tmp_path):
+    """What Megatron-LM's load_checkpoint compares with the new run's arguments (add_position_embedding; tokenizer_type
+    with a --vocab-file) and where it restarts the data (consumed_train_samples) are the source run's, carried through
+    a relayout into both Megatron-LM formats; from a Hugging Face folder they are a fresh rope run's (add_position_embedding
+    was written False, which a run with --position-embedding-type rope alone refuses)."""
+    from toolkit.format import safe_load
+
+    tiny_model("qwen2").save_pretrained(tmp_path / "hf")
+    quiet = dict(progress=False, log=lambda *_: None, vocab_size=500)
+    lm = convert(tmp_path / "hf", tmp_path / "lm", "megatron_lm", tp=2, **quiet)
+    run = {"add_position_embedding": False, "tokenizer_type": "GPT2BPETokenizer", "consumed_train_samples": 1234,
+           "skipped_train_samples": 2, "consumed_valid_samples": 56}
+    for f in lm.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        fresh = safe_load.load(f)["args"]
+        assert {k: getattr(fresh, k) for k in run} == {
+            "add_position_embedding": True, "tokenizer_type": "HuggingFaceTokenizer", "consumed_train_samples": 0,
+            "skipped_train_samples": 0, "consumed_valid_samples": 0}
+        state = torch.load(f, weights_only=False)  # our own output: its args become those of a Megatron-LM run
+        vars(state["args"]).update(run)
+        torch.save(state, f)
+    for to, name in (("megatron_lm", "iter_*/mp_rank_*/model_optim_rng.pt"), ("torch_dist", "iter_*/common.pt")):
+        out = convert(lm, tmp_path / to, to, tp=1, pp=2, **quiet)
+        for f in out.glob(name):
+            args = safe_load.load(f)["args"]
+            assert {k: getattr(args, k) for k in run} == run, (to, f)

@@ -86,8 +86,9 @@ def test_toolkit_run_optimizer_state_loads_in_megatron_core(recipe, fmt, tmp_pat
         assert load_content_metadata(str(it_dir)) == want
     args = safe_load.load(it_dir / "common.pt")["args"]
     assert (args.no_save_rng, args.no_save_optim, args.use_distributed_optimizer) == (True, False, distributed)
+    assert args.consumed_train_samples == 2 * 2  # where Megatron-LM's data continues: 2 steps of 2 samples
     legacy_args = safe_load.load(next(lm.glob("iter_*/mp_rank_*/model_optim_rng.pt")))["args"]
-    assert (legacy_args.no_save_rng, legacy_args.no_save_optim) == (True, False)
+    assert (legacy_args.no_save_rng, legacy_args.no_save_optim, legacy_args.consumed_train_samples) == (True, False, 4)
     if fmt == "torch_dist":  # the run's own save: the same metadata, the RNG kept in the toolkit's own files
         saved = ckpt / "step_00000002"
         with safe_load.weights_only_everywhere(saved):

@@ -57,14 +57,37 @@ def moe_args(dims, config: dict, ep: int) -> dict:
             "moe_token_dispatcher_type": "alltoall", "expert_model_parallel_size": ep}
 
 
+RUN_ARGS = {"add_position_embedding": True, "tokenizer_type": "HuggingFaceTokenizer", "consumed_train_samples": 0,
+            "skipped_train_samples": 0, "consumed_valid_samples": 0}
+"""Args of the run, not the model, that Megatron-LM's load_checkpoint reads from a checkpoint: check_checkpoint_args
+asserts add_position_embedding (and, with a --vocab-file, tokenizer_type) equal to the new run's, and a resumed run
+starts its data at consumed_train_samples. From a Megatron-LM source they are carried as it saved them, so the run
+that wrote it continues with the same script at the new layout and no data read twice; otherwise these values: what
+a Megatron-LM run with `--position-embedding-type rope` and a Hugging Face tokenizer has before its first step."""
+
+
+def run_args(source) -> dict:
+    """RUN_ARGS of `source`: a Megatron-LM legacy or torch_dist source's own (`args`), else the defaults, with a toolkit
+    training checkpoint's data position (its step times the recipe's global batch, as its scheduler state counts
+    samples: toolkit/adapters/megatron.py scheduler_state)."""
+    out = dict(RUN_ARGS)
+    recipe, step = (getattr(source, "meta", None) or {}).get("recipe"), getattr(source, "step", None)
+    batch = ((recipe or {}).get("training") or {}).get("global_batch_size")
+    if batch and step:
+        out["consumed_train_samples"] = int(step) * int(batch)
+    args = getattr(source, "args", None)
+    return {k: getattr(args, k, v) for k, v in out.items()} if args is not None else out
+
+
 def model_args(dims, config: dict, tp: int, pp: int, vpp: int, divisible_by: int, dtype, ckpt_format: str,
-               ep: int = 1) -> argparse.Namespace:
+               ep: int = 1, run: dict | None = None) -> argparse.Namespace:
     """Megatron-LM's model arguments for a model of dims.family at tp x pp x vpp (x ep) (the family's own Megatron
     fields, add_qkv_bias or qk_layernorm, and the experts included: the readers take the family from them). `dtype`:
     torch's (then params_dtype is it), or a safetensors name (then params_dtype is pt_write's name for torch's, which
     only pt_write pickles). `no_save_rng` and `no_save_optim` say what the checkpoint lacks, as Megatron-LM's own args
     do after a save with --no-save-rng --no-save-optim: its load_checkpoint (and Megatron-Bridge's) then asks a
-    torch_dist checkpoint for neither; a writer that adds optimizer state sets no_save_optim False."""
+    torch_dist checkpoint for neither; a writer that adds optimizer state sets no_save_optim False. `run`: RUN_ARGS'
+    values (run_args; default RUN_ARGS)."""
     name = st.dtype_name(dtype)
     return argparse.Namespace(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -74,7 +97,7 @@ def model_args(dims, config: dict, tp: int, pp: int, vpp: int, divisible_by: int
         max_position_embeddings=config.get("max_position_embeddings"), norm_epsilon=config.get("rms_norm_eps", 1e-5),
         **megatron_rope_args(config, "the model's config"), untie_embeddings_and_output_weights=not dims.tied, padded_vocab_size=dims.padded_vocab,
         make_vocab_size_divisible_by=divisible_by, normalization="RMSNorm", swiglu=True,
-        position_embedding_type="rope", add_position_embedding=False, add_bias_linear=False,
+        position_embedding_type="rope", add_bias_linear=False, **(run or RUN_ARGS),
         params_dtype=pt_write.torch_dtype(name) if isinstance(dtype, str) else dtype, bf16=name == "BF16",
         fp16=name == "F16", ckpt_format=ckpt_format, no_save_rng=True, no_save_optim=True,
         **family_named(dims.family).megatron_fields, **moe_args(dims, config, ep))
@@ -149,7 +172,7 @@ class MegatronLMTarget:
         self.total = sum(math.prod(e.rule.shard_shape(e.hf_shapes, tp)) * len(holders(e, ep))
                          for e in entries) * tp * ITEMSIZE[self.dtype_name]
         self._args = model_args(self.dims, source.config, tp, pp, vpp, source.divisible_by, self.dtype_name, "torch",
-                                ep)
+                                ep, run_args(source))
         self.optim, self.note = None, None
         if not weights_only and optimizer_writer is not None:
             self.optim, self.note = optimizer_writer(self, source)

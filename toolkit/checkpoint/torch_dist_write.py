@@ -27,7 +27,7 @@ from pathlib import Path
 
 from toolkit.checkpoint.byte_ranges import addressing
 from toolkit.checkpoint.dist_keys import SAVED_AS, sharded_name
-from toolkit.checkpoint.megatron_lm_write import content_metadata, model_args
+from toolkit.checkpoint.megatron_lm_write import content_metadata, model_args, run_args
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries, raise_problems
 from toolkit.families.mapping import TE_NORM_NAMES, check_dims
@@ -361,4 +361,4 @@ class TorchDistTarget:
     def _args(self) -> argparse.Namespace:
         """Megatron-LM's model arguments for this model at the target layout (what --use-checkpoint-args reads)."""
         return model_args(self.dims, self.source.config, *self.layout, self.source.divisible_by, self.dtype_name,
-                          "torch_dist", self.ep)
+                          "torch_dist", self.ep, run_args(self.source))

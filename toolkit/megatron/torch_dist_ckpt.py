@@ -64,7 +64,10 @@ def save(backend, tag_dir: Path, step: int) -> None:
     """Collective over every rank: Megatron-Core's dist_checkpointing.save into the (existing) step folder."""
     from megatron.core import dist_checkpointing  # lazy: Megatron runs only
 
-    state = {"args": _args(backend), "checkpoint_version": 3.0, "iteration": step,
+    args = _args(backend)
+    if backend.recipe.training.global_batch_size:  # the data position, as Megatron-LM's args count it in samples
+        args.consumed_train_samples = step * backend.recipe.training.global_batch_size
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": step,
              "num_floating_point_operations_so_far": 0, **sharded_state(backend, is_loading=False)}
     dist_checkpointing.save(state, str(tag_dir), async_sharded_save=False, content_metadata=_metadata(backend))
 
