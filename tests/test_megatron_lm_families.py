@@ -99,12 +99,14 @@ def test_a_megatron_lm_runs_own_args_travel_so_its_script_continues(tmp_path):
     quiet = dict(progress=False, log=lambda *_: None, vocab_size=500)
     lm = convert(tmp_path / "hf", tmp_path / "lm", "megatron_lm", tp=2, **quiet)
     run = {"add_position_embedding": False, "tokenizer_type": "GPT2BPETokenizer", "consumed_train_samples": 1234,
-           "skipped_train_samples": 2, "consumed_valid_samples": 56}
+           "skipped_train_samples": 2, "consumed_valid_samples": 56, "seq_length": 128, "attention_dropout": 0.0,
+           "hidden_dropout": 0.0}
     for f in lm.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
         fresh = safe_load.load(f)["args"]
         assert {k: getattr(fresh, k) for k in run} == {
             "add_position_embedding": True, "tokenizer_type": "HuggingFaceTokenizer", "consumed_train_samples": 0,
-            "skipped_train_samples": 0, "consumed_valid_samples": 0}
+            "skipped_train_samples": 0, "consumed_valid_samples": 0, "seq_length": None, "attention_dropout": None,
+            "hidden_dropout": None}
         state = torch.load(f, weights_only=False)  # our own output: its args become those of a Megatron-LM run
         vars(state["args"]).update(run)
         torch.save(state, f)
