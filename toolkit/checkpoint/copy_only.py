@@ -37,8 +37,7 @@ from toolkit.checkpoint import byte_ranges, output
 from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.pickled_copy import open_megatron
 from toolkit.checkpoint.safetensors_sources import HFSource, ToolkitWeights, follow_pointer, stored_config
-from toolkit.checkpoint.source_base import optimizer_note
-from toolkit.checkpoint.source_base import WEIGHT, Source
+from toolkit.checkpoint.source_base import WEIGHT, Source, optimizer_note
 from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, report, writers
 from toolkit.checkpoint.targets import HFTarget, MegatronTarget
 from toolkit.checkpoint.torch_dist_write import TorchDistTarget
