@@ -57,7 +57,7 @@ def moe_args(dims, config: dict, ep: int) -> dict:
             "moe_token_dispatcher_type": "alltoall", "expert_model_parallel_size": ep}
 
 
-RUN_ARGS = {"add_position_embedding": True, "tokenizer_type": "HuggingFaceTokenizer", "consumed_train_samples": 0,
+RUN_ARGS = {"add_position_embedding": True, "tokenizer_type": None, "consumed_train_samples": 0,
             "skipped_train_samples": 0, "consumed_valid_samples": 0, "seq_length": None, "attention_dropout": None,
             "hidden_dropout": None}
 """Args of the run, not the model, that Megatron-LM's load_checkpoint reads from a checkpoint: check_checkpoint_args
@@ -65,8 +65,8 @@ asserts add_position_embedding (and, with a --vocab-file, tokenizer_type) equal 
 starts its data at consumed_train_samples, and --use-checkpoint-args takes seq_length and the dropouts from it. From
 a Megatron-LM source they are carried as it saved them, so the run that wrote it continues with the same script at
 the new layout and no data read twice; otherwise these values: what a Megatron-LM run with `--position-embedding-type
-rope` and a Hugging Face tokenizer has before its first step, and None where the new run's own flags should apply
-(--use-checkpoint-args skips a None)."""
+rope` has before its first step, and None where the new run's own flags should apply (--use-checkpoint-args skips a
+None; it would force a tokenizer_type on the new run)."""
 
 
 def run_args(source) -> dict:
