@@ -85,3 +85,6 @@ def main(cases_path: str, out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    from toolkit.train.dist import shutdown
+
+    shutdown()  # leave the process group together: exiting with it alive intermittently aborts a rank

@@ -75,3 +75,6 @@ def main(layouts: str, out_dir: str, folders: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    from toolkit.train.dist import shutdown
+
+    shutdown()  # leave the process group together: exiting with it alive intermittently aborts a rank

@@ -150,3 +150,6 @@ def main(*specs: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    from toolkit.train.dist import shutdown
+
+    shutdown()  # leave the process group together: exiting with it alive intermittently aborts a rank

@@ -81,3 +81,6 @@ if __name__ == "__main__":
     else:
         main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
              [{"hf": sys.argv[1], "out": sys.argv[5], "ckpt": (sys.argv[6:7] or [None])[0]}])
+    from toolkit.train.dist import shutdown
+
+    shutdown()  # leave the process group together: exiting with it alive intermittently aborts a rank

@@ -79,3 +79,6 @@ def main(hf: str, out: str, torch_dist_iter: str, legacy_root: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:5])
+    from toolkit.train.dist import shutdown
+
+    shutdown()  # leave the process group together: exiting with it alive intermittently aborts a rank

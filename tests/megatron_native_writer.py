@@ -367,3 +367,6 @@ def main(hf_tied: str, hf_untied: str, out: str, torch_dist_iter: str | None = N
 
 if __name__ == "__main__":
     main(*sys.argv[1:10])
+    from toolkit.train.dist import shutdown
+
+    shutdown()  # leave the process group together: exiting with it alive intermittently aborts a rank
