@@ -61,7 +61,11 @@ def test_args_no_family_converts_are_refused_in_one_line(change, needle):
 def test_toolkit_megatron_lm_outputs_keep_the_family(family, to, layout, tmp_path):
     model = tiny_model(family)
     model.save_pretrained(tmp_path / "hf")
-    out = convert(tmp_path / "hf", tmp_path / to, to, vocab_size=500, progress=False, log=lambda *_: None, **layout)
+    said = []
+    out = convert(tmp_path / "hf", tmp_path / to, to, vocab_size=500, progress=False, log=said.append, **layout)
+    assert said[-1] == f"to continue in Megatron-LM: --load {out} " + (  # the table in docs/convert.md
+        "--ckpt-format torch_dist --no-load-optim" if to == "torch_dist"
+        else "--ckpt-format torch --transformer-impl local --no-load-optim --no-load-rng"), said
     back = convert_to_hf(out, tmp_path / "back", vocab_size=500)
     got, want = load_file(str(back / "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)

@@ -70,6 +70,10 @@ def test_toolkit_run_optimizer_state_loads_in_megatron_core(recipe, fmt, tmp_pat
     td = convert(ckpt, tmp_path / "td", "torch_dist", tp=1, pp=2, progress=False, log=lines.append)
     assert not any("weights only" in line for line in lines), lines
     distributed = recipe == "tiny_dp2_distopt"
+    dist_flag = " --use-distributed-optimizer" if distributed else ""
+    assert f"to continue in Megatron-LM: --load {lm} --ckpt-format torch --transformer-impl local{dist_flag} " \
+           "--no-load-rng" in lines, lines
+    assert f"to continue in Megatron-LM: --load {td} --ckpt-format torch_dist{dist_flag}" in lines, lines
     assert bool(list(lm.rglob("distrib_optim.pt"))) == distributed
     # what Megatron-LM's load_checkpoint (and Megatron-Bridge's) read before they load a torch_dist checkpoint: the
     # content metadata its save stores (else a distributed optimizer's state is taken for dp_zero_gather_scatter), and

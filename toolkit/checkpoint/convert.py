@@ -164,6 +164,8 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
                 if verbose:
                     log(f"phases: verify {time.monotonic() - t0:.1f} s")
             output.replace(tmp, dst)
+            if hasattr(target, "megatron_lm_flags"):  # docs/convert.md, "Continuing in Megatron-LM or Megatron-Bridge"
+                log(f"to continue in Megatron-LM: --load {dst} {target.megatron_lm_flags()}")
     finally:
         source.close()
     return dst

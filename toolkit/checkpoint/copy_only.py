@@ -93,6 +93,8 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
                 checker.check(tmp if to == "hf" else target.tag_dir, target.fields, tmp if to == "hf" else None, log,
                               verbose)
             output.replace(tmp, dst)
+            if hasattr(target, "megatron_lm_flags"):  # docs/convert.md, "Continuing in Megatron-LM or Megatron-Bridge"
+                log(f"to continue in Megatron-LM: --load {dst} {target.megatron_lm_flags()}")
     except _NotByCopy as e:
         if checker is not None:
             checker.join()  # the full path imports the same modules: not from two threads at once

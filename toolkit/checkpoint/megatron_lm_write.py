@@ -119,6 +119,17 @@ def content_metadata(distributed: bool) -> dict:
     return meta
 
 
+def megatron_lm_flags(ckpt_format: str, optimizer: bool, distributed: bool) -> str:
+    """The flags Megatron-LM 0.16's load_checkpoint needs, beyond --load and the model's arguments, to continue from
+    an output of this format ("torch" or "torch_dist") with or without optimizer state (docs/convert.md, "Continuing
+    in Megatron-LM or Megatron-Bridge"): its legacy loader reads neither no_save_optim nor no_save_rng, and its
+    optimizer load reads no_save_optim in neither format."""
+    legacy = ckpt_format == "torch"
+    return " ".join(["--ckpt-format", ckpt_format, *(["--transformer-impl", "local"] if legacy else []),
+                     *(["--use-distributed-optimizer"] if optimizer and distributed else []),
+                     *([] if optimizer else ["--no-load-optim"]), *(["--no-load-rng"] if legacy else [])])
+
+
 def _registered(chunk: dict) -> dict:
     """A chunk's state dict in the order a local-spec GPTModel's state_dict() lists it: parameters in registration
     order, each module's `_extra_state` after its parameters (a reader of the plain optimizer's state relies on it, as
@@ -182,6 +193,11 @@ class MegatronLMTarget:
         self.fields = (WEIGHT, *(self.optim.fields if self.optim else ()))
         if self.optim:
             self.total += self.optim.total
+
+    def megatron_lm_flags(self) -> str:
+        """What Megatron-LM needs to continue from this output (megatron_lm_flags)."""
+        return megatron_lm_flags("torch", self.optim is not None,
+                                 bool(getattr(self._args, "use_distributed_optimizer", False)))
 
     def writes(self, entry, field: str, hf_tensors: list) -> list | None:
         """(rank file, its tensor, TP shard) for each rank file holding this parameter (every expert-parallel rank

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from toolkit.checkpoint.byte_ranges import addressing
 from toolkit.checkpoint.dist_keys import SAVED_AS, sharded_name
-from toolkit.checkpoint.megatron_lm_write import content_metadata, model_args, run_args
+from toolkit.checkpoint.megatron_lm_write import content_metadata, megatron_lm_flags, model_args, run_args
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries, raise_problems
 from toolkit.families.mapping import TE_NORM_NAMES, check_dims
@@ -357,6 +357,10 @@ class TorchDistTarget:
         keys = [f"decoder.layers.{m}._extra_state/shard_{i}_{layers}" for i in range(layers) for m in modules]
         return keys + [f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{e}_{layers}.{experts}"
                        for i in range(layers) for e in range(experts) for fc in ("linear_fc1", "linear_fc2")]
+
+    def megatron_lm_flags(self) -> str:
+        """What Megatron-LM needs to continue from this output (megatron_lm_write.megatron_lm_flags)."""
+        return megatron_lm_flags("torch_dist", bool(self._optim), bool(self._optim) and self._distributed)
 
     def _args(self) -> argparse.Namespace:
         """Megatron-LM's model arguments for this model at the target layout (what --use-checkpoint-args reads)."""
