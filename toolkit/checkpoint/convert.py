@@ -87,7 +87,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
         raise ToolkitError(f"{src} is a DeepSpeed universal checkpoint, which DeepSpeed itself loads at any "
                            "data-parallel size (with \"checkpoint\": {\"load_universal\": true} in its ds_config): it converts --to hf, "
                            "and that folder on to any other format")
-    if to == "hf" and is_universal(src):
+    if is_universal(src):  # --to hf (any other target was refused above)
         if dtype is not None and dtype not in DTYPES:
             raise ToolkitError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         return convert_plain_to_hf(src, dst, config, fp32, DTYPES[dtype] if dtype else None, overwrite, verify, log,

@@ -12,13 +12,14 @@ from pathlib import Path
 from toolkit.checkpoint import megatron_lm, torch_dist
 from toolkit.checkpoint.deepspeed_plain import inspect_plain, is_plain
 from toolkit.checkpoint.safetensors_sources import read_json
+from toolkit.checkpoint.source_base import converted
 from toolkit.checkpoint.universal import inspect_universal, is_universal
 from toolkit.checkpoint.sources import not_a_checkpoint, refusal
 from toolkit.errors import ToolkitError
 from toolkit.families import dims_from_hf, iter_entries
 from toolkit.format import manifest, paths
 from toolkit.format import safetensors_stream as st
-from toolkit.format.names import OUTPUT_MARK, POINTER, STARTED, TAG_GLOB
+from toolkit.format.names import POINTER, STARTED, TAG_GLOB
 from toolkit.format.safe_load import check_file, load
 from toolkit.metrics import count_params
 from toolkit.recipe.schema import Recipe
@@ -142,7 +143,7 @@ def _megatron_dtypes(tag_dir: Path, parameters: int | None) -> dict:
             for k in r.keys():
                 name = st.dtype_name(r.dtype(k))
                 dtypes[name] = dtypes.get(name, 0) + _numel(r.shape(k))
-    return {name: parameters for name in dtypes} if len(dtypes) == 1 and parameters else dtypes
+    return _all_parameters(dtypes, parameters)
 
 
 def inspect_megatron_lm(path: Path) -> dict:
@@ -168,8 +169,7 @@ def inspect_megatron_lm(path: Path) -> dict:
         optimizer = f"distributed optimizer, distrib_optim.pt on {found} of {len(ranks)} model-parallel ranks"
     else:
         optimizer = ("plain optimizer, in model_optim_rng.pt" if state.get("optimizer")
-                     else "none (toolkit convert wrote it without any)" if any(
-                         (f / OUTPUT_MARK).is_file() for f in (path, path.parent))
+                     else "none (toolkit convert wrote it without any)" if converted(path)
                      else "none (saved with --no-save-optim?)")
     dims = dims_from_hf(config)
     return {"path": str(path), "format": "megatron-lm", "complete": not problems, "problems": problems,
@@ -193,8 +193,7 @@ def _inspect_torch_dist(path: Path, it_dir: Path) -> dict:
             key = st.dtype_name(reader.dtype(fqn))
             dtypes[key] = dtypes.get(key, 0) + _numel(reader.shape(fqn))
     parameters = _parameters(dims_from_hf(config))
-    if len(dtypes) == 1:  # all of the model's parameters, as the other formats' reports count them
-        dtypes = {name: parameters for name in dtypes}
+    dtypes = _all_parameters(dtypes, parameters)
     optim = sorted({fqn.split(".")[2] for fqn in reader.tensor_names() if fqn.startswith("optimizer.state.")})
     return {"path": str(path), "format": "megatron torch_dist", "complete": True, "problems": [],
             "optimizer_state": f"{', '.join(optim)} per parameter" if optim else "none (weights only)",
@@ -210,6 +209,13 @@ def _inspect_torch_dist(path: Path, it_dir: Path) -> dict:
 def _parameters(dims) -> int:
     """The model's parameter count, from its Hugging Face shapes (a tied output layer once)."""
     return sum(_numel(s) for e in iter_entries(dims, 1, 1) if e.reads_back for s in e.hf_shapes)
+
+
+def _all_parameters(dtypes: dict[str, int], parameters: int | None) -> dict[str, int]:
+    """Element counts by dtype over a checkpoint's stored tensors, as every format's report gives them: all of the
+    model's parameters in the one dtype, where there is one (the stored counts include padded vocabulary rows and
+    per-rank copies of the norms)."""
+    return {name: parameters for name in dtypes} if len(dtypes) == 1 and parameters else dtypes
 
 
 def _numel(shape) -> int:

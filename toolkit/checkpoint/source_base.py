@@ -20,10 +20,16 @@ NO_OPTIMIZER_STATE = "it holds no optimizer state (saved with --no-save-optim?):
 """The note of a Megatron source without optimizer state, whichever reader opened it."""
 
 
+def converted(folder: Path) -> bool:
+    """Whether `toolkit convert` wrote this checkpoint (its OUTPUT_MARK beside it: in the folder or, for an iteration
+    or step folder, in its parent)."""
+    return any((f / OUTPUT_MARK).is_file() for f in (folder, folder.parent))
+
+
 def optimizer_note(note: str | None, folder: Path) -> str | None:
     """The note to print for a source at `folder`: NO_OPTIMIZER_STATE's guess at a Megatron-LM flag is wrong for a
-    folder that `toolkit convert` wrote (its OUTPUT_MARK names it), which says so instead."""
-    if note == NO_OPTIMIZER_STATE and any((f / OUTPUT_MARK).is_file() for f in (folder, folder.parent)):
+    folder that `toolkit convert` wrote, which says so instead."""
+    if note == NO_OPTIMIZER_STATE and converted(folder):
         return "it holds no optimizer state (toolkit convert wrote it without any): weights only"
     return note
 
