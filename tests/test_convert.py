@@ -138,6 +138,65 @@ def test_megatron_lm_to_megatron_relayout_is_exact(megatron_lm_ckpt, hf_model, t
     assert all(torch.equal(got[k], v) for k, v in hf_model.state_dict().items())
 
 
+def stored_rows(folder, name: str) -> torch.Tensor:
+    """The rows of vocabulary-parallel parameter `name` as a Megatron layout stores them (padding included), its TP
+    shards concatenated, read from the files themselves: a Megatron-LM legacy folder's model_optim_rng.pt or a
+    toolkit step folder's safetensors."""
+    from safetensors import safe_open
+
+    shards = {}
+    for f in sorted(folder.glob("iter_*/mp_rank_*/model_optim_rng.pt")):
+        for key, tensor in torch.load(f, weights_only=False)["model"].items():  # a file this test wrote or converted
+            if key.endswith(name):
+                shards[int(f.parent.name.split("_")[2])] = tensor
+    for f in sorted(folder.glob("step_*/model_tp*_pp*.safetensors")):
+        with safe_open(str(f), "pt") as reader:
+            for key in reader.keys():
+                if key.endswith(name):
+                    shards[int(f.name.split("_")[1][2:])] = reader.get_tensor(key)
+    assert shards, f"no {name} in {folder}"
+    return torch.cat([shards[t] for t in sorted(shards)])
+
+
+@pytest.mark.parametrize("copy", [True, False], ids=["file-to-file", "through-memory"])
+def test_padding_rows_move_between_megatron_layouts(megatron_lm_ckpt, tmp_path, copy):
+    """Megatron trains its padding rows (the output layer's are in the loss's softmax), so a conversion between
+    Megatron layouts keeps the ones both paddings hold, as Megatron-LM's own converter does, and zeroes only rows
+    the source never had. The fixture's 12 padding rows (vocabulary 500 padded to 512 at TP2) are random."""
+    from toolkit.checkpoint.convert import convert
+
+    names = ("word_embeddings.weight", "output_layer.weight")
+    want = {n: stored_rows(megatron_lm_ckpt, n) for n in names}
+    assert all(w.shape[0] == 512 and w[VOCAB:].abs().sum() > 0 for w in want.values())
+    lines = []
+    run = dict(vocab_size=VOCAB, progress=False, log=lines.append, copy=copy)
+    tp1 = convert(megatron_lm_ckpt, tmp_path / "tp1", "megatron_lm", tp=1, pp=1, **run)  # 500 pads to 512 at TP1
+    tp4 = convert(tp1, tmp_path / "tp4", "megatron", tp=4, pp=1, **run)  # and to 512 at TP4 (128 rows a rank)
+    run.pop("vocab_size")
+    td = convert(tp4, tmp_path / "td", "torch_dist", tp=2, pp=2, **run)
+    back = convert(td, tmp_path / "back", "megatron_lm", tp=TP, pp=PP, vocab_size=VOCAB, **run)
+    tp8 = convert(tp4, tmp_path / "tp8", "megatron", tp=8, pp=1, **run)  # 1024 rows at TP8: 512 more
+    notes = [line for line in lines if line.startswith("vocabulary padding")]
+    assert notes[0] == ("vocabulary padding: 12 padding rows at tp=2, all carried (the vocabulary pads to 512 rows at "
+                        "tp=1 too)")
+    assert notes[-1] == ("vocabulary padding: 12 padding rows at tp=4, carried, and 512 zero rows added: 500 pads to "
+                         "1024 rows at tp=8, not 512; a run resumed from it trains a softmax over 1024 rows")
+    for n in names:
+        for out in (tp1, tp4, back):
+            assert torch.equal(stored_rows(out, n), want[n]), (out.name, n)
+        wide = stored_rows(tp8, n)
+        assert wide.shape[0] == 1024 and torch.equal(wide[:512], want[n]) and not wide[512:].any()
+    # the round trip through three formats gives back the very files' tensors, padding and all (under the local
+    # spec's names: the fixture has Transformer Engine's)
+    for f in sorted(megatron_lm_ckpt.glob("iter_*/mp_rank_*/model_optim_rng.pt")):
+        a = {_te(k): t for k, t in torch.load(f, weights_only=False)["model"].items() if isinstance(t, torch.Tensor)}
+        again = torch.load(back / f.relative_to(megatron_lm_ckpt), weights_only=False)["model"]
+        b = {_te(k): t for k, t in again.items() if isinstance(t, torch.Tensor)}
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f
+    hf = load_file(str(convert_to_hf(tp8, tmp_path / "hf") / "model.safetensors"))  # the padding rows never reach HF
+    assert hf["lm_head.weight"].shape[0] == VOCAB and torch.equal(hf["lm_head.weight"], want[names[1]][:VOCAB])
+
+
 def test_megatron_lm_needs_the_true_vocab_size(megatron_lm_ckpt, tmp_path):
     with pytest.raises(ToolkitError, match="stores 512 vocabulary rows, padded by Megatron to a multiple of 256; pass the true vocabulary size with --vocab-size"):
         convert_to_hf(megatron_lm_ckpt, tmp_path / "hf")

@@ -39,7 +39,7 @@ from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.megatron_sources import MegatronLMSource, TorchDistSource
 from toolkit.checkpoint.plain_to_hf import convert_plain_to_hf
 from toolkit.checkpoint.safetensors_sources import require_one_dtype
-from toolkit.checkpoint.source_base import optimizer_note
+from toolkit.checkpoint.source_base import carried_rows, optimizer_note, padding_note
 from toolkit.checkpoint.sources import (WEIGHT, DeepSpeedHFSource, Source, follow_pointer, not_a_checkpoint,
                                        open_source)
 from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, report, writers
@@ -123,11 +123,12 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
         raise ToolkitError(f"--ep {ep}: expert-parallel files are written in the toolkit's Megatron layout and "
                            "Megatron-LM's legacy one; a Hugging Face folder holds every expert in one model: drop --ep")
     # a Hugging Face target carries no optimizer state: it never reads (nor can be stopped by) the source's
-    source, check = _open_checking(src, vocab_size, fp32, weights_only or to == "hf")
+    source, check = _open_checking(src, vocab_size, fp32, weights_only or to == "hf", to, tp)
     try:
+        recorded = source.config["vocab_size"]
         if vocab_size is not None and not isinstance(source, (MegatronLMSource, TorchDistSource)) \
-                and vocab_size != source.dims().vocab:
-            raise ToolkitError(f"--vocab-size {vocab_size}: {src} records its vocabulary ({source.dims().vocab}); "
+                and vocab_size != recorded:
+            raise ToolkitError(f"--vocab-size {vocab_size}: {src} records its vocabulary ({recorded}); "
                                "--vocab-size gives the true vocabulary of a Megatron-LM or torch_dist checkpoint, "
                                "whose padded rows do not tell it: drop it")
         if fp32 and not isinstance(source, DeepSpeedHFSource):
@@ -149,6 +150,8 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
                 log(f"converting {source.describe()} at {src} -> {to}"
                     + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
                     + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write)")
+                if padding_note(source, to, tp):
+                    log(padding_note(source, to, tp))
             # the copy path that began this printed the source's note (copy_only.convert_by_copy): not twice
             if to != "hf" and not (announced and getattr(source, "optimizer_note", None)) and (
                     getattr(source, "optimizer_note", None) or getattr(target, "note", None)):
@@ -171,13 +174,20 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     return dst
 
 
-def _open_checking(src: Path, vocab_size, fp32: bool, weights_only: bool) -> tuple[Source, SourceCheck]:
+def _open_checking(src: Path, vocab_size, fp32: bool, weights_only: bool, to: str,
+                   tp: int) -> tuple[Source, SourceCheck]:
     """The source, its checksums hashed in the background (SourceCheck); a source that does not open is opened
-    again with its checksums checked first, so a damaged file is reported as that."""
+    again with its checksums checked first, so a damaged file is reported as that. A Megatron source whose padding
+    rows the target keeps is opened again to read them (source_base.carried_rows)."""
     try:
         source = open_source(src, vocab_size, fp32, weights_only, checksums=False)
     except ToolkitError:
         source = open_source(src, vocab_size, fp32, weights_only)
+    rows = carried_rows(source, to, tp)
+    if rows is not None:
+        checksums = source.unchecked is None
+        source.close()
+        source = open_source(src, vocab_size, fp32, weights_only, checksums=checksums, rows=rows)
     return source, SourceCheck(source.unchecked)
 
 
@@ -222,10 +232,10 @@ class CopyCheck:
     while the bytes are copied (transformers' import started, the source opened as this path opens it), then run()
     on the output, as convert() checks its own."""
 
-    def __init__(self, src: Path, config: dict, vocab_size: int | None, weights_only: bool):
+    def __init__(self, src: Path, config: dict, vocab_size: int | None, weights_only: bool, rows: int | None = None):
         verification.import_early(family_of_config(config).hf_architecture, config)
         # its checksums are the copy's check (SourceCheck); an error opening it is raised on the conversion's thread
-        self.source = open_source(src, vocab_size, False, weights_only, checksums=False)
+        self.source = open_source(src, vocab_size, False, weights_only, checksums=False, rows=rows)
         # on this thread, so that transformers' objects too are made with the collector off and then frozen
         # (copy_only._Verification), not collected during the copy and the check (docs/performance.md)
         verification.join_import()

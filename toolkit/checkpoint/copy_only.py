@@ -37,7 +37,7 @@ from toolkit.checkpoint import byte_ranges, output
 from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.pickled_copy import open_megatron
 from toolkit.checkpoint.safetensors_sources import HFSource, ToolkitWeights, follow_pointer, stored_config
-from toolkit.checkpoint.source_base import WEIGHT, Source, optimizer_note
+from toolkit.checkpoint.source_base import WEIGHT, Source, carried_rows, optimizer_note, padding_note
 from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, report, writers
 from toolkit.checkpoint.targets import HFTarget, MegatronTarget
 from toolkit.checkpoint.torch_dist_write import TorchDistTarget
@@ -68,6 +68,10 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
     src, dst = Path(src), Path(dst)
     output.check_destination(src, dst, overwrite)  # the full path's first check: its refusals are the same
     source = _open(src, weights_only or to == "hf", vocab_size)
+    rows = carried_rows(source, to, tp) if source is not None else None
+    if rows is not None:  # read again with the padding rows the target keeps
+        source.close()
+        source = _open(src, weights_only or to == "hf", vocab_size, rows)
     if source is None:
         return None, False
     begun, checker = False, None
@@ -83,10 +87,12 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
                 + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
                 + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write; file to file, "
                 + ("verified after" if verify else "torch-free") + ")")
+            if padding_note(source, to, tp):
+                log(padding_note(source, to, tp))
             if to != "hf" and getattr(source, "optimizer_note", None):
                 log(f"optimizer state: {optimizer_note(source.optimizer_note, src)}")
             begun = True
-            checker = (_Verification(verifier, src, source.config, vocab_size, weights_only or to == "hf")
+            checker = (_Verification(verifier, src, source.config, vocab_size, weights_only or to == "hf", rows)
                        if verify else None)
             _copy(source, target, pp, vpp, progress, log, verbose, check, verify)
             if checker is not None:
@@ -114,20 +120,22 @@ class _Verification:
     it are loaded on a background thread while the bytes are copied (start-up that took 1.5-2 s before the first
     byte was written when the full path made verified conversions)."""
 
-    def __init__(self, verifier, src: Path, config: dict, vocab_size: int | None, weights_only: bool):
+    def __init__(self, verifier, src: Path, config: dict, vocab_size: int | None, weights_only: bool,
+                 rows: int | None = None):
         self.loaded, self.error, self.closed, self.frozen, self.lock = None, None, False, False, threading.Lock()
-        self.thread = threading.Thread(target=self._load, args=(verifier, src, config, vocab_size, weights_only),
-                                       daemon=True)
+        self.thread = threading.Thread(target=self._load, args=(verifier, src, config, vocab_size, weights_only,
+                                                                rows), daemon=True)
         self.thread.start()
 
-    def _load(self, verifier, src: Path, config: dict, vocab_size: int | None, weights_only: bool) -> None:
+    def _load(self, verifier, src: Path, config: dict, vocab_size: int | None, weights_only: bool,
+              rows: int | None) -> None:
         # no collections while the imports make their objects (hundreds of thousands: six full collections walked
         # them, 0.4 s of CPU here), and out of the collector's sight afterwards (as cli.cmd_convert does for the full
         # path); close() gives them back
         collecting = gc.isenabled()
         gc.disable()
         try:
-            check = verifier()(src, config, vocab_size, weights_only)
+            check = verifier()(src, config, vocab_size, weights_only, rows)
             with self.lock:
                 if self.closed:  # the conversion ended (it failed) while this ran
                     check.close()
@@ -168,7 +176,7 @@ class _Verification:
                 self.frozen = False
 
 
-def _open(src: Path, weights_only: bool, vocab_size: int | None) -> Source | None:
+def _open(src: Path, weights_only: bool, vocab_size: int | None, rows: int | None = None) -> Source | None:
     """The source, when it is one this path reads (None otherwise, or when it does not open: the full path then
     says why). Its checksums are left to check while converting (source.unchecked), as the full path does.
     `vocab_size`: the true vocabulary of a Megatron-LM checkpoint (which its padded rows do not tell); a source of
@@ -177,7 +185,7 @@ def _open(src: Path, weights_only: bool, vocab_size: int | None) -> Source | Non
         return None
     if (not any((src / name).exists() for name in ("config.json", META, POINTER))
             and ((src / "latest_checkpointed_iteration.txt").is_file() or src.name.startswith("iter_"))):
-        return open_megatron(src, vocab_size, weights_only)  # as sources.open_source tells the kinds apart
+        return open_megatron(src, vocab_size, weights_only, rows)  # as sources.open_source tells the kinds apart
     if vocab_size is not None:
         return None
     try:
@@ -199,7 +207,7 @@ def _open(src: Path, weights_only: bool, vocab_size: int | None) -> Source | Non
             return None
         if not weights_only and (any(tag.glob("optim_*")) or any(tag.glob("distopt_*"))):
             return None  # optimizer state to carry: its param groups and per-rank state need torch
-        source = ToolkitWeights(tag, meta, *stored, weights_only=True)
+        source = ToolkitWeights(tag, meta, *stored, weights_only=True, rows=rows)
         source.unchecked = tag
         return source
     except (ToolkitError, OSError, ValueError, KeyError, TypeError):

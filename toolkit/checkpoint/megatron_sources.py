@@ -42,8 +42,9 @@ class MegatronLMSource(_ShardedSource):
 
     kind = "Megatron-LM"
 
-    def __init__(self, path: Path, vocab_size: int | None, weights_only: bool = False):
+    def __init__(self, path: Path, vocab_size: int | None, weights_only: bool = False, rows: int | None = None):
 
+        self.rows = rows
         args, self._shards, self.step, states = megatron_lm.read(path, rank_state)
         self._it_dir, self._files = megatron_lm.iteration_dir(path), {}
         self.args = args  # Megatron-LM's, for the plain optimizer's param groups (megatron_plain.wd_mult)
@@ -185,8 +186,8 @@ class TorchDistSource(Source):
 
     kind = "Megatron torch_dist"
 
-    def __init__(self, it_dir: Path, vocab_size: int | None, weights_only: bool = False):
-        self._r = torch_dist.Reader(it_dir)
+    def __init__(self, it_dir: Path, vocab_size: int | None, weights_only: bool = False, rows: int | None = None):
+        self._r, self.rows = torch_dist.Reader(it_dir), rows
         self._slices = _ChunkSlices(self._r)
         args = self._r.common.get("args")
         if args is None or not hasattr(args, "padded_vocab_size"):

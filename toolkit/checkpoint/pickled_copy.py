@@ -74,7 +74,8 @@ class LegacyWeights(_ShardedSource):
 
     kind = "Megatron-LM"
 
-    def __init__(self, path: Path, vocab_size: int):
+    def __init__(self, path: Path, vocab_size: int, rows: int | None = None):
+        self.rows = rows
         args, shards, self.step, states = megatron_lm.read(path, pt_zip.load)
         it_dir = megatron_lm.iteration_dir(path)
         megatron_lm.family_of_args(args, path)
@@ -146,8 +147,8 @@ class TorchDistWeights(Source):
 
     kind = "Megatron torch_dist"
 
-    def __init__(self, it_dir: Path, vocab_size: int):
-        self.dir, where = it_dir, str(it_dir)
+    def __init__(self, it_dir: Path, vocab_size: int, rows: int | None = None):
+        self.dir, where, self.rows = it_dir, str(it_dir), rows
         meta = json.loads(paths.inside(it_dir, "metadata.json", where).read_text())
         if meta.get("sharded_backend") != "torch_dist" or not known_backend(meta):
             raise _Declined(f"sharded backend {meta.get('sharded_backend')!r}")  # the full path says why
@@ -273,7 +274,7 @@ class _Slices:
         return fd, at + skip * pt_zip.ITEMSIZE[ref.dtype], self.nbytes(key)
 
 
-def open_megatron(src: Path, vocab_size: int | None, weights_only: bool) -> Source | None:
+def open_megatron(src: Path, vocab_size: int | None, weights_only: bool, rows: int | None = None) -> Source | None:
     """The torch-free source of a Megatron-LM legacy or torch_dist checkpoint, or None for the full path to open it:
     one whose files pt_zip does not take, one that fails a check, or one with optimizer state to carry."""
     if vocab_size is None:
@@ -281,7 +282,7 @@ def open_megatron(src: Path, vocab_size: int | None, weights_only: bool) -> Sour
     try:
         it_dir = megatron_lm.iteration_dir(src)
         torch_dist = megatron_lm.is_torch_dist(it_dir)
-        source = TorchDistWeights(it_dir, vocab_size) if torch_dist else LegacyWeights(src, vocab_size)
+        source = TorchDistWeights(it_dir, vocab_size, rows) if torch_dist else LegacyWeights(src, vocab_size, rows)
     except (pt_zip.NotReadHere, _Declined, ToolkitError, KeyError, TypeError, AttributeError, ValueError,
             IndexError, OSError):
         return None

@@ -149,8 +149,9 @@ class ToolkitWeights(_ShardedSource):
 
     kind = "toolkit Megatron"
 
-    def __init__(self, tag_dir: Path, meta: dict, config: dict, divisible_by: int, weights_only: bool = False):
-        self.tag_dir, self.meta, self.step = tag_dir, meta, meta.get("step")
+    def __init__(self, tag_dir: Path, meta: dict, config: dict, divisible_by: int, weights_only: bool = False,
+                 rows: int | None = None):
+        self.tag_dir, self.meta, self.step, self.rows = tag_dir, meta, meta.get("step"), rows
         lay = meta["layout"]
         self.layout, self.ep = (lay["tp"], lay["pp"], lay["vpp"]), lay.get("ep", 1)
         self.config, self.divisible_by = config, divisible_by

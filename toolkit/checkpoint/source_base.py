@@ -50,9 +50,13 @@ class Source:
     scheduler: dict | None = None  # Megatron-LM's opt_param_scheduler state, for a Megatron-LM target
     optimizer_distributed: bool = False  # the optimizer state is Megatron's distributed optimizer's
     args = None  # Megatron-LM's arguments (an argparse.Namespace), of a Megatron-LM source
+    rows: int | None = None
+    """The vocabulary rows read, where a conversion between Megatron layouts carries padding rows (carried_rows):
+    more than the model's vocabulary (config["vocab_size"], which stays the model's); None reads the vocabulary."""
 
     def dims(self, tp: int = 1) -> Dims:
-        return dims_from_hf(self.config, tp, self.divisible_by)
+        return dims_from_hf(self.config if self.rows is None else {**self.config, "vocab_size": self.rows}, tp,
+                            self.divisible_by)
 
     def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
         raise NotImplementedError
@@ -79,6 +83,38 @@ class Source:
         lay += f" ep={self.ep}" if self.ep > 1 else ""
         return f"{self.kind}{lay}"
 
+
+
+MEGATRON_TARGETS = ("megatron", "torch_dist", "megatron_lm")
+
+
+def carried_rows(source: Source, to: str, tp: int) -> int | None:
+    """The vocabulary rows a conversion of `source` --to `to` at `tp` carries: a Megatron source's padding rows
+    (Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x tp, and trains those rows: their
+    logits are in the loss's softmax) that the target's padding holds too, as Megatron-LM's own converter keeps them.
+    None where there are none: a source without padding, a Hugging Face or DeepSpeed target."""
+    if to not in MEGATRON_TARGETS or source.layout is None:
+        return None
+    rows = min(source.dims(source.layout[0]).padded_vocab, source.dims(tp).padded_vocab)
+    return rows if rows > source.config["vocab_size"] else None
+
+
+def padding_note(source: Source, to: str, tp: int) -> str | None:
+    """What a conversion between Megatron layouts does with the source's padding rows, in one line; None where the
+    source has none (docs/convert.md, "Vocabulary padding")."""
+    if to not in MEGATRON_TARGETS or source.layout is None:
+        return None
+    vocab, (old, new) = source.config["vocab_size"], (source.dims(t).padded_vocab for t in (source.layout[0], tp))
+    if old == vocab:
+        return None
+    line = f"vocabulary padding: {old - vocab} padding rows at tp={source.layout[0]}"
+    if new == old:
+        return f"{line}, all carried (the vocabulary pads to {old} rows at tp={tp} too)"
+    if new > old:
+        return (f"{line}, carried, and {new - old} zero rows added: {vocab} pads to {new} rows at tp={tp}, not "
+                f"{old}; a run resumed from it trains a softmax over {new} rows")
+    return (f"{line}: {old - new} dropped, {new - vocab} carried ({vocab} pads to {new} rows at tp={tp}); a run "
+            f"resumed from it trains a softmax over {new} rows, not {old}")
 
 
 class _ShardedSource(Source):

@@ -37,8 +37,8 @@ class ToolkitMegatronSource(ToolkitWeights):
     """A step folder written by the toolkit's Megatron backend (or by `toolkit convert --to megatron`): its weights
     and plain optimizer state (ToolkitWeights), its distributed optimizer's state, and Megatron's param groups."""
 
-    def __init__(self, tag_dir: Path, meta: dict, weights_only: bool = False):
-        super().__init__(tag_dir, meta, *model_config(meta), weights_only)
+    def __init__(self, tag_dir: Path, meta: dict, weights_only: bool = False, rows: int | None = None):
+        super().__init__(tag_dir, meta, *model_config(meta), weights_only, rows)
         self._flat = None
         lay = meta["layout"]
         if not weights_only and not self._optims and lay.get("zero_stage") == 1 and meta.get("recipe"):
@@ -165,10 +165,11 @@ def refusal(src: Path, vocab_size: int | None = None) -> str | None:
 
 
 def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, weights_only: bool = False,
-                checksums: bool = True) -> Source:
+                checksums: bool = True, rows: int | None = None) -> Source:
     """The right source for a path, from its own files. checksums=False checks a toolkit checkpoint's manifest by
     sizes only and leaves its folder in `source.unchecked`: the caller must hash it (manifest.verify) before it
-    trusts what it read (toolkit convert does it while it converts)."""
+    trusts what it read (toolkit convert does it while it converts). `rows`: the vocabulary rows a Megatron source
+    is read with (source_base.carried_rows; a source without padding rows ignores it)."""
 
     paths.resolve(src)  # a link that loops: one line, not a traceback
     if not src.exists():
@@ -183,12 +184,12 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
         meta = manifest.read_meta(src)
         backend = meta.get("backend")
         if backend == "megatron" and meta.get("checkpoint_format") == "torch_dist":  # checkpoint.format: torch_dist
-            source = TorchDistSource(src, vocab_size or meta["recipe"]["model"]["vocab_size"], weights_only)
+            source = TorchDistSource(src, vocab_size or meta["recipe"]["model"]["vocab_size"], weights_only, rows)
             source.meta, source.tag_dir = meta, src  # the run's recipe and per-rank state travel, as from a toolkit one
             if source.scheduler is None and source.fields != (WEIGHT,) and meta.get("recipe") and meta.get("step"):
                 source.scheduler = scheduler_state(Recipe.model_validate(meta["recipe"]), int(meta["step"]))
         elif backend == "megatron":
-            source = ToolkitMegatronSource(src, meta, weights_only)
+            source = ToolkitMegatronSource(src, meta, weights_only, rows)
         elif backend == "deepspeed":
             source = DeepSpeedHFSource(src, meta, fp32)
         else:
@@ -198,8 +199,8 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
     if (src / "latest_checkpointed_iteration.txt").is_file() or src.name.startswith("iter_"):
         it_dir = megatron_lm.iteration_dir(src)
         if megatron_lm.is_torch_dist(it_dir):
-            return TorchDistSource(it_dir, vocab_size, weights_only)
-        return MegatronLMSource(src, vocab_size, weights_only)
+            return TorchDistSource(it_dir, vocab_size, weights_only, rows)
+        return MegatronLMSource(src, vocab_size, weights_only, rows)
     if is_plain(src):
         raise ToolkitError(f"{src} is a plain DeepSpeed checkpoint (engine.save_checkpoint, no toolkit files): it "
                            "converts --to hf (with --config HF_FOLDER_OR_config.json when it holds no config.json), "

@@ -111,6 +111,12 @@ def release() -> None:
     _trim(0)
 
 
+def open_output(source: Source, written: Path) -> Source:
+    """A conversion's output, read as its source is: with the model's vocabulary (which a Megatron-LM-style output's
+    padded rows do not tell) and the padding rows the conversion carried."""
+    return open_source(written, source.config["vocab_size"], checksums=False, rows=source.rows)
+
+
 def read_back(source: Source, written: Path, fields: tuple[str, ...], digests: Digests, log,
               proved: set[tuple[str, str]] = frozenset(), cast_to: torch.dtype | None = None) -> None:
     """Every tensor of the output that the logit check did not prove (`proved`: the weights, hashed on its reads),
@@ -125,7 +131,7 @@ def read_back(source: Source, written: Path, fields: tuple[str, ...], digests: D
             f"{cast_note(source, cast_to, ' cast to ')}, on the logit check's reads of both)")
         return
     # the true vocabulary, for Megatron-LM-style outputs; its manifest was just taken from these files
-    again = open_source(written, source.dims().vocab, checksums=False)
+    again = open_output(source, written)
     try:
 
         def check(job) -> int:
@@ -359,6 +365,8 @@ def verify_logits(reference: Source, output: Source, dtype: torch.dtype, hf_fold
         config = AutoConfig.from_pretrained(hf_folder)
     else:
         config = AutoConfig.for_model(reference.config["model_type"], **_fields(reference.config))
+        if reference.rows is not None:  # the padding rows carried between Megatron layouts are compared too
+            config.vocab_size = reference.rows
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     hashed = Hashed(written) if hash_weights else None
@@ -474,9 +482,9 @@ def verify_output(source: Source, written: Path, fields: tuple[str, ...], cast_t
     model must give the same logits with the output's weights as with the source's, and every tensor of the output
     read back must hash as the source's did (the weights on the logit check's reads, the rest read again after it).
     `written`: the output's folder (a Hugging Face one is `hf_folder` too); memory one layer."""
-    # the true vocabulary, for Megatron-LM-style outputs; the manifest's checksums were just taken from these files
-    # (hashing them again would prove nothing the tensors' read-back does not)
-    output_source = open_source(written, source.dims().vocab, checksums=False)
+    # the manifest's checksums were just taken from these files (hashing them again would prove nothing the tensors'
+    # read-back does not)
+    output_source = open_output(source, written)
     try:
         changed = model_differences(source.config, output_source.config)
         if changed:  # what a Megatron-LM or torch_dist target's args could not say (the weights cannot show it)
