@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,20 +210,51 @@ def test_distributed_optimizer_training_checkpoint_resumes_after_a_convert(unint
     assert alone == pytest.approx(straight[2:], rel=1e-5)
 
 
+PADDED = ["model.vocab_size=600", "parallel.megatron.make_vocab_size_divisible_by=64", *UNINTERRUPTED]
+"""A vocabulary of 600 padded by 64 x tp: 640 rows at TP1, TP2 and (by 32) TP4, 768 at TP4 by 64. The 40 padding
+rows are trained: their logits are in Megatron's softmax."""
+
+
+@pytest.fixture(scope="module")
+def padded_runs(tmp_path_factory) -> tuple[list[float], Path]:
+    """(the losses of 6 uninterrupted TP2 x PP2 steps, the checkpoints folder of the same run stopped at step 3 and
+    saved as torch_dist)."""
+    root = tmp_path_factory.mktemp("padded")
+    launch("tiny_tp2_pp2", ["training.steps=6", *PADDED], nproc=4, out_dir=root / "straight")
+    launch("tiny_tp2_pp2", ["training.steps=6", "training.stop_at_step=3", "checkpoint.format=torch_dist", *PADDED],
+           nproc=4, out_dir=root / "first")
+    return [m["loss"] for m in read_metrics(root / "straight")], root / "first" / "checkpoints"
+
+
 @pytest.mark.slow
-def test_trained_padding_rows_survive_a_relayout_so_the_loss_continues(tmp_path):
-    """A vocabulary of 600 padded by 64 x tp is 640 rows at TP2 and at TP1: the 40 padding rows are trained (their
-    logits are in Megatron's softmax), and a convert to TP1 keeps them, so the loss continues the uninterrupted TP2
-    run's. Reset to zero, as convert did before, they moved the resumed loss from 5.697 to 5.723 here."""
-    padded = ["model.vocab_size=600", "parallel.megatron.make_vocab_size_divisible_by=64", *UNINTERRUPTED]
-    launch("tiny_tp2_pp2", ["training.steps=6", *padded], nproc=4, out_dir=tmp_path / "straight")
-    launch("tiny_tp2_pp2", ["training.steps=6", "training.stop_at_step=3", *padded], nproc=4,
-           out_dir=tmp_path / "first")
-    moved = convert(tmp_path / "first" / "checkpoints", tmp_path / "tp1pp2", "megatron", tp=1, pp=2,
-                    progress=False, log=lambda *_: None)
-    launch("tiny_tp2_pp2", ["training.steps=6", *padded, "parallel.tp=1", "parallel.world_size=2",
+def test_trained_padding_rows_survive_a_relayout_so_the_loss_continues(padded_runs, tmp_path):
+    """640 rows at TP2 and at TP1: a convert to TP1 keeps the 40 trained padding rows (and their Adam moments), so
+    the loss continues the uninterrupted TP2 run's. Reset to zero, as convert did before, they moved the first
+    resumed loss from 5.697 to 5.723 here."""
+    straight, first = padded_runs
+    moved = convert(first, tmp_path / "tp1pp2", "megatron", tp=1, pp=2, progress=False, log=lambda *_: None)
+    launch("tiny_tp2_pp2", ["training.steps=6", *PADDED, "parallel.tp=1", "parallel.world_size=2",
                             f"checkpoint.resume={moved}"], nproc=2, out_dir=tmp_path / "second")
-    straight = [m["loss"] for m in read_metrics(tmp_path / "straight")]
     got = [m["loss"] for m in read_metrics(tmp_path / "second")]
     print("uninterrupted TP2xPP2:", straight[3:], "resumed at TP1xPP2:", got)
+    assert len(got) == 3 and got == pytest.approx(straight[3:], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_resume_that_would_change_the_padding_is_refused_and_the_named_divisor_continues(padded_runs, tmp_path):
+    """Megatron-Core's torch_dist load takes 640 saved rows into 768 without a word (the loss at the first resumed
+    step went from 5.960 to 6.152 in a run like this one): the resume at TP4 is refused in one line naming the
+    divisor that keeps 640 rows, and with it the run continues the uninterrupted losses."""
+    straight, first = padded_runs
+    at_tp4 = ["training.steps=6", *PADDED, "parallel.tp=4", "parallel.pp=1", f"checkpoint.resume={first}"]
+    refused = launch("tiny_tp2_pp2", at_tp4, nproc=4, out_dir=tmp_path / "refused", check=False)
+    assert refused.returncode != 0
+    assert ("pads the vocabulary (600) to 640 rows (64 x tp=2); this run pads it to 768 (64 x tp=4), and Megatron "
+            "trains the padding rows, so this run would resume another model: set "
+            "parallel.megatron.make_vocab_size_divisible_by: 32 (which pads it to 640 rows at tp=4)") in refused.stderr
+    assert not (tmp_path / "refused").exists()
+    launch("tiny_tp2_pp2", [*at_tp4, "parallel.megatron.make_vocab_size_divisible_by=32"], nproc=4,
+           out_dir=tmp_path / "tp4")
+    got = [m["loss"] for m in read_metrics(tmp_path / "tp4")]
+    print("uninterrupted TP2xPP2:", straight[3:], "resumed at TP4 by 32:", got)
     assert len(got) == 3 and got == pytest.approx(straight[3:], rel=1e-5)

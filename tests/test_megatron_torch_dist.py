@@ -25,7 +25,7 @@ from toolkit.checkpoint.convert import convert
 from toolkit.checkpoint.inspect import inspect
 from toolkit.checkpoint.sources import open_source
 from toolkit.errors import ToolkitError
-from toolkit.train.checkpoint import _check_reshard, moved_data_position
+from toolkit.train.checkpoint import _check_reshard, check_vocab_padding, keeping_divisor, moved_data_position
 
 STEPS, STOP = 6, 3
 TORCH_DIST = ("checkpoint.format=torch_dist",)
@@ -108,6 +108,30 @@ def test_switching_between_plain_and_distributed_optimizer_is_refused(tmp_path):
     _check_reshard(tmp_path, saved, {**saved, "tp": 1, "dp": 2})  # TP/PP/DP may change
     with pytest.raises(ToolkitError, match="saved with the plain optimizer, this run uses the distributed optimizer"):
         _check_reshard(tmp_path, saved, {**saved, "zero_stage": 1})
+
+
+def test_a_resume_at_another_vocabulary_padding_names_the_divisor_that_keeps_it(tmp_path):
+    """Llama 2's 32000 pads to 32256 rows at TP4 (by 128) and to 32768 at TP8: 64 keeps 32256 at TP8. The same TP
+    with another divisor changes the padding too; where no divisor keeps it, the saved layout is named."""
+    from toolkit.recipe import load_recipe
+
+    def recipe(by: int):
+        return load_recipe("tiny_tp2_pp2", ["model.vocab_size=32000",
+                                            f"parallel.megatron.make_vocab_size_divisible_by={by}"])
+
+    saved = {"recipe": recipe(128).model_dump(mode="json"), "layout": {"tp": 4}}
+    check_vocab_padding(tmp_path, saved, recipe(128), 4)  # the same padding
+    check_vocab_padding(tmp_path, saved, recipe(64), 8)  # the divisor named below: 32256 rows at TP8 too
+    with pytest.raises(ToolkitError, match=r"pads the vocabulary \(32000\) to 32256 rows \(128 x tp=4\); this run "
+                       r"pads it to 32768 \(128 x tp=8\).*set parallel.megatron.make_vocab_size_divisible_by: 64 "
+                       r"\(which pads it to 32256 rows at tp=8\)"):
+        check_vocab_padding(tmp_path, saved, recipe(128), 8)
+    with pytest.raises(ToolkitError, match=r"this run pads it to 32000 \(64 x tp=4\)"):
+        check_vocab_padding(tmp_path, saved, recipe(64), 4)
+    assert keeping_divisor(32000, 32256, 8) == 64 and keeping_divisor(600, 640, 4) == 32
+    assert keeping_divisor(500, 512, 3) is None  # 512 rows are not a multiple of 3
+    with pytest.raises(ToolkitError, match="resume at tp=4 with make_vocab_size_divisible_by: 128"):
+        check_vocab_padding(tmp_path, saved, recipe(128), 5)  # 32000 rows at TP5; no divisor gives 32256
 
 
 def test_torch_dist_with_deepspeed_is_refused_in_one_line():

@@ -44,6 +44,7 @@ from toolkit.format.names import (
     refuse_foreign,
     tag_for,
 )
+from toolkit.layout import padded_vocab_size
 from toolkit.model import to_hf_config
 from toolkit.recipe.schema import Recipe
 from toolkit.train import faults
@@ -308,6 +309,8 @@ def load(backend, tag_dir: Path, layout_meta: dict, micro_batch: int | None = No
                            f"layout with `{move}` and resume from NEW_DIR (checkpoint.resume), or set "
                            "checkpoint.resume: never to start fresh")
     check_model(tag_dir, meta, _running_model(backend))
+    if "tp" in layout_meta and hasattr(backend, "recipe"):  # the Megatron backend
+        check_vocab_padding(tag_dir, meta, backend.recipe, layout_meta["tp"])
     if meta.get("weights_only"):  # written by `toolkit convert` from a source with no training state
         raise ToolkitError(f"checkpoint {tag_dir} holds weights only: it was converted from a "
                            f"{meta.get('converted_from', 'foreign')} checkpoint, which carries no data position and "
@@ -364,6 +367,36 @@ def moved_data_position(data: dict, old_micro, old_dp, new_micro, new_dp: int, w
                            f"this run's micro-batches x dp ({new_micro} x {new_dp}); keep training.global_batch_size "
                            "and choose a micro_batch_size that divides it")
     return {**data, "consumed_micro_batches": sequences // (new_micro * new_dp)}
+
+
+def check_vocab_padding(tag_dir: Path, meta: dict, recipe: Recipe, tp: int) -> None:
+    """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x tp and trains the padding rows
+    (their logits are in the loss's softmax). Megatron-Core's torch_dist load does not refuse another padding (the
+    embedding and output layer allow a shape mismatch), and the run would go on as another model; refuse it, with
+    the divisor that keeps the saved padding at this run's tp (docs/megatron.md, "Vocabulary padding")."""
+    if not meta.get("recipe") or "tp" not in meta.get("layout", {}):
+        return
+    saved = Recipe.model_validate(meta["recipe"])
+    vocab, was_by, was_tp = (saved.model.vocab_size, saved.parallel.megatron.make_vocab_size_divisible_by,
+                             meta["layout"]["tp"])
+    now_by = recipe.parallel.megatron.make_vocab_size_divisible_by
+    was, now = padded_vocab_size(vocab, was_tp, was_by), padded_vocab_size(recipe.model.vocab_size, tp, now_by)
+    if was == now:
+        return
+    keep = keeping_divisor(vocab, was, tp)
+    fix = (f"set parallel.megatron.make_vocab_size_divisible_by: {keep} (which pads it to {was} rows at tp={tp})"
+           if keep else f"resume at tp={was_tp} with make_vocab_size_divisible_by: {was_by}")
+    raise ToolkitError(f"checkpoint {tag_dir} pads the vocabulary ({vocab}) to {was} rows ({was_by} x tp={was_tp}); "
+                       f"this run pads it to {now} ({now_by} x tp={tp}), and Megatron trains the padding rows, so "
+                       f"this run would resume another model: {fix}, or start fresh with checkpoint.resume: never")
+
+
+def keeping_divisor(vocab: int, padded: int, tp: int) -> int | None:
+    """The make_vocab_size_divisible_by that pads `vocab` to `padded` rows at `tp` (the largest power of two that
+    does, else the largest number); None where none does."""
+    fits = [d for d in range(1, padded // tp + 1) if padded % (d * tp) == 0 and padded - vocab < d * tp]
+    powers = [d for d in fits if d & (d - 1) == 0]
+    return max(powers or fits) if fits else None
 
 
 ARCHITECTURE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
