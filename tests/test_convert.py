@@ -7,6 +7,7 @@ entries, a vocabulary padded to 128 x tp whose padding rows are not zero, numpy 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -180,7 +181,8 @@ def test_padding_rows_move_between_megatron_layouts(megatron_lm_ckpt, tmp_path, 
     assert notes[0] == ("vocabulary padding: 12 padding rows at tp=2, all carried (the vocabulary pads to 512 rows at "
                         "tp=1 too)")
     assert notes[-1] == ("vocabulary padding: 12 padding rows at tp=4, carried, and 512 zero rows added: 500 pads to "
-                         "1024 rows at tp=8, not 512; a run resumed from it trains a softmax over 1024 rows")
+                         "1024 rows at tp=8, not 512; a run resumed from it trains a softmax over 1024 rows "
+                         "(--make-vocab-size-divisible-by 64 keeps 512)")
     for n in names:
         for out in (tp1, tp4, back):
             assert torch.equal(stored_rows(out, n), want[n]), (out.name, n)
@@ -195,6 +197,32 @@ def test_padding_rows_move_between_megatron_layouts(megatron_lm_ckpt, tmp_path, 
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f
     hf = load_file(str(convert_to_hf(tp8, tmp_path / "hf") / "model.safetensors"))  # the padding rows never reach HF
     assert hf["lm_head.weight"].shape[0] == VOCAB and torch.equal(hf["lm_head.weight"], want[names[1]][:VOCAB])
+
+
+def test_a_divisor_keeps_the_padded_size_at_a_new_tp(megatron_lm_ckpt, tmp_path):
+    """500 pads to 512 rows at TP2 by 128 and to 1024 at TP8; --make-vocab-size-divisible-by 64 (which convert's note
+    names) keeps 512 at TP8, in the args Megatron-LM reads and in the flags it is told to run with."""
+    from toolkit.checkpoint.convert import convert
+
+    lines = []
+    convert(megatron_lm_ckpt, tmp_path / "wide", "megatron", tp=8, vocab_size=VOCAB, progress=False, log=lines.append)
+    assert any(line.endswith("(--make-vocab-size-divisible-by 64 keeps 512)") for line in lines)
+    lines.clear()
+    out = convert(megatron_lm_ckpt, tmp_path / "tp8", "megatron_lm", tp=8, vocab_size=VOCAB, divisible_by=64,
+                  progress=False, log=lines.append)
+    args = torch.load(next(out.glob("iter_*/mp_rank_00/model_optim_rng.pt")), weights_only=False)["args"]
+    assert (args.make_vocab_size_divisible_by, args.padded_vocab_size, args.tensor_model_parallel_size) == (64, 512, 8)
+    assert "vocabulary padding: 12 padding rows at tp=2, all carried (the vocabulary pads to 512 rows at tp=8 by 64 " \
+           "too)" in lines
+    assert any("--make-vocab-size-divisible-by 64" in line for line in lines if line.startswith("to continue in"))
+    for name in ("word_embeddings.weight", "output_layer.weight"):
+        assert torch.equal(stored_rows(out, name), stored_rows(megatron_lm_ckpt, name))
+    toolkit = convert(out, tmp_path / "toolkit", "megatron", tp=8, vocab_size=VOCAB, progress=False, log=print)
+    meta = json.loads(next(toolkit.glob("step_*/toolkit_meta.json")).read_text())
+    assert meta["make_vocab_size_divisible_by"] == 64  # the source's, kept: 512 rows at TP8 again
+    with pytest.raises(ToolkitError, match="--to hf has no padding: drop it"):
+        convert(out, tmp_path / "hf", "hf", vocab_size=VOCAB, divisible_by=64, progress=False, log=print)
+    assert not (tmp_path / "hf").exists()
 
 
 def test_megatron_lm_needs_the_true_vocab_size(megatron_lm_ckpt, tmp_path):

@@ -253,8 +253,15 @@ def test_a_resume_that_would_change_the_padding_is_refused_and_the_named_divisor
             "trains the padding rows, so this run would resume another model: set "
             "parallel.megatron.make_vocab_size_divisible_by: 32 (which pads it to 640 rows at tp=4)") in refused.stderr
     assert not (tmp_path / "refused").exists()
+    # convert's --make-vocab-size-divisible-by writes the same: 640 rows at TP4, and a recipe that resumes so
+    moved = convert(first, tmp_path / "tp4", "megatron", tp=4, divisible_by=32, progress=False, log=lambda *_: None)
+    meta = json.loads(next(moved.glob("step_*/toolkit_meta.json")).read_text())
+    recipe = meta["recipe"]["parallel"]["megatron"]
+    assert meta["make_vocab_size_divisible_by"] == recipe["make_vocab_size_divisible_by"] == 32
+    assert load_file(str(next(moved.glob("step_*/model_tp00_pp000.safetensors"))))[
+        "chunk0.embedding.word_embeddings.weight"].shape[0] == 160  # 640 / 4
     launch("tiny_tp2_pp2", [*at_tp4, "parallel.megatron.make_vocab_size_divisible_by=32"], nproc=4,
-           out_dir=tmp_path / "tp4")
-    got = [m["loss"] for m in read_metrics(tmp_path / "tp4")]
+           out_dir=tmp_path / "run")
+    got = [m["loss"] for m in read_metrics(tmp_path / "run")]
     print("uninterrupted TP2xPP2:", straight[3:], "resumed at TP4 by 32:", got)
     assert len(got) == 3 and got == pytest.approx(straight[3:], rel=1e-5)

@@ -25,7 +25,8 @@ from toolkit.checkpoint.convert import convert
 from toolkit.checkpoint.inspect import inspect
 from toolkit.checkpoint.sources import open_source
 from toolkit.errors import ToolkitError
-from toolkit.train.checkpoint import _check_reshard, check_vocab_padding, keeping_divisor, moved_data_position
+from toolkit.layout import keeping_divisor
+from toolkit.train.checkpoint import _check_reshard, check_vocab_padding, moved_data_position
 
 STEPS, STOP = 6, 3
 TORCH_DIST = ("checkpoint.format=torch_dist",)

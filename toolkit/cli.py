@@ -235,7 +235,7 @@ def _convert(args) -> int:
     options = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, dtype=args.dtype, vocab_size=args.vocab_size,
                    fp32=args.fp32, weights_only=args.weights_only, overwrite=args.overwrite,
                    verify=not args.no_verify, dp=args.dp, progress=not args.quiet, config=args.config,
-                   verbose=args.verbose)
+                   verbose=args.verbose, divisible_by=args.divisible_by)
     out, announced = convert_by_copy(args.src, args.dst, args.to, **options, verifier=_copy_check)
     if out is not None:  # a conversion that only copies bytes: made without loading torch
         print(f"wrote {out}")
@@ -367,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "of a torch_dist target, the run's that loads its optimizer state (default 1)")
     p.add_argument("--dp", type=count("a data-parallel size, e.g. 4", RANKS), default=None, help="data-parallel size of a DeepSpeed target")
     p.add_argument("--vocab-size", type=count("the vocabulary size, e.g. 32000", 1 << 24), default=None, help="true vocabulary size (Megatron-LM sources)")
+    p.add_argument("--make-vocab-size-divisible-by", type=count("a divisor, e.g. 64", 1 << 24), metavar="N",
+                   dest="divisible_by", help="Megatron targets: pad the vocabulary to N x --tp (default: the source's N)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="cast the weights")
     p.add_argument("--fp32", action="store_true", help="DeepSpeed sources: take the fp32 master weights from the "
                    "optimizer files instead of the model states")

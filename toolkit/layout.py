@@ -113,6 +113,14 @@ def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 128) -> int:
     return -(-vocab // multiple) * multiple
 
 
+def keeping_divisor(vocab: int, padded: int, tp: int) -> int | None:
+    """The make_vocab_size_divisible_by that pads `vocab` to `padded` rows at `tp` (the largest power of two that
+    does, else the largest number); None where none does."""
+    fits = [d for d in range(1, padded // tp + 1) if padded % (d * tp) == 0 and padded - vocab < d * tp]
+    powers = [d for d in fits if d & (d - 1) == 0]
+    return max(powers or fits) if fits else None
+
+
 # Megatron's interleaved schedule deals the model out in pp * vpp chunks of consecutive layers: all pipeline ranks
 # take one chunk each (chunk 0), then all take a second one (chunk 1), and so on. Local layer indices restart at 0
 # in every chunk, which is why a global layer number alone does not name a key in a Megatron state dict.

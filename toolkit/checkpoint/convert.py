@@ -39,7 +39,7 @@ from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.megatron_sources import MegatronLMSource, TorchDistSource
 from toolkit.checkpoint.plain_to_hf import convert_plain_to_hf
 from toolkit.checkpoint.safetensors_sources import require_one_dtype
-from toolkit.checkpoint.source_base import carried_rows, optimizer_note, padding_note
+from toolkit.checkpoint.source_base import MEGATRON_TARGETS, carried_rows, optimizer_note, padding_note
 from toolkit.checkpoint.sources import (WEIGHT, DeepSpeedHFSource, Source, follow_pointer, not_a_checkpoint,
                                        open_source)
 from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, report, writers
@@ -73,11 +73,15 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
             dtype: str | None = None, vocab_size: int | None = None, fp32: bool = False, weights_only: bool = False,
             overwrite: bool = False, verify: bool = True, dp: int | None = None, progress: bool = True,
             log=print, config: str | Path | None = None, verbose: bool = False, ep: int = 1, copy: bool = True,
-            announced: bool = False) -> Path:
+            announced: bool = False, divisible_by: int | None = None) -> Path:
     """Convert SRC into DST (see the module docstring). Returns DST. `config`: the Hugging Face config of a plain
     DeepSpeed checkpoint (toolkit/checkpoint/plain_to_hf.py). `copy`: try the torch-free copy-only path first
-    (toolkit/checkpoint/copy_only.py); `announced`: it already printed the "converting" line (and why it stopped)."""
+    (toolkit/checkpoint/copy_only.py); `announced`: it already printed the "converting" line (and why it stopped).
+    `divisible_by`: a Megatron target's make_vocab_size_divisible_by (default: the source's)."""
     src, dst = Path(src), Path(dst)
+    if divisible_by is not None and to not in MEGATRON_TARGETS:
+        raise ToolkitError(f"--make-vocab-size-divisible-by pads the vocabulary of a Megatron target (--to megatron, "
+                           f"torch_dist or megatron_lm); --to {to} has no padding: drop it")
     if to == "universal":  # DeepSpeed's universal checkpoint from a ZeRO checkpoint (toolkit/checkpoint/universal.py)
         return write_universal(src, dst, overwrite, log)
     if vocab_size is not None and (is_universal(src) or is_plain(src)):
@@ -107,7 +111,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     if copy:
         copied, announced = copy_only.convert_by_copy(src, dst, to, tp, pp, vpp, dtype, vocab_size, fp32,
                                                       weights_only, overwrite, verify, dp, progress, log, config,
-                                                      verbose, ep, lambda: CopyCheck)
+                                                      verbose, ep, lambda: CopyCheck, divisible_by)
         if copied is not None:  # bytes only: copied file to file
             return copied
     output.check_destination(src, dst, overwrite)
@@ -123,7 +127,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
         raise ToolkitError(f"--ep {ep}: expert-parallel files are written in the toolkit's Megatron layout and "
                            "Megatron-LM's legacy one; a Hugging Face folder holds every expert in one model: drop --ep")
     # a Hugging Face target carries no optimizer state: it never reads (nor can be stopped by) the source's
-    source, check = _open_checking(src, vocab_size, fp32, weights_only or to == "hf", to, tp)
+    source, check = _open_checking(src, vocab_size, fp32, weights_only or to == "hf", to, tp, divisible_by)
     try:
         recorded = source.config["vocab_size"]
         if vocab_size is not None and not isinstance(source, (MegatronLMSource, TorchDistSource)) \
@@ -174,8 +178,8 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     return dst
 
 
-def _open_checking(src: Path, vocab_size, fp32: bool, weights_only: bool, to: str,
-                   tp: int) -> tuple[Source, SourceCheck]:
+def _open_checking(src: Path, vocab_size, fp32: bool, weights_only: bool, to: str, tp: int,
+                   divisible_by: int | None) -> tuple[Source, SourceCheck]:
     """The source, its checksums hashed in the background (SourceCheck); a source that does not open is opened
     again with its checksums checked first, so a damaged file is reported as that. A Megatron source whose padding
     rows the target keeps is opened again to read them (source_base.carried_rows)."""
@@ -183,11 +187,13 @@ def _open_checking(src: Path, vocab_size, fp32: bool, weights_only: bool, to: st
         source = open_source(src, vocab_size, fp32, weights_only, checksums=False)
     except ToolkitError:
         source = open_source(src, vocab_size, fp32, weights_only)
+    source.out_divisible_by = divisible_by
     rows = carried_rows(source, to, tp)
     if rows is not None:
         checksums = source.unchecked is None
         source.close()
         source = open_source(src, vocab_size, fp32, weights_only, checksums=checksums, rows=rows)
+        source.out_divisible_by = divisible_by
     return source, SourceCheck(source.unchecked)
 
 

@@ -56,24 +56,28 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
                     dtype: str | None = None, vocab_size: int | None = None, fp32: bool = False,
                     weights_only: bool = False, overwrite: bool = False, verify: bool = True, dp: int | None = None,
                     progress: bool = True, log=print, config: str | Path | None = None, verbose: bool = False,
-                    ep: int = 1, verifier=None) -> tuple[Path | None, bool]:
+                    ep: int = 1, verifier=None, divisible_by: int | None = None) -> tuple[Path | None, bool]:
     """convert.convert's conversion, made here when it only copies bytes (the module docstring): (DST, True), or
     (None, whether it had begun: its "converting" line and the reason it stopped are printed) when the full path
     must make it (nothing is left behind then). `verifier`: for a verified conversion, a function that imports and
     returns the full path's check (convert.CopyCheck); without one a verified conversion is left to the full path."""
     if (not byte_ranges.ENABLED or (verify and verifier is None) or dtype is not None or fp32 or dp is not None
             or config is not None or to not in ("hf", "megatron", "megatron_lm", "torch_dist")
+            or (divisible_by is not None and to == "hf")
             or (to == "hf" and (tp, pp, vpp, ep) != (1, 1, 1, 1))):
         return None, False
     src, dst = Path(src), Path(dst)
     output.check_destination(src, dst, overwrite)  # the full path's first check: its refusals are the same
     source = _open(src, weights_only or to == "hf", vocab_size)
+    if source is not None:
+        source.out_divisible_by = divisible_by
     rows = carried_rows(source, to, tp) if source is not None else None
     if rows is not None:  # read again with the padding rows the target keeps
         source.close()
         source = _open(src, weights_only or to == "hf", vocab_size, rows)
     if source is None:
         return None, False
+    source.out_divisible_by = divisible_by
     begun, checker = False, None
     try:
         with output.scratch_folder(dst, "partial") as tmp, SourceCheck(source.unchecked) as check:

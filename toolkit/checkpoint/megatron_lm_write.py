@@ -119,13 +119,15 @@ def content_metadata(distributed: bool) -> dict:
     return meta
 
 
-def megatron_lm_flags(ckpt_format: str, optimizer: bool, distributed: bool) -> str:
+def megatron_lm_flags(ckpt_format: str, optimizer: bool, distributed: bool, divisible_by: int = 128) -> str:
     """The flags Megatron-LM 0.16's load_checkpoint needs, beyond --load and the model's arguments, to continue from
     an output of this format ("torch" or "torch_dist") with or without optimizer state (docs/convert.md, "Continuing
     in Megatron-LM or Megatron-Bridge"): its legacy loader reads neither no_save_optim nor no_save_rng, and its
-    optimizer load reads no_save_optim in neither format."""
+    optimizer load reads no_save_optim in neither format. A vocabulary padded by other than Megatron-LM's default
+    128 needs that divisor too (its padded vocabulary is the model's shape)."""
     legacy = ckpt_format == "torch"
     return " ".join(["--ckpt-format", ckpt_format, *(["--transformer-impl", "local"] if legacy else []),
+                     *(["--make-vocab-size-divisible-by", str(divisible_by)] if divisible_by != 128 else []),
                      *(["--use-distributed-optimizer"] if optimizer and distributed else []),
                      *([] if optimizer else ["--no-load-optim"]), *(["--no-load-rng"] if legacy else [])])
 
@@ -166,7 +168,7 @@ class MegatronLMTarget:
     def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype, ep: int = 1,
                  weights_only: bool = False, optimizer_writer=None):
         self.root, self.source, self.layout, self.ep = root, source, (tp, pp, vpp), ep
-        self.dims = source.dims(tp)
+        self.dims = source.out_dims(tp)
         raise_problems(f"the model cannot be laid out at tp={tp} pp={pp} vpp={vpp} ep={ep}",
                        check_dims(self.dims, tp, pp, vpp, ep))
         self.step = int(source.step or 0)
@@ -185,7 +187,7 @@ class MegatronLMTarget:
         self._slots: dict[int, dict] = {}  # stage -> (rank_key, chunk, name) -> its unwritten tensor in the file
         self.total = sum(math.prod(e.rule.shard_shape(e.hf_shapes, tp)) * len(holders(e, ep))
                          for e in entries) * tp * ITEMSIZE[self.dtype_name]
-        self._args = model_args(self.dims, source.config, tp, pp, vpp, source.divisible_by, self.dtype_name, "torch",
+        self._args = model_args(self.dims, source.config, tp, pp, vpp, source.out_divisor, self.dtype_name, "torch",
                                 ep, run_args(source))
         self.optim, self.note = None, None
         if not weights_only and optimizer_writer is not None:
@@ -197,7 +199,7 @@ class MegatronLMTarget:
     def megatron_lm_flags(self) -> str:
         """What Megatron-LM needs to continue from this output (megatron_lm_flags)."""
         return megatron_lm_flags("torch", self.optim is not None,
-                                 bool(getattr(self._args, "use_distributed_optimizer", False)))
+                                 bool(getattr(self._args, "use_distributed_optimizer", False)), self.source.out_divisor)
 
     def writes(self, entry, field: str, hf_tensors: list) -> list | None:
         """(rank file, its tensor, TP shard) for each rank file holding this parameter (every expert-parallel rank

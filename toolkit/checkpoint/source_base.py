@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from toolkit.families.entries import iter_entries
 from toolkit.families.mapping import Dims
 from toolkit.families.registry import dims_from_hf
+from toolkit.layout import keeping_divisor
 from toolkit.format.names import OUTPUT_MARK, chunk_key
 from toolkit.format.safetensors_stream import dtype_name
 
@@ -54,9 +55,23 @@ class Source:
     """The vocabulary rows read, where a conversion between Megatron layouts carries padding rows (carried_rows):
     more than the model's vocabulary (config["vocab_size"], which stays the model's); None reads the vocabulary."""
 
+    out_divisible_by: int | None = None
+    """The make_vocab_size_divisible_by of a Megatron target (convert --make-vocab-size-divisible-by); None: the
+    source's own."""
+
     def dims(self, tp: int = 1) -> Dims:
         return dims_from_hf(self.config if self.rows is None else {**self.config, "vocab_size": self.rows}, tp,
                             self.divisible_by)
+
+    @property
+    def out_divisor(self) -> int:
+        """The make_vocab_size_divisible_by a Megatron target writes with."""
+        return self.out_divisible_by or self.divisible_by
+
+    def out_dims(self, tp: int) -> Dims:
+        """The dims a Megatron target at `tp` writes: padded with out_divisor."""
+        return dims_from_hf(self.config if self.rows is None else {**self.config, "vocab_size": self.rows}, tp,
+                            self.out_divisor)
 
     def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
         raise NotImplementedError
@@ -95,7 +110,7 @@ def carried_rows(source: Source, to: str, tp: int) -> int | None:
     None where there are none: a source without padding, a Hugging Face or DeepSpeed target."""
     if to not in MEGATRON_TARGETS or source.layout is None:
         return None
-    rows = min(source.dims(source.layout[0]).padded_vocab, source.dims(tp).padded_vocab)
+    rows = min(source.dims(source.layout[0]).padded_vocab, source.out_dims(tp).padded_vocab)
     return rows if rows > source.config["vocab_size"] else None
 
 
@@ -104,17 +119,21 @@ def padding_note(source: Source, to: str, tp: int) -> str | None:
     source has none (docs/convert.md, "Vocabulary padding")."""
     if to not in MEGATRON_TARGETS or source.layout is None:
         return None
-    vocab, (old, new) = source.config["vocab_size"], (source.dims(t).padded_vocab for t in (source.layout[0], tp))
+    vocab, old = source.config["vocab_size"], source.dims(source.layout[0]).padded_vocab
+    new = source.out_dims(tp).padded_vocab
     if old == vocab:
         return None
     line = f"vocabulary padding: {old - vocab} padding rows at tp={source.layout[0]}"
+    at = f"tp={tp}" + (f" by {source.out_divisor}" if source.out_divisor != source.divisible_by else "")
     if new == old:
-        return f"{line}, all carried (the vocabulary pads to {old} rows at tp={tp} too)"
+        return f"{line}, all carried (the vocabulary pads to {old} rows at {at} too)"
+    keep = keeping_divisor(vocab, old, tp)
+    hint = f" (--make-vocab-size-divisible-by {keep} keeps {old})" if keep else ""
     if new > old:
-        return (f"{line}, carried, and {new - old} zero rows added: {vocab} pads to {new} rows at tp={tp}, not "
-                f"{old}; a run resumed from it trains a softmax over {new} rows")
-    return (f"{line}: {old - new} dropped, {new - vocab} carried ({vocab} pads to {new} rows at tp={tp}); a run "
-            f"resumed from it trains a softmax over {new} rows, not {old}")
+        return (f"{line}, carried, and {new - old} zero rows added: {vocab} pads to {new} rows at {at}, not "
+                f"{old}; a run resumed from it trains a softmax over {new} rows{hint}")
+    return (f"{line}: {old - new} dropped, {new - vocab} carried ({vocab} pads to {new} rows at {at}); a run "
+            f"resumed from it trains a softmax over {new} rows, not {old}{hint}")
 
 
 class _ShardedSource(Source):

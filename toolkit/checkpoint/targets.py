@@ -96,7 +96,7 @@ class MegatronTarget:
         self.rank_state = rank_state
 
         self.root, self.source, self.layout, self.ep = root, source, (tp, pp, vpp), ep
-        self.dims = source.dims(tp)
+        self.dims = source.out_dims(tp)
         self.fields = (WEIGHT,) if weights_only else source.fields
         self.step = int(source.step or 0)
         self.tag_dir = root / tag_for(self.step)
@@ -153,7 +153,7 @@ class MegatronTarget:
                   **({"ep": self.ep} if self.ep > 1 else {})}
         meta = {"schema_version": SCHEMA_VERSION, "step": self.step, "tag": self.tag_dir.name, "backend": "megatron",
                 "layout": layout, "hf_config": self.source.config,
-                "make_vocab_size_divisible_by": self.source.divisible_by,
+                "make_vocab_size_divisible_by": self.source.out_divisor,
                 "converted_from": self.source.describe(), "weights_only": not resumable}
         if src_meta.get("micro_batch") is not None:  # with dp, what moves the data position to another dp on resume
             meta["micro_batch"] = src_meta["micro_batch"]
@@ -161,6 +161,8 @@ class MegatronTarget:
             recipe = json.loads(json.dumps(src_meta["recipe"]))
             par = recipe.setdefault("parallel", {})
             par.update(tp=tp, pp=pp, vpp=vpp, world_size=layout["world_size"], dp=dp, ep=self.ep, zero_stage=0)
+            if self.source.out_divisor != self.source.divisible_by:  # --make-vocab-size-divisible-by: resumed so
+                par.setdefault("megatron", {})["make_vocab_size_divisible_by"] = self.source.out_divisor
             meta["recipe"] = recipe
         if resumable:
             # The data position is per data-parallel rank and dp is unchanged; RNG streams cannot map onto a new set

@@ -223,7 +223,7 @@ class TorchDistTarget:
     def __init__(self, root: Path, source, tp: int, pp: int, vpp: int, dtype, weights_only: bool = False,
                  ep: int = 1, optimizer_plan=None):
         self.root, self.source, self.layout, self.ep = root, source, (tp, pp, vpp), ep
-        self.dims = source.dims(tp)  # padded vocabulary of the target tp
+        self.dims = source.out_dims(tp)  # padded vocabulary of the target tp
         raise_problems(f"the model cannot be laid out at tp={tp} pp={pp} vpp={vpp} ep={ep}",
                        check_dims(self.dims, tp, pp, vpp, ep))
         self.step = int(source.step or 0)
@@ -360,9 +360,10 @@ class TorchDistTarget:
 
     def megatron_lm_flags(self) -> str:
         """What Megatron-LM needs to continue from this output (megatron_lm_write.megatron_lm_flags)."""
-        return megatron_lm_flags("torch_dist", bool(self._optim), bool(self._optim) and self._distributed)
+        return megatron_lm_flags("torch_dist", bool(self._optim), bool(self._optim) and self._distributed,
+                                 self.source.out_divisor)
 
     def _args(self) -> argparse.Namespace:
         """Megatron-LM's model arguments for this model at the target layout (what --use-checkpoint-args reads)."""
-        return model_args(self.dims, self.source.config, *self.layout, self.source.divisible_by, self.dtype_name,
+        return model_args(self.dims, self.source.config, *self.layout, self.source.out_divisor, self.dtype_name,
                           "torch_dist", self.ep, run_args(self.source))

@@ -44,7 +44,7 @@ from toolkit.format.names import (
     refuse_foreign,
     tag_for,
 )
-from toolkit.layout import padded_vocab_size
+from toolkit.layout import keeping_divisor, padded_vocab_size
 from toolkit.model import to_hf_config
 from toolkit.recipe.schema import Recipe
 from toolkit.train import faults
@@ -389,14 +389,6 @@ def check_vocab_padding(tag_dir: Path, meta: dict, recipe: Recipe, tp: int) -> N
     raise ToolkitError(f"checkpoint {tag_dir} pads the vocabulary ({vocab}) to {was} rows ({was_by} x tp={was_tp}); "
                        f"this run pads it to {now} ({now_by} x tp={tp}), and Megatron trains the padding rows, so "
                        f"this run would resume another model: {fix}, or start fresh with checkpoint.resume: never")
-
-
-def keeping_divisor(vocab: int, padded: int, tp: int) -> int | None:
-    """The make_vocab_size_divisible_by that pads `vocab` to `padded` rows at `tp` (the largest power of two that
-    does, else the largest number); None where none does."""
-    fits = [d for d in range(1, padded // tp + 1) if padded % (d * tp) == 0 and padded - vocab < d * tp]
-    powers = [d for d in fits if d & (d - 1) == 0]
-    return max(powers or fits) if fits else None
 
 
 ARCHITECTURE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
