@@ -178,11 +178,11 @@ def test_padding_rows_move_between_megatron_layouts(megatron_lm_ckpt, tmp_path, 
     back = convert(td, tmp_path / "back", "megatron_lm", tp=TP, pp=PP, vocab_size=VOCAB, **run)
     tp8 = convert(tp4, tmp_path / "tp8", "megatron", tp=8, pp=1, **run)  # 1024 rows at TP8: 512 more
     notes = [line for line in lines if line.startswith("vocabulary padding")]
-    assert notes[0] == ("vocabulary padding: 12 padding rows at tp=2, all carried (the vocabulary pads to 512 rows at "
-                        "tp=1 too)")
-    assert notes[-1] == ("vocabulary padding: 12 padding rows at tp=4, carried, and 512 zero rows added: 500 pads to "
-                         "1024 rows at tp=8, not 512; a run resumed from it trains a softmax over 1024 rows "
-                         "(--make-vocab-size-divisible-by 64 keeps 512)")
+    assert notes[0] == ("vocabulary padding: 12 padding rows at tp=2 (by 128), all carried: the vocabulary pads to 512 "
+                        "rows at tp=1 (by 128) too")
+    assert notes[-1] == ("vocabulary padding: 12 padding rows at tp=4 (by 128), carried, and 512 zero rows added: 500 "
+                         "pads to 1024 rows at tp=8 (by 128), not 512; a run resumed from it trains a softmax over 1024 "
+                         "rows (--make-vocab-size-divisible-by 64 keeps 512)")
     for n in names:
         for out in (tp1, tp4, back):
             assert torch.equal(stored_rows(out, n), want[n]), (out.name, n)
@@ -212,14 +212,25 @@ def test_a_divisor_keeps_the_padded_size_at_a_new_tp(megatron_lm_ckpt, tmp_path)
                   progress=False, log=lines.append)
     args = torch.load(next(out.glob("iter_*/mp_rank_00/model_optim_rng.pt")), weights_only=False)["args"]
     assert (args.make_vocab_size_divisible_by, args.padded_vocab_size, args.tensor_model_parallel_size) == (64, 512, 8)
-    assert "vocabulary padding: 12 padding rows at tp=2, all carried (the vocabulary pads to 512 rows at tp=8 by 64 " \
-           "too)" in lines
+    assert "vocabulary padding: 12 padding rows at tp=2 (by 128), all carried: the vocabulary pads to 512 rows at " \
+           "tp=8 (by 64) too" in lines
     assert any("--make-vocab-size-divisible-by 64" in line for line in lines if line.startswith("to continue in"))
     for name in ("word_embeddings.weight", "output_layer.weight"):
         assert torch.equal(stored_rows(out, name), stored_rows(megatron_lm_ckpt, name))
     toolkit = convert(out, tmp_path / "toolkit", "megatron", tp=8, vocab_size=VOCAB, progress=False, log=print)
     meta = json.loads(next(toolkit.glob("step_*/toolkit_meta.json")).read_text())
     assert meta["make_vocab_size_divisible_by"] == 64  # the source's, kept: 512 rows at TP8 again
+    lines.clear()  # a source without padding rows (500 at TP1 by 4) still says what a Megatron target adds
+    unpadded = convert(out, tmp_path / "unpadded", "megatron_lm", tp=1, vocab_size=VOCAB, divisible_by=4,
+                       progress=False, log=lines.append)
+    convert(unpadded, tmp_path / "tp2", "megatron", tp=2, vocab_size=VOCAB, progress=False, log=lines.append)
+    assert ("vocabulary padding: none at tp=1 (by 4); 4 zero rows added: 500 pads to 504 rows at tp=2 (by 4); a run "
+            "resumed from it trains a softmax over 504 rows, not 500 (--make-vocab-size-divisible-by 2 keeps 500)") \
+        in lines
+    lines.clear()
+    hf = convert(out, tmp_path / "hf_src", "hf", vocab_size=VOCAB, progress=False, log=lines.append)
+    convert(hf, tmp_path / "from_hf", "torch_dist", tp=2, progress=False, log=lines.append)
+    assert "vocabulary padding: 500 pads to 512 rows at tp=2 (by 128): 12 zero rows" in lines
     with pytest.raises(ToolkitError, match="--to hf has no padding: drop it"):
         convert(out, tmp_path / "hf", "hf", vocab_size=VOCAB, divisible_by=64, progress=False, log=print)
     assert not (tmp_path / "hf").exists()

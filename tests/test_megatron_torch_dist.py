@@ -121,18 +121,20 @@ def test_a_resume_at_another_vocabulary_padding_names_the_divisor_that_keeps_it(
                                             f"parallel.megatron.make_vocab_size_divisible_by={by}"])
 
     saved = {"recipe": recipe(128).model_dump(mode="json"), "layout": {"tp": 4}}
-    check_vocab_padding(tmp_path, saved, recipe(128), 4)  # the same padding
-    check_vocab_padding(tmp_path, saved, recipe(64), 8)  # the divisor named below: 32256 rows at TP8 too
+    check_vocab_padding(tmp_path, saved, recipe(128), {"tp": 4})  # the same padding
+    check_vocab_padding(tmp_path, saved, recipe(64), {"tp": 8})  # the divisor named below: 32256 rows at TP8 too
     with pytest.raises(ToolkitError, match=r"pads the vocabulary \(32000\) to 32256 rows \(128 x tp=4\); this run "
                        r"pads it to 32768 \(128 x tp=8\).*set parallel.megatron.make_vocab_size_divisible_by: 64 "
                        r"\(which pads it to 32256 rows at tp=8\)"):
-        check_vocab_padding(tmp_path, saved, recipe(128), 8)
+        check_vocab_padding(tmp_path, saved, recipe(128), {"tp": 8})
     with pytest.raises(ToolkitError, match=r"this run pads it to 32000 \(64 x tp=4\)"):
-        check_vocab_padding(tmp_path, saved, recipe(64), 4)
+        check_vocab_padding(tmp_path, saved, recipe(64), {"tp": 4})
     assert keeping_divisor(32000, 32256, 8) == 64 and keeping_divisor(600, 640, 4) == 32
     assert keeping_divisor(500, 512, 3) is None  # 512 rows are not a multiple of 3
-    with pytest.raises(ToolkitError, match="resume at tp=4 with make_vocab_size_divisible_by: 128"):
-        check_vocab_padding(tmp_path, saved, recipe(128), 5)  # 32000 rows at TP5; no divisor gives 32256
+    with pytest.raises(ToolkitError, match="resume at parallel.tp: 4 with parallel.megatron.make_vocab_size_divisible_by: "
+                       "128; or take the new padding knowingly with `toolkit convert .* NEW_DIR --to megatron --tp 5 "
+                       "--pp 1 --vpp 1 --make-vocab-size-divisible-by 128`"):
+        check_vocab_padding(tmp_path, saved, recipe(128), {"tp": 5})  # 32000 rows at TP5; no divisor gives 32256
 
 
 def test_torch_dist_with_deepspeed_is_refused_in_one_line():

@@ -27,7 +27,7 @@ def vocab_needed(where: Path, args) -> str:
     unit = getattr(args, "make_vocab_size_divisible_by", 128) * getattr(args, "tensor_model_parallel_size", 1)
     return (f"{where} stores {args.padded_vocab_size} vocabulary rows, padded by Megatron to a multiple of {unit}; "
             "pass the true vocabulary size with --vocab-size (the tokenizer's, e.g. 32000 for Llama 2; "
-            f"{args.padded_vocab_size} if nothing was padded) so the padding rows are dropped")
+            f"{args.padded_vocab_size} if nothing was padded), so that the padding rows are told apart from it")
 
 
 def rank_state(path: Path) -> dict:

@@ -115,23 +115,30 @@ def carried_rows(source: Source, to: str, tp: int) -> int | None:
 
 
 def padding_note(source: Source, to: str, tp: int) -> str | None:
-    """What a conversion between Megatron layouts does with the source's padding rows, in one line; None where the
-    source has none (docs/convert.md, "Vocabulary padding")."""
-    if to not in MEGATRON_TARGETS or source.layout is None:
+    """What a conversion to a Megatron target does with the vocabulary's padding, in one line; None where nothing is
+    padded (docs/convert.md, "Vocabulary padding")."""
+    if to not in MEGATRON_TARGETS:
         return None
-    vocab, old = source.config["vocab_size"], source.dims(source.layout[0]).padded_vocab
-    new = source.out_dims(tp).padded_vocab
-    if old == vocab:
+    vocab, new = source.config["vocab_size"], source.out_dims(tp).padded_vocab
+    at = f"tp={tp} (by {source.out_divisor})"
+    if source.layout is None:  # a Hugging Face or DeepSpeed source: the model's vocabulary, no padding rows
+        return f"vocabulary padding: {vocab} pads to {new} rows at {at}: {new - vocab} zero rows" if new > vocab \
+            else None
+    old = source.dims(source.layout[0]).padded_vocab
+    if new == old == vocab:
         return None
-    line = f"vocabulary padding: {old - vocab} padding rows at tp={source.layout[0]}"
-    at = f"tp={tp}" + (f" by {source.out_divisor}" if source.out_divisor != source.divisible_by else "")
-    if new == old:
-        return f"{line}, all carried (the vocabulary pads to {old} rows at {at} too)"
+    line = f"vocabulary padding: {old - vocab} padding rows at tp={source.layout[0]} (by {source.divisible_by})"
     keep = keeping_divisor(vocab, old, tp)
     hint = f" (--make-vocab-size-divisible-by {keep} keeps {old})" if keep else ""
+    if old == vocab:  # none to carry; the target adds some
+        return (f"vocabulary padding: none at tp={source.layout[0]} (by {source.divisible_by}); {new - vocab} zero "
+                f"rows added: {vocab} pads to {new} rows at {at}; a run resumed from it trains a softmax over {new} "
+                f"rows, not {old}{hint}")
+    if new == old:
+        return f"{line}, all carried: the vocabulary pads to {old} rows at {at} too"
     if new > old:
-        return (f"{line}, carried, and {new - old} zero rows added: {vocab} pads to {new} rows at {at}, not "
-                f"{old}; a run resumed from it trains a softmax over {new} rows{hint}")
+        return (f"{line}, carried, and {new - old} zero rows added: {vocab} pads to {new} rows at {at}, not {old}; a "
+                f"run resumed from it trains a softmax over {new} rows{hint}")
     return (f"{line}: {old - new} dropped, {new - vocab} carried ({vocab} pads to {new} rows at {at}); a run "
             f"resumed from it trains a softmax over {new} rows, not {old}{hint}")
 

@@ -310,7 +310,7 @@ def load(backend, tag_dir: Path, layout_meta: dict, micro_batch: int | None = No
                            "checkpoint.resume: never to start fresh")
     check_model(tag_dir, meta, _running_model(backend))
     if "tp" in layout_meta and hasattr(backend, "recipe"):  # the Megatron backend
-        check_vocab_padding(tag_dir, meta, backend.recipe, layout_meta["tp"])
+        check_vocab_padding(tag_dir, meta, backend.recipe, layout_meta)
     if meta.get("weights_only"):  # written by `toolkit convert` from a source with no training state
         raise ToolkitError(f"checkpoint {tag_dir} holds weights only: it was converted from a "
                            f"{meta.get('converted_from', 'foreign')} checkpoint, which carries no data position and "
@@ -369,7 +369,7 @@ def moved_data_position(data: dict, old_micro, old_dp, new_micro, new_dp: int, w
     return {**data, "consumed_micro_batches": sequences // (new_micro * new_dp)}
 
 
-def check_vocab_padding(tag_dir: Path, meta: dict, recipe: Recipe, tp: int) -> None:
+def check_vocab_padding(tag_dir: Path, meta: dict, recipe: Recipe, layout_meta: dict) -> None:
     """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x tp and trains the padding rows
     (their logits are in the loss's softmax). Megatron-Core's torch_dist load does not refuse another padding (the
     embedding and output layer allow a shape mismatch), and the run would go on as another model; refuse it, with
@@ -379,16 +379,20 @@ def check_vocab_padding(tag_dir: Path, meta: dict, recipe: Recipe, tp: int) -> N
     saved = Recipe.model_validate(meta["recipe"])
     vocab, was_by, was_tp = (saved.model.vocab_size, saved.parallel.megatron.make_vocab_size_divisible_by,
                              meta["layout"]["tp"])
-    now_by = recipe.parallel.megatron.make_vocab_size_divisible_by
+    now_by, tp = recipe.parallel.megatron.make_vocab_size_divisible_by, layout_meta["tp"]
     was, now = padded_vocab_size(vocab, was_tp, was_by), padded_vocab_size(recipe.model.vocab_size, tp, now_by)
     if was == now:
         return
     keep = keeping_divisor(vocab, was, tp)
-    fix = (f"set parallel.megatron.make_vocab_size_divisible_by: {keep} (which pads it to {was} rows at tp={tp})"
-           if keep else f"resume at tp={was_tp} with make_vocab_size_divisible_by: {was_by}")
+    knob = "parallel.megatron.make_vocab_size_divisible_by"
+    fix = (f"set {knob}: {keep} (which pads it to {was} rows at tp={tp})" if keep
+           else f"resume at parallel.tp: {was_tp} with {knob}: {was_by}")
+    move = (f"toolkit convert {tag_dir} NEW_DIR --to megatron --tp {tp} --pp {layout_meta.get('pp', 1)} --vpp "
+            f"{layout_meta.get('vpp', 1)} --make-vocab-size-divisible-by {now_by}")
     raise ToolkitError(f"checkpoint {tag_dir} pads the vocabulary ({vocab}) to {was} rows ({was_by} x tp={was_tp}); "
                        f"this run pads it to {now} ({now_by} x tp={tp}), and Megatron trains the padding rows, so "
-                       f"this run would resume another model: {fix}, or start fresh with checkpoint.resume: never")
+                       f"this run would resume another model: {fix}; or take the new padding knowingly with `{move}` "
+                       "and resume from NEW_DIR (checkpoint.resume); or start fresh with checkpoint.resume: never")
 
 
 ARCHITECTURE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
