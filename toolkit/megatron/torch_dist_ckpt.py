@@ -15,6 +15,7 @@ run's layout: Megatron-Core reshards on load, so TP, PP, VPP and DP may differ f
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -60,6 +61,16 @@ def _args(backend):
     return args
 
 
+class _OwnFolder(logging.Filter):
+    """Megatron-Core's save warns "Overwriting old incomplete / corrupted checkpoint..." whenever the folder it saves
+    into is not empty. The toolkit's step folder always is: the toolkit made it for this save and wrote its own
+    started marker into it first (a folder it did not write is refused before any save), so that warning, on every
+    torch_dist save, would be about the toolkit's own files. It is dropped; any other message passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Overwriting old incomplete / corrupted checkpoint")
+
+
 def save(backend, tag_dir: Path, step: int) -> None:
     """Collective over every rank: Megatron-Core's dist_checkpointing.save into the (existing) step folder."""
     from megatron.core import dist_checkpointing  # lazy: Megatron runs only
@@ -69,7 +80,12 @@ def save(backend, tag_dir: Path, step: int) -> None:
         args.consumed_train_samples = step * backend.recipe.training.global_batch_size
     state = {"args": args, "checkpoint_version": 3.0, "iteration": step,
              "num_floating_point_operations_so_far": 0, **sharded_state(backend, is_loading=False)}
-    dist_checkpointing.save(state, str(tag_dir), async_sharded_save=False, content_metadata=_metadata(backend))
+    warnings, own = logging.getLogger("megatron.core.dist_checkpointing.serialization"), _OwnFolder()
+    warnings.addFilter(own)
+    try:
+        dist_checkpointing.save(state, str(tag_dir), async_sharded_save=False, content_metadata=_metadata(backend))
+    finally:
+        warnings.removeFilter(own)
 
 
 def written_files(rank: int, tag_dir: Path) -> list[str]:
