@@ -126,7 +126,7 @@ def test_inspect_megatron_lm(megatron_lm_ckpt):
     report = inspect(megatron_lm_ckpt)
     assert report["format"] == "megatron-lm" and report["complete"] and report["step"] == 7
     assert report["layout"] == {"tp": TP, "pp": PP, "vpp": 1}
-    assert report["architecture"]["num_key_value_heads"] == 2 and report["architecture"]["vocab_size"] == "512 (padded)"
+    assert report["architecture"]["num_key_value_heads"] == 2 and report["architecture"]["vocab_size"] == "512 (padded, by 128 x tp=2)"
 
 
 def test_megatron_lm_to_megatron_relayout_is_exact(megatron_lm_ckpt, hf_model, tmp_path):
@@ -178,6 +178,10 @@ def test_padding_rows_move_between_megatron_layouts(megatron_lm_ckpt, tmp_path, 
     back = convert(td, tmp_path / "back", "megatron_lm", tp=TP, pp=PP, vocab_size=VOCAB, **run)
     tp8 = convert(tp4, tmp_path / "tp8", "megatron", tp=8, pp=1, **run)  # 1024 rows at TP8: 512 more
     notes = [line for line in lines if line.startswith("vocabulary padding")]
+    from toolkit.checkpoint.inspect import inspect
+
+    assert inspect(tp4)["vocab_padding"] == "512 rows at tp=4 (by 128): 12 padding rows"
+    assert inspect(tp1)["architecture"]["vocab_size"] == "512 (padded, by 128 x tp=1)"  # Megatron-LM: no true size
     assert notes[0] == ("vocabulary padding: 12 padding rows at tp=2 (by 128), all carried: the vocabulary pads to 512 "
                         "rows at tp=1 (by 128) too")
     assert notes[-1] == ("vocabulary padding: 12 padding rows at tp=4 (by 128), carried, and 512 zero rows added: 500 "

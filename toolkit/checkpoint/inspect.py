@@ -21,6 +21,7 @@ from toolkit.format import manifest, paths
 from toolkit.format import safetensors_stream as st
 from toolkit.format.names import POINTER, STARTED, TAG_GLOB
 from toolkit.format.safe_load import check_file, load
+from toolkit.layout import padded_vocab_size
 from toolkit.metrics import count_params
 from toolkit.recipe.schema import Recipe
 
@@ -121,6 +122,8 @@ def inspect_toolkit(tag_dir: Path) -> dict:
         model = Recipe.model_validate(meta["recipe"]).model
         report["architecture"] = model.model_dump(exclude={"preset", "hf_path", "pretrained"})
         report["parameters"] = count_params(model)["total"]
+    if meta.get("backend") == "megatron":
+        report["vocab_padding"] = _vocab_padding(meta)
     if meta.get("backend") == "megatron" and meta.get("checkpoint_format") == "torch_dist":
         report["format"] = "megatron torch_dist"  # checkpoint.format: torch_dist, read as Megatron-LM's iter_* folders
         if not problems:
@@ -175,7 +178,7 @@ def inspect_megatron_lm(path: Path) -> dict:
     return {"path": str(path), "format": "megatron-lm", "complete": not problems, "problems": problems,
             "optimizer_state": optimizer,
             "step": state.get("iteration"), "layout": {"tp": tp, "pp": pp, "vpp": vpp, **({"ep": ep} if ep > 1 else {})},
-            "architecture": {**_hf_architecture(config), "vocab_size": f"{args.padded_vocab_size} (padded)"},
+            "architecture": {**_hf_architecture(config), "vocab_size": _padded(args)},
             "parameters": _parameters(dims),
             "dtypes": None, "bytes": _bytes(it_dir), "padded_vocab": args.padded_vocab_size}
 
@@ -202,8 +205,32 @@ def _inspect_torch_dist(path: Path, it_dir: Path) -> dict:
                        "vpp": getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,
                        **({"ep": megatron_lm.expert_parallel_size(args)} if megatron_lm.expert_parallel_size(args) > 1
                           else {})},
-            "architecture": {**_hf_architecture(config), "vocab_size": f"{args.padded_vocab_size} (padded)"},
+            "architecture": {**_hf_architecture(config), "vocab_size": _padded(args)},
             "parameters": parameters, "dtypes": dtypes, "bytes": _bytes(it_dir), "padded_vocab": args.padded_vocab_size}
+
+
+def _padded(args) -> str:
+    """A Megatron-LM checkpoint's vocabulary: its padded rows, and how they were padded (its args do not hold the
+    tokenizer's size)."""
+    by, tp = getattr(args, "make_vocab_size_divisible_by", 128), getattr(args, "tensor_model_parallel_size", 1)
+    return f"{args.padded_vocab_size} (padded, by {by} x tp={tp})"
+
+
+def _vocab_padding(meta: dict) -> str | None:
+    """A toolkit Megatron checkpoint's padded vocabulary rows (docs/convert.md, "Vocabulary padding")."""
+    tp = (meta.get("layout") or {}).get("tp")
+    if meta.get("hf_config"):
+        vocab, by = meta["hf_config"].get("vocab_size"), meta.get("make_vocab_size_divisible_by", 128)
+    elif meta.get("recipe"):
+        recipe = Recipe.model_validate(meta["recipe"])
+        vocab, by = recipe.model.vocab_size, recipe.parallel.megatron.make_vocab_size_divisible_by
+    else:
+        return None
+    if not tp or not vocab:
+        return None
+    padded = padded_vocab_size(vocab, tp, by)
+    return f"{padded} rows at tp={tp} (by {by}): " + (f"{padded - vocab} padding rows" if padded > vocab
+                                                       else "none padded")
 
 
 def _parameters(dims) -> int:
@@ -252,7 +279,7 @@ def render(report: dict) -> str:
     lines += [f"  problem: {p}" for p in report["problems"]]
     if report["step"] is not None:
         lines.append(f"  step: {report['step']}")
-    for key in ("tag", "written_by", "optimizer_state"):  # plain DeepSpeed (deepspeed_plain.py) and Megatron-LM
+    for key in ("tag", "written_by", "optimizer_state", "vocab_padding"):  # plain DeepSpeed, Megatron-LM, Megatron
         if report.get(key):
             lines.append(f"  {key.replace('_', ' ')}: {report[key]}")
     if report["layout"]:
