@@ -154,8 +154,8 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
                 log(f"converting {source.describe()} at {src} -> {to}"
                     + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
                     + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write)")
-                if padding_note(source, to, tp):
-                    log(padding_note(source, to, tp))
+                if note := padding_note(source, to, tp):
+                    log(note)
             # the copy path that began this printed the source's note (copy_only.convert_by_copy): not twice
             if to != "hf" and not (announced and getattr(source, "optimizer_note", None)) and (
                     getattr(source, "optimizer_note", None) or getattr(target, "note", None)):

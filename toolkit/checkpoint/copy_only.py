@@ -91,8 +91,8 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
                 + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
                 + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write; file to file, "
                 + ("verified after" if verify else "torch-free") + ")")
-            if padding_note(source, to, tp):
-                log(padding_note(source, to, tp))
+            if note := padding_note(source, to, tp):
+                log(note)
             if to != "hf" and getattr(source, "optimizer_note", None):
                 log(f"optimizer state: {optimizer_note(source.optimizer_note, src)}")
             begun = True
