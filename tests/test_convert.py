@@ -126,7 +126,8 @@ def test_inspect_megatron_lm(megatron_lm_ckpt):
     report = inspect(megatron_lm_ckpt)
     assert report["format"] == "megatron-lm" and report["complete"] and report["step"] == 7
     assert report["layout"] == {"tp": TP, "pp": PP, "vpp": 1}
-    assert report["architecture"]["num_key_value_heads"] == 2 and report["architecture"]["vocab_size"] == "512 (padded, by 128 x tp=2)"
+    arch = report["architecture"]
+    assert arch["num_key_value_heads"] == 2 and arch["vocab_size"] == "512 (padded, by 128 x tp=2)"
 
 
 def test_megatron_lm_to_megatron_relayout_is_exact(megatron_lm_ckpt, hf_model, tmp_path):
@@ -184,9 +185,9 @@ def test_padding_rows_move_between_megatron_layouts(megatron_lm_ckpt, tmp_path, 
     assert inspect(tp1)["architecture"]["vocab_size"] == "512 (padded, by 128 x tp=1)"  # Megatron-LM: no true size
     assert notes[0] == ("vocabulary padding: 12 padding rows at tp=2 (by 128), all carried: the vocabulary pads to 512 "
                         "rows at tp=1 (by 128) too")
-    assert notes[-1] == ("vocabulary padding: 12 padding rows at tp=4 (by 128), carried, and 512 zero rows added: 500 "
-                         "pads to 1024 rows at tp=8 (by 128), not 512; a run resumed from it trains a softmax over 1024 "
-                         "rows (--make-vocab-size-divisible-by 64 keeps 512)")
+    assert notes[-1] == ("vocabulary padding: 12 padding rows at tp=4 (by 128), carried, and 512 zero rows added: "
+                         "500 pads to 1024 rows at tp=8 (by 128), not 512; a run resumed from it trains a softmax "
+                         "over 1024 rows (--make-vocab-size-divisible-by 64 keeps 512)")
     for n in names:
         for out in (tp1, tp4, back):
             assert torch.equal(stored_rows(out, n), want[n]), (out.name, n)

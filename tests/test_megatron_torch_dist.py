@@ -133,9 +133,9 @@ def test_a_resume_at_another_vocabulary_padding_names_the_divisor_that_keeps_it(
         check_vocab_padding(tmp_path, saved, recipe(64), {"tp": 4})
     assert keeping_divisor(32000, 32256, 8) == 64 and keeping_divisor(600, 640, 4) == 32
     assert keeping_divisor(500, 512, 3) is None  # 512 rows are not a multiple of 3
-    with pytest.raises(ToolkitError, match="resume at parallel.tp: 4 with parallel.megatron.make_vocab_size_divisible_by: "
-                       "128; or take the new padding knowingly with `toolkit convert .* NEW_DIR --to megatron --tp 5 "
-                       "--pp 1 --vpp 1 --make-vocab-size-divisible-by 128`"):
+    with pytest.raises(ToolkitError, match="resume at parallel.tp: 4 with parallel.megatron."
+                       "make_vocab_size_divisible_by: 128; or take the new padding knowingly with `toolkit convert .* "
+                       "NEW_DIR --to megatron --tp 5 --pp 1 --vpp 1 --make-vocab-size-divisible-by 128`"):
         check_vocab_padding(tmp_path, saved, recipe(128), {"tp": 5})  # 32000 rows at TP5; no divisor gives 32256
 
 
