@@ -39,7 +39,7 @@ from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.megatron_sources import MegatronLMSource, TorchDistSource
 from toolkit.checkpoint.plain_to_hf import convert_plain_to_hf
 from toolkit.checkpoint.safetensors_sources import require_one_dtype
-from toolkit.checkpoint.source_base import MEGATRON_TARGETS, carried_rows, optimizer_note, padding_note
+from toolkit.checkpoint.source_base import MEGATRON_TARGETS, optimizer_note, padding_note, read_for
 from toolkit.checkpoint.sources import (WEIGHT, DeepSpeedHFSource, Source, follow_pointer, not_a_checkpoint,
                                        open_source)
 from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, report, writers
@@ -182,18 +182,14 @@ def _open_checking(src: Path, vocab_size, fp32: bool, weights_only: bool, to: st
                    divisible_by: int | None) -> tuple[Source, SourceCheck]:
     """The source, its checksums hashed in the background (SourceCheck); a source that does not open is opened
     again with its checksums checked first, so a damaged file is reported as that. A Megatron source whose padding
-    rows the target keeps is opened again to read them (source_base.carried_rows)."""
+    rows the target keeps is opened again to read them (source_base.read_for)."""
     try:
         source = open_source(src, vocab_size, fp32, weights_only, checksums=False)
     except ToolkitError:
         source = open_source(src, vocab_size, fp32, weights_only)
-    source.out_divisible_by = divisible_by
-    rows = carried_rows(source, to, tp)
-    if rows is not None:
-        checksums = source.unchecked is None
-        source.close()
-        source = open_source(src, vocab_size, fp32, weights_only, checksums=checksums, rows=rows)
-        source.out_divisible_by = divisible_by
+    checksums = source.unchecked is None
+    source = read_for(source, to, tp, divisible_by, lambda rows: open_source(src, vocab_size, fp32, weights_only,
+                                                                               checksums=checksums, rows=rows))
     return source, SourceCheck(source.unchecked)
 
 

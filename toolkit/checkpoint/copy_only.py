@@ -37,7 +37,7 @@ from toolkit.checkpoint import byte_ranges, output
 from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.pickled_copy import open_megatron
 from toolkit.checkpoint.safetensors_sources import HFSource, ToolkitWeights, follow_pointer, stored_config
-from toolkit.checkpoint.source_base import WEIGHT, Source, carried_rows, optimizer_note, padding_note
+from toolkit.checkpoint.source_base import WEIGHT, Source, optimizer_note, padding_note, read_for
 from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, report, writers
 from toolkit.checkpoint.targets import HFTarget, MegatronTarget
 from toolkit.checkpoint.torch_dist_write import TorchDistTarget
@@ -70,14 +70,10 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
     output.check_destination(src, dst, overwrite)  # the full path's first check: its refusals are the same
     source = _open(src, weights_only or to == "hf", vocab_size)
     if source is not None:
-        source.out_divisible_by = divisible_by
-    rows = carried_rows(source, to, tp) if source is not None else None
-    if rows is not None:  # read again with the padding rows the target keeps
-        source.close()
-        source = _open(src, weights_only or to == "hf", vocab_size, rows)
+        source = read_for(source, to, tp, divisible_by, lambda rows: _open(src, weights_only or to == "hf",
+                                                                           vocab_size, rows))
     if source is None:
         return None, False
-    source.out_divisible_by = divisible_by
     begun, checker = False, None
     try:
         with output.scratch_folder(dst, "partial") as tmp, SourceCheck(source.unchecked) as check:
@@ -96,7 +92,8 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
             if to != "hf" and getattr(source, "optimizer_note", None):
                 log(f"optimizer state: {optimizer_note(source.optimizer_note, src)}")
             begun = True
-            checker = (_Verification(verifier, src, source.config, vocab_size, weights_only or to == "hf", rows)
+            checker = (_Verification(verifier, src, source.config, vocab_size, weights_only or to == "hf",
+                                     source.rows)
                        if verify else None)
             _copy(source, target, pp, vpp, progress, log, verbose, check, verify)
             if checker is not None:

@@ -59,9 +59,10 @@ class Source:
     """The make_vocab_size_divisible_by of a Megatron target (convert --make-vocab-size-divisible-by); None: the
     source's own."""
 
-    def dims(self, tp: int = 1) -> Dims:
+    def dims(self, tp: int = 1, divisible_by: int | None = None) -> Dims:
+        """The shapes read at `tp`, the vocabulary padded by `divisible_by` (default: the source's own) x tp."""
         return dims_from_hf(self.config if self.rows is None else {**self.config, "vocab_size": self.rows}, tp,
-                            self.divisible_by)
+                            divisible_by or self.divisible_by)
 
     @property
     def out_divisor(self) -> int:
@@ -70,8 +71,7 @@ class Source:
 
     def out_dims(self, tp: int) -> Dims:
         """The dims a Megatron target at `tp` writes: padded with out_divisor."""
-        return dims_from_hf(self.config if self.rows is None else {**self.config, "vocab_size": self.rows}, tp,
-                            self.out_divisor)
+        return self.dims(tp, self.out_divisor)
 
     def read(self, hf_names: Sequence[str], field: str = WEIGHT) -> list[torch.Tensor]:
         raise NotImplementedError
@@ -112,6 +112,21 @@ def carried_rows(source: Source, to: str, tp: int) -> int | None:
         return None
     rows = min(source.dims(source.layout[0]).padded_vocab, source.out_dims(tp).padded_vocab)
     return rows if rows > source.config["vocab_size"] else None
+
+
+def read_for(source: Source, to: str, tp: int, divisible_by: int | None, reopen) -> Source | None:
+    """`source` as a conversion --to `to` at `tp` reads it: with its target's divisor (None: the source's), and,
+    where it carries padding rows (carried_rows), opened again by `reopen(rows)` to read them (what a source derives
+    from its dims is made when it opens). The source returned may be None where `reopen` gives none."""
+    source.out_divisible_by = divisible_by
+    rows = carried_rows(source, to, tp)
+    if rows is None:
+        return source
+    source.close()
+    source = reopen(rows)
+    if source is not None:
+        source.out_divisible_by = divisible_by
+    return source
 
 
 def padding_note(source: Source, to: str, tp: int) -> str | None:
