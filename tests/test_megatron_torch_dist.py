@@ -260,3 +260,37 @@ def test_distributed_optimizer_state_in_the_default_format_converts_by_name(tmp_
     with pytest.raises(ToolkitError, match=r"is not a complete checkpoint: optim_tp00_pp000\.pt is missing"):
         convert(src, tmp_path / "broken", "megatron", **quiet)
     assert not (tmp_path / "broken").exists()
+
+
+@pytest.mark.slow
+def test_a_mistral_run_saved_in_torch_dist_converts_as_mistral(tmp_path):
+    """Megatron's args describe Mistral 7B v0.2/v0.3 exactly as Llama (only a tokenizer path would tell), so a toolkit
+    torch_dist step takes its family from its recipe. Before, a Mistral run converted --to hf became a
+    LlamaForCausalLM (the same logits under another model_type), and --to megatron carried that on."""
+    launch("tiny_mistral", ["parallel.backend=megatron", "parallel.world_size=1", "training.steps=1",
+                            "training.schedule.warmup_steps=1", "checkpoint.interval=1", "logging.sample_prompt=null",
+                            *TORCH_DIST], nproc=1, out_dir=tmp_path)
+    tag = tmp_path / "checkpoints" / "step_00000001"
+    quiet = dict(progress=False, log=lambda *_: None)
+    config = json.loads((convert(tag, tmp_path / "hf", "hf", **quiet) / "config.json").read_text())
+    assert (config["model_type"], config["architectures"], config["sliding_window"]) == \
+        ("mistral", ["MistralForCausalLM"], None)
+    meta = json.loads((convert(tag, tmp_path / "tp1", "megatron", **quiet) / "step_00000001" /
+                       "toolkit_meta.json").read_text())
+    assert meta["hf_config"]["model_type"] == "mistral"
+
+
+def test_a_torch_dist_step_whose_meta_and_args_disagree_is_refused():
+    """A toolkit torch_dist step whose recipe describes another model than the args Megatron saved in common.pt (two
+    runs' files in one folder) is one line, not a conversion of either."""
+    from toolkit.checkpoint.sources import recorded_model
+    from toolkit.model import released_config
+    from toolkit.recipe import load_recipe
+
+    recipe = load_recipe("tiny_mistral")
+    meta = {"recipe": recipe.model_dump(mode="json")}
+    args = {**released_config(recipe.model), "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    assert recorded_model(args, meta, Path("step"))["model_type"] == "mistral"
+    with pytest.raises(ToolkitError, match=r"^step: its toolkit_meta\.json describes another model than the Megatron "
+                                           r"args in its common\.pt \(hidden_size"):
+        recorded_model({**args, "hidden_size": 2 * args["hidden_size"]}, meta, Path("step"))

@@ -26,6 +26,7 @@ from toolkit.checkpoint.source_base import WEIGHT, Source  # noqa: F401 (WEIGHT,
 from toolkit.checkpoint.torch_dist_optim import param_groups
 from toolkit.errors import Problem, ToolkitError
 from toolkit.families.entries import raise_problems, rank_key
+from toolkit.families.mapping import model_differences
 from toolkit.families.registry import family_of_config
 from toolkit.format import manifest, paths
 from toolkit.format.names import META, OPTIM_GROUPS, OPTIM_SCHEDULER, POINTER, chunk_key, rank_tag
@@ -120,6 +121,18 @@ def model_config(meta: dict) -> tuple[dict, int]:
     return released_config(recipe.model), recipe.parallel.megatron.make_vocab_size_divisible_by
 
 
+def recorded_model(from_args: dict, meta: dict, src: Path) -> dict:
+    """The Hugging Face config of a toolkit torch_dist step: the model its recipe names (model_config), which must be
+    the one its Megatron args describe. The args alone cannot name every family: Mistral's are Llama's (the same
+    arguments and weights; megatron_lm.family_of_args), so a Mistral run came back as Llama before 2026-12-07."""
+    config = {**model_config(meta)[0], "vocab_size": from_args["vocab_size"]}  # --vocab-size, or the recipe's
+    changed = model_differences(from_args, config)
+    if changed:
+        raise ToolkitError(f"{src}: its {META} describes another model than the Megatron args in its common.pt "
+                           f"({'; '.join(changed)}): the folder mixes two runs' files; re-copy it from one run")
+    return config
+
+
 class DeepSpeedHFSource(Source):
     """A toolkit DeepSpeed step folder (any ZeRO stage): full HF tensors gathered from the ranks' partitions."""
 
@@ -186,6 +199,7 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
         if backend == "megatron" and meta.get("checkpoint_format") == "torch_dist":  # checkpoint.format: torch_dist
             source = TorchDistSource(src, vocab_size or meta["recipe"]["model"]["vocab_size"], weights_only, rows)
             source.meta, source.tag_dir = meta, src  # the run's recipe and per-rank state travel, as from a toolkit one
+            source.config = recorded_model(source.config, meta, src)
             if source.scheduler is None and source.fields != (WEIGHT,) and meta.get("recipe") and meta.get("step"):
                 source.scheduler = scheduler_state(Recipe.model_validate(meta["recipe"]), int(meta["step"]))
         elif backend == "megatron":
