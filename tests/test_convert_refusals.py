@@ -154,6 +154,20 @@ def test_an_option_that_does_not_apply_is_refused_not_ignored(sources, tmp_path,
     assert listing(tmp_path) == before
 
 
+@pytest.mark.parametrize("to,option", [("deepspeed", ["--dtype", "bf16"]), ("deepspeed", ["--weights-only"]),
+                                       ("deepspeed", ["--tp", "2"]), ("universal", ["--config", "x"]),
+                                       ("universal", ["--vocab-size", "500"])])
+def test_an_option_that_a_deepspeed_target_does_not_apply_is_refused(sources, tmp_path, capsys, to, option):
+    """--to deepspeed and --to universal rewrite DeepSpeed's own files as they are: `--dp 1 --dtype bf16` wrote the
+    fp32 state, exit 0. tests/test_deepspeed_plain.py refuses them on DeepSpeed's own files too."""
+    before = listing(tmp_path)
+    code, text = run(["convert", "--quiet", str(sources / "hf"), str(tmp_path / "out"), "--to", to,
+                      *(["--dp", "1"] if to == "deepspeed" else []), *option], capsys)
+    one_line(code, text, "does not apply to it; drop it")
+    assert f": {option[0]}" in text
+    assert listing(tmp_path) == before
+
+
 def test_inspect_of_a_config_that_is_not_json_is_one_line(sources, tmp_path, capsys):
     src = _copy_hf(sources, tmp_path, "src")
     (src / "config.json").write_text("{broken")

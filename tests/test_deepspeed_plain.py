@@ -218,9 +218,10 @@ def test_config_missing_or_of_another_model_is_refused(runs, tmp_path, capsys):
         assert convert(root / ("llama_z3_bf16" if "qwen" in wrong.name else "qwen_z2_fp32"), tmp_path / "b",
                        "--config", wrong, "--no-verify") != 0
         assert "does not describe the model" in capsys.readouterr().err
-    assert cli.main(["convert", str(root / "qwen_z1_bf16"), str(tmp_path / "c"), "--to", "megatron"]) != 0
-    assert "is a plain DeepSpeed checkpoint (engine.save_checkpoint, no toolkit files): it converts --to hf" in (
-        capsys.readouterr().err)
+    for config in ([], ["--config", str(root / "qwen_z1_bf16.config")]):  # with it: "reads its own" until 2026-12-07
+        assert cli.main(["convert", str(root / "qwen_z1_bf16"), str(tmp_path / "c"), "--to", "megatron", *config]) != 0
+        assert "is a plain DeepSpeed checkpoint (engine.save_checkpoint, no toolkit files): it converts --to hf" in (
+            capsys.readouterr().err)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
 
 
@@ -346,11 +347,15 @@ def test_reshard_bad_input_one_line_nothing_written(runs, tmp_path, capsys):
                 moe / "global_step2" / "expp_rank_0_mp_rank_00_optim_states.pt")
     cases = [(planted, "3", "holds a pickled posix.system"), (no_optim, "3", "holds no optimizer state"),
              (moe, "1", "holds expp_rank_0_mp_rank_00_optim_states.pt, which re-partitioning does not know"),
-             (root / "llama_z0_bf16", "3", "is a ZeRO-0 checkpoint"), (root / "uc_qwen_z3_fp32", None, "pass --dp N")]
-    for src, dp, message in cases:
+             (root / "llama_z0_bf16", "3", "is a ZeRO-0 checkpoint"), (root / "uc_qwen_z3_fp32", None, "pass --dp N"),
+             # options of other targets: ignored until 2026-12-07 (--dtype bf16 wrote the fp32 state as it was)
+             (root / "uc_qwen_z3_fp32", "1", "--dtype does not apply to it", "--dtype", "bf16"),
+             (root / "uc_qwen_z3_fp32", "1", "--tp/--pp/--vpp, --weights-only do not apply", "--tp", "2",
+              "--weights-only")]
+    for src, dp, message, *options in cases:
         capsys.readouterr()
         assert cli.main(["convert", str(src), str(tmp_path / "out"), "--to", "deepspeed", "--quiet",
-                         *(["--dp", dp] if dp else [])]) != 0
+                         *(["--dp", dp] if dp else []), *options]) != 0
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err and message in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["moe", "no_optim", "planted"] and not marker.exists()

@@ -294,3 +294,19 @@ def test_a_torch_dist_step_whose_meta_and_args_disagree_is_refused():
     with pytest.raises(ToolkitError, match=r"^step: its toolkit_meta\.json describes another model than the Megatron "
                                            r"args in its common\.pt \(hidden_size"):
         recorded_model({**args, "hidden_size": 2 * args["hidden_size"]}, meta, Path("step"))
+
+
+@pytest.mark.slow
+def test_a_cast_that_would_round_an_fp32_runs_master_weights_is_refused(saved, tmp_path):
+    """An fp32 run's weights are its master weights: --dtype bf16 with its optimizer state would write bf16 weights
+    beside fp32 Adam moments and no master copy, and a resume went on from the rounded weights without a word (its
+    recipe still says fp32). Refused in one line, nothing written; --weights-only writes the bf16 model."""
+    import torch
+
+    with pytest.raises(ToolkitError, match=r"--dtype bf16 would round .* float32 weights, which are its run's master "
+                                           r"weights .* Add --weights-only"):
+        convert(saved / "checkpoints", tmp_path / "bf16", "megatron", dtype="bf16", progress=False, log=lambda *_: None)
+    assert not list(tmp_path.iterdir())
+    out = convert(saved / "checkpoints", tmp_path / "w", "torch_dist", dtype="bf16", weights_only=True, progress=False,
+                  log=lambda *_: None)
+    assert open_source(out, 512).dtype() == torch.bfloat16  # the run's vocabulary (512) pads to itself

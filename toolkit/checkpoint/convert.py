@@ -53,9 +53,42 @@ from toolkit.families.entries import iter_entries
 from toolkit.families.registry import family_of_config
 from toolkit.families.rules import views
 from toolkit.format import manifest, safe_load
-from toolkit.format.names import META, POINTER
+from toolkit.format.names import MASTER, META, POINTER
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _refuse_unused(to: str, tp: int, pp: int, vpp: int, ep: int, dtype: str | None, weights_only: bool,
+                   vocab_size: int | None, fp32: bool, config, divisible_by: int | None) -> None:
+    """--to deepspeed and --to universal rewrite a DeepSpeed checkpoint's files as they are (at another --dp, or as
+    DeepSpeed's universal layout): the options of the other targets change nothing there, and were ignored in silence
+    until 2026-12-07 (`--to deepspeed --dp 1 --dtype bf16` wrote fp32)."""
+    if to not in ("deepspeed", "universal"):
+        return
+    unused = [flag for flag, given in (
+        ("--tp/--pp/--vpp", (tp, pp, vpp) != (1, 1, 1)), ("--ep", ep != 1), ("--dtype", dtype is not None),
+        ("--weights-only", weights_only), ("--vocab-size", vocab_size is not None), ("--fp32", fp32),
+        ("--config", config is not None),
+        ("--make-vocab-size-divisible-by", divisible_by is not None)) if given]
+    if unused:
+        what = "at another data-parallel size (--dp)" if to == "deepspeed" else "in DeepSpeed's universal layout"
+        raise ToolkitError(f"--to {to} rewrites a DeepSpeed checkpoint's own files {what}, their dtypes and state as "
+                           f"they are: {', '.join(unused)} {'do' if len(unused) > 1 else 'does'} not apply to it; drop "
+                           f"{'them' if len(unused) > 1 else 'it'} (--to hf writes another dtype, or the weights alone)")
+
+
+def _check_cast(source: Source, cast: torch.dtype | None, weights_only: bool, src: Path, dtype: str | None) -> None:
+    """A cast that narrows the weights of a source whose optimizer state travels with them and that keeps no fp32
+    master copy (an fp32 run's weights are its master weights) is refused: the resumed run would go on from the
+    rounded weights, as if nothing had changed (its recipe still says fp32). It was written until 2026-12-07."""
+    if cast is None or weights_only or source.fields == (WEIGHT,) or MASTER in source.fields:
+        return
+    was = source.dtype()
+    if cast.itemsize < was.itemsize:
+        raise ToolkitError(f"--dtype {dtype} would round {src}'s {str(was).removeprefix('torch.')} weights, which are "
+                           "its run's master weights (it keeps no other copy), and carry its optimizer state with "
+                           f"them: a run resumed from it would go on from rounded weights. Add --weights-only for a "
+                           f"{dtype} copy of the model, or leave out --dtype to keep the run resumable")
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None, field: str) -> torch.Tensor:
@@ -79,6 +112,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     (toolkit/checkpoint/copy_only.py); `announced`: it already printed the "converting" line (and why it stopped).
     `divisible_by`: a Megatron target's make_vocab_size_divisible_by (default: the source's)."""
     src, dst = Path(src), Path(dst)
+    _refuse_unused(to, tp, pp, vpp, ep, dtype, weights_only, vocab_size, fp32, config, divisible_by)
     if divisible_by is not None and to not in MEGATRON_TARGETS:
         raise ToolkitError(f"--make-vocab-size-divisible-by pads the vocabulary of a Megatron target (--to megatron, "
                            f"torch_dist or megatron_lm); --to {to} has no padding: drop it")
@@ -100,7 +134,8 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
         if dtype is not None and dtype not in DTYPES:
             raise ToolkitError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         return convert_plain_to_hf(src, dst, config, fp32, DTYPES[dtype] if dtype else None, overwrite, verify, log)
-    if config is not None:  # read by the two branches above only: never ignored silently
+    # read by the two branches above only: never ignored silently (a plain checkpoint's own refusal comes below)
+    if config is not None and not is_plain(src):
         if not _known(src):
             raise not_a_checkpoint(src) if src.exists() else ToolkitError(f"{src} does not exist")
         raise ToolkitError(f"--config gives the model of a DeepSpeed checkpoint (plain or universal) converted --to hf; "
@@ -140,8 +175,9 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
                                f"{source.kind} checkpoint: drop --fp32 (--dtype fp32 casts the weights)")
         if not dtype:
             require_one_dtype(source)
+        cast = DTYPES[dtype] if dtype else None
+        _check_cast(source, cast, to == "hf" or weights_only, src, dtype)
         with output.scratch_folder(dst, "partial") as tmp, check:
-            cast = DTYPES[dtype] if dtype else None
             target = (HFTarget(tmp, source, cast) if to == "hf"
                       else TorchDistTarget(tmp, source, tp, pp, vpp, cast, weights_only, ep, optimizer_plan)
                       if to == "torch_dist"
