@@ -124,12 +124,16 @@ def megatron_lm_flags(ckpt_format: str, optimizer: bool, distributed: bool, divi
     an output of this format ("torch" or "torch_dist") with or without optimizer state (docs/convert.md, "Continuing
     in Megatron-LM or Megatron-Bridge"): its legacy loader reads neither no_save_optim nor no_save_rng, and its
     optimizer load reads no_save_optim in neither format. A vocabulary padded by other than Megatron-LM's default
-    128 needs that divisor too (its padded vocabulary is the model's shape)."""
+    128 needs that divisor too (its padded vocabulary is the model's shape). With optimizer state, the scheduler state
+    written beside it is the one to go on with: without --use-checkpoint-opt_param-scheduler Megatron-Core's
+    OptimizerParamScheduler asserts that every argument of the new run (--lr, --min-lr, warm-up and decay samples,
+    ...) equals the checkpoint's, which a toolkit run's (made from its recipe) only matches by hand."""
     legacy = ckpt_format == "torch"
     return " ".join(["--ckpt-format", ckpt_format, *(["--transformer-impl", "local"] if legacy else []),
                      *(["--make-vocab-size-divisible-by", str(divisible_by)] if divisible_by != 128 else []),
                      *(["--use-distributed-optimizer"] if optimizer and distributed else []),
-                     *([] if optimizer else ["--no-load-optim"]), *(["--no-load-rng"] if legacy else [])])
+                     *(["--use-checkpoint-opt_param-scheduler"] if optimizer else ["--no-load-optim"]),
+                     *(["--no-load-rng"] if legacy else [])])
 
 
 def _registered(chunk: dict) -> dict:
