@@ -95,3 +95,13 @@ def test_shards_written_in_the_same_order_by_two_workers_seldom_meet_in_a_file()
             behind.submit([(f, (p, r), 1) for r, f in enumerate(files)])
     assert all(sorted(f.keys) == [(p, r) for p in range(40)] for r, f in enumerate(files))
     assert sum(f.clashes for f in files) <= 16, [f.clashes for f in files]  # of 160 writes
+
+
+def test_progress_prints_its_total_once_when_writes_go_past_it(capsys):
+    """Serialized bytes may exceed the tensors' total: each write past it printed the same "0.01 / 0.01 GiB" line
+    again (ten lines in a trial of 2026-12-07, not on a terminal)."""
+    bar = Progress(10)
+    for n in (4, 6, 1, 1, 1):
+        bar.add(n)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("converting: 0.00 / 0.00 GiB"), lines

@@ -21,12 +21,14 @@ class Progress:
         self.total, self.done, self.enabled = total, 0, enabled
         self.start = self.last = time.monotonic()
         self.tty = sys.stderr.isatty()
+        self.ended = False  # the total's line is printed once (writes past the total printed it again each)
 
     def add(self, n: int) -> None:
         self.done += n
         now = time.monotonic()
-        if self.enabled and (now - self.last > (0.5 if self.tty else 10) or self.done >= self.total):
-            self.last = now
+        if self.enabled and not self.ended and (now - self.last > (0.5 if self.tty else 10)
+                                                or self.done >= self.total):
+            self.last, self.ended = now, self.done >= self.total
             rate = self.done / max(now - self.start, 1e-9)
             eta = max(self.total - self.done, 0) / rate if rate else 0  # serialized bytes may exceed the tensors
             line = (f"converting: {self.done / 2**30:.2f} / {self.total / 2**30:.2f} GiB, "
