@@ -128,6 +128,7 @@ def test_inspect_megatron_lm(megatron_lm_ckpt):
     assert report["layout"] == {"tp": TP, "pp": PP, "vpp": 1}
     arch = report["architecture"]
     assert arch["num_key_value_heads"] == 2 and arch["vocab_size"] == "512 (padded, by 128 x tp=2)"
+    assert report["dtypes"] == {"F32": report["parameters"]}  # from the rank files' records (none until 2026-12-07)
 
 
 def test_megatron_lm_to_megatron_relayout_is_exact(megatron_lm_ckpt, hf_model, tmp_path):

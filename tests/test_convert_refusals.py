@@ -168,6 +168,19 @@ def test_an_option_that_a_deepspeed_target_does_not_apply_is_refused(sources, tm
     assert listing(tmp_path) == before
 
 
+def test_inspect_of_a_torch_dist_folder_missing_a_file_is_an_incomplete_report(sources, tmp_path, capsys):
+    """A missing .distcp file is an incomplete checkpoint (exit 1, the reader's line as its problem), as a legacy
+    checkpoint's missing rank file is; it was an error (exit 2) until 2026-12-07."""
+    import shutil
+
+    td = shutil.copytree(sources / "td", tmp_path / "td")
+    victim = next(td.glob("iter_*/*.distcp"))
+    victim.unlink()
+    code, text = run(["inspect", str(td)], capsys)
+    assert code == 1 and "megatron torch_dist checkpoint, INCOMPLETE" in text, text
+    assert f"problem: {victim} is missing: the torch_dist checkpoint is incomplete" in text, text
+
+
 def test_inspect_of_a_config_that_is_not_json_is_one_line(sources, tmp_path, capsys):
     src = _copy_hf(sources, tmp_path, "src")
     (src / "config.json").write_text("{broken")
@@ -213,10 +226,10 @@ def test_torch_dist_metadata_that_is_not_dcp_metadata_is_one_line(sources, tmp_p
     meta = next(src.glob("iter_*")) / ".metadata"
     original = meta.read_bytes()
     meta.write_bytes(pickle.dumps(5))
-    for argv in (["convert", "--quiet", str(src), str(tmp_path / "o"), "--to", "hf", "--vocab-size", "500"],
-                 ["inspect", str(src)]):
-        code, text = run(argv, capsys)
-        one_line(code, text, ".metadata holds a pickled int, not torch DCP metadata")
+    code, text = run(["convert", "--quiet", str(src), str(tmp_path / "o"), "--to", "hf", "--vocab-size", "500"], capsys)
+    one_line(code, text, ".metadata holds a pickled int, not torch DCP metadata")
+    code, text = run(["inspect", str(src)], capsys)  # an incomplete report, exit 1
+    assert code == 1 and ".metadata holds a pickled int, not torch DCP metadata" in text.splitlines()[1], text
     assert tiling_problem((4, 8), [SimpleNamespace(offsets=(0,) * 5002, sizes=(4,) * 5002)]) == (
         "has a chunk of 5002 dimensions (sizes: 5002), but its shape has 2")
     meta.write_bytes(original)

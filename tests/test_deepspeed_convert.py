@@ -268,6 +268,10 @@ def test_toolkit_checkpoint_to_universal_equals_deepspeeds_ds_to_universal(zero2
     # the run's model config travels in the tag folder: --to hf needs no --config (it asked for one)
     assert (tmp_path / "ours" / "step_00000008" / "config.json").is_file()
     assert cli.main(["convert", str(tmp_path / "ours"), str(tmp_path / "hf"), "--to", "hf", "--quiet"]) == 0
+    # and inspect names the model by it, as every other format's report does (tensor names until 2026-12-07)
+    from toolkit.checkpoint.inspect import inspect
+
+    assert inspect(tmp_path / "ours")["architecture"]["num_hidden_layers"] == 4
 
 
 def _assert_same(a, b, where: str) -> None:

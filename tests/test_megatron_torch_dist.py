@@ -86,6 +86,7 @@ def test_megatron_core_loads_the_training_checkpoint_and_convert_reads_it(saved,
     # the model's weights, counted as every format's report counts them (Adam's moments were counted in too)
     assert report["dtypes"] == {"F32": report["parameters"]}
     assert report["optimizer_state"] == "exp_avg, exp_avg_sq per parameter"
+    assert report["architecture"]["num_hidden_layers"] == 4 and "num_layers" not in report["architecture"]
     hf = convert(checkpoints, tmp_path / "hf", "hf", progress=False, log=lambda *_: None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
            str(REPO / "tests" / "megatron_dist_load_probe.py"), str(hf), str(checkpoints / "step_00000003"), "1x1x1"]
@@ -247,6 +248,9 @@ def test_distributed_optimizer_state_in_the_default_format_converts_by_name(tmp_
         tag = tmp_path / fmt / "checkpoints" / "step_00000002"
         if fmt == "default":
             assert {"distopt_tp00_pp000.pt", "optim_tp00_pp000.pt"} <= {p.name for p in tag.glob("*.pt")}
+            # it said "by parameter name, in optim_* files" until 2026-12-07
+            assert inspect(tag)["optimizer_state"].startswith("distributed optimizer: Megatron's flat buffers in "
+                                                              "distopt_* files")
         out = convert(tag, tmp_path / f"{fmt}_out", "megatron", **quiet) / "step_00000002"
         got[fmt] = st.load(out / "optim_tp00_pp000.safetensors")
     (flat, flat_meta), (by_name, by_name_meta) = got["default"], got["torch_dist"]

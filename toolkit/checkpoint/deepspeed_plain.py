@@ -263,15 +263,22 @@ def inspect_plain(path: Path) -> dict:
                   written_by=f"DeepSpeed {r['ds_version']} (engine.save_checkpoint)",
                   optimizer_state="complete" if r["optimizer_complete"] else "missing",
                   parameters=sum(_numel(src.shape(n)) for n in src.names()))
-    masters = "fp32 masters in the optimizer files" if r["zero_stage"] > 0 else "fp32 masters in the model states"
-    weights = (f"{r['dtype']} model weights" if r["zero_stage"] < 3 else
-               f"{r['dtype']} training dtype (no 16-bit weights stored; they are the fp32 masters cast)")
-    report["dtypes"] = {weights: report["parameters"], masters: report["parameters"]} if r["dtype"] != "float32" \
-        else {"float32 (model weights are the masters)": report["parameters"]}
+    report["dtypes"] = zero_dtypes(r, report["parameters"])
     report["architecture"] = {"names": "the model's own (from param_shapes)", "tensors": len(src.names()),
                               "tied": src.shared() or None}
     src.close()
     return report
+
+
+def zero_dtypes(r: dict, parameters: int) -> dict[str, int]:
+    """The weights by dtype of a ZeRO checkpoint (`PlainDeepSpeedSource.report`), as inspect names them: the model's
+    and the fp32 masters, where each is stored."""
+    if r["dtype"] == "float32":
+        return {"float32 (model weights are the masters)": parameters}
+    masters = "fp32 masters in the optimizer files" if r["zero_stage"] > 0 else "fp32 masters in the model states"
+    weights = (f"{r['dtype']} model weights" if r["zero_stage"] < 3 else
+               f"{r['dtype']} training dtype (no 16-bit weights stored; they are the fp32 masters cast)")
+    return {weights: parameters, masters: parameters}
 
 
 def _numel(shape) -> int:

@@ -10,13 +10,14 @@ import json
 from pathlib import Path
 
 from toolkit.checkpoint import megatron_lm, torch_dist
-from toolkit.checkpoint.deepspeed_plain import inspect_plain, is_plain
+from toolkit.checkpoint.deepspeed_plain import PlainDeepSpeedSource, inspect_plain, is_plain, zero_dtypes
 from toolkit.checkpoint.safetensors_sources import read_json
 from toolkit.checkpoint.source_base import converted
 from toolkit.checkpoint.universal import inspect_universal, is_universal
 from toolkit.checkpoint.sources import not_a_checkpoint, refusal
 from toolkit.errors import ToolkitError
 from toolkit.families import dims_from_hf, iter_entries
+from toolkit.families.registry import family_named
 from toolkit.format import manifest, paths
 from toolkit.format import safetensors_stream as st
 from toolkit.format.names import POINTER, STARTED, TAG_GLOB
@@ -35,7 +36,12 @@ def inspect(path: str | Path) -> dict:
     if (path / "config.json").is_file() and list(path.glob("*.safetensors")):
         return _agree(inspect_hf(path), path)
     if is_universal(path):  # DeepSpeed's universal format (universal.py); `convert --to universal` names tags step_*
-        return inspect_universal(path)
+        report = inspect_universal(path)
+        tag = path / report["tag"] if report.get("tag") and path.name != report["tag"] else path
+        if report["complete"] and (tag / "config.json").is_file():  # --to universal of a toolkit run writes it
+            report["architecture"] = _hf_architecture(read_json(paths.inside(tag, "config.json", str(tag)),
+                                                                "a JSON object", dict))
+        return report
     if (path / "toolkit_meta.json").is_file() or path.name.startswith("step_"):
         return _agree(inspect_toolkit(path), path)
     if (path / POINTER).is_file() or list(path.glob(TAG_GLOB)):
@@ -99,6 +105,21 @@ def _hf_architecture(config: dict) -> dict:
     return {k: config[k] for k in keys if config.get(k) is not None}
 
 
+def _recipe_architecture(model) -> dict:
+    """A training run's model (its recipe's) under the Hugging Face config's keys, as every other format's report
+    names it (it printed the recipe's own keys, and a dense model's mixture-of-experts defaults, until 2026-12-07);
+    without importing transformers."""
+    return _hf_architecture({
+        "model_type": family_named(model.family).model_types[0], "hidden_size": model.hidden_size,
+        "intermediate_size": model.intermediate_size, "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_kv_heads or model.num_attention_heads, "head_dim": model.head_dim,
+        "vocab_size": model.vocab_size, "max_position_embeddings": model.max_position_embeddings,
+        "tie_word_embeddings": model.tie_word_embeddings, "num_experts": model.num_experts,
+        **({"num_experts_per_tok": model.num_experts_per_tok, "moe_intermediate_size": model.moe_intermediate_size}
+           if model.num_experts else {})})
+
+
 def inspect_toolkit(tag_dir: Path) -> dict:
 
     problems = manifest.verify(tag_dir)
@@ -120,7 +141,7 @@ def inspect_toolkit(tag_dir: Path) -> dict:
         report["weights_only"] = meta.get("weights_only")
     elif "recipe" in meta:
         model = Recipe.model_validate(meta["recipe"]).model
-        report["architecture"] = model.model_dump(exclude={"preset", "hf_path", "pretrained"})
+        report["architecture"] = _recipe_architecture(model)
         report["parameters"] = count_params(model)["total"]
     if meta.get("backend") == "megatron":
         report["vocab_padding"] = _vocab_padding(meta)
@@ -128,11 +149,20 @@ def inspect_toolkit(tag_dir: Path) -> dict:
         report["format"] = "megatron torch_dist"  # checkpoint.format: torch_dist, read as Megatron-LM's iter_* folders
         if not problems:
             inner = _inspect_torch_dist(tag_dir, tag_dir)
-            report["dtypes"], report["optimizer_state"] = inner["dtypes"], inner["optimizer_state"]
+            report["dtypes"], report["optimizer_state"] = inner["dtypes"], inner.get("optimizer_state")
+            report["complete"], report["problems"] = inner["complete"], inner["problems"]
+    elif meta.get("backend") == "deepspeed" and not problems:  # DeepSpeed's own files (none said until 2026-12-07)
+        ds = PlainDeepSpeedSource(tag_dir)
+        try:
+            report["dtypes"] = zero_dtypes(ds.report, report["parameters"])
+        finally:
+            ds.close()
     elif meta.get("backend") == "megatron" and not problems:
         report["dtypes"] = _megatron_dtypes(tag_dir, report["parameters"])
-        report["optimizer_state"] = ("by parameter name, in optim_* files" if any(tag_dir.glob("optim_*"))
-                                     else "none (weights only)")
+        report["optimizer_state"] = (  # distopt_*: what Megatron's save_parameter_state writes (said by name before)
+            "distributed optimizer: Megatron's flat buffers in distopt_* files (converted by parameter name), its "
+            "param groups in optim_* files" if any(tag_dir.glob("distopt_*"))
+            else "by parameter name, in optim_* files" if any(tag_dir.glob("optim_*")) else "none (weights only)")
     return report
 
 
@@ -175,17 +205,38 @@ def inspect_megatron_lm(path: Path) -> dict:
                      else "none (toolkit convert wrote it without any)" if converted(path)
                      else "none (saved with --no-save-optim?)")
     dims = dims_from_hf(config)
+    dtypes = None if problems else _legacy_dtypes([state] + [load(f, mmap=True, deepspeed=False) for f in ranks[1:]],
+                                                  vpp, ranks, _parameters(dims))
     return {"path": str(path), "format": "megatron-lm", "complete": not problems, "problems": problems,
             "optimizer_state": optimizer,
             "step": state.get("iteration"), "layout": {"tp": tp, "pp": pp, "vpp": vpp, **({"ep": ep} if ep > 1 else {})},
             "architecture": {**_hf_architecture(config), "vocab_size": _padded(args)},
             "parameters": _parameters(dims),
-            "dtypes": None, "bytes": _bytes(it_dir), "padded_vocab": args.padded_vocab_size}
+            "dtypes": dtypes, "bytes": _bytes(it_dir), "padded_vocab": args.padded_vocab_size}
+
+
+def _legacy_dtypes(states: list[dict], vpp: int, files: list[Path], parameters: int) -> dict[str, int]:
+    """The model's weights by dtype in Megatron-LM's rank files (memory-mapped: no tensor is read), as every format's
+    report gives them (none until 2026-12-07)."""
+    dtypes: dict[str, int] = {}
+    for state, file in zip(states, files):
+        for chunk in megatron_lm.model_chunks(state, vpp, file):
+            for t in chunk.values():
+                key = st.dtype_name(t.dtype)
+                dtypes[key] = dtypes.get(key, 0) + t.numel()
+    return _all_parameters(dtypes, parameters)
 
 
 def _inspect_torch_dist(path: Path, it_dir: Path) -> dict:
-    """A torch_dist iteration, from common.pt's args and the DCP metadata (a damaged folder raises its one line)."""
-    reader = torch_dist.Reader(it_dir)
+    """A torch_dist iteration, from common.pt's args and the DCP metadata. A damaged folder (a missing .distcp file,
+    metadata that disagrees with the files, an unsafe pickle) is an incomplete report whose problem is the reader's
+    one line: exit 1, as a legacy checkpoint's missing rank file is (it was an error, exit 2, until 2026-12-07)."""
+    try:
+        reader = torch_dist.Reader(it_dir)
+    except ToolkitError as e:
+        return {"path": str(path), "format": "megatron torch_dist", "complete": False, "problems": [str(e)],
+                "step": None, "layout": None, "architecture": None, "parameters": None, "dtypes": None,
+                "bytes": _bytes(it_dir), "padded_vocab": None}
     args = reader.common.get("args")
     if args is None or not hasattr(args, "padded_vocab_size"):
         raise ToolkitError(f"{it_dir / 'common.pt'} holds no Megatron-LM args; the model's shape is unknown")
