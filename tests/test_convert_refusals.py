@@ -371,3 +371,11 @@ def test_a_megatron_folder_without_its_tracker_names_the_iteration_to_pass(legac
                              f"the one to read: pass that folder itself, e.g. {src / 'iter_0000000'}")
     assert cli.main(["convert", "--quiet", str(src / "iter_0000000"), str(tmp_path / "o"), "--to", "hf",
                      "--vocab-size", "500"]) == 0
+
+
+def test_ep_on_a_dense_model_says_it_has_no_experts(sources, tmp_path, capsys):
+    """It said "ep: no experts do not split over ep = 2 expert-parallel ranks" (a trial of 2026-12-07)."""
+    code, text = run(["convert", "--quiet", str(sources / "hf"), str(tmp_path / "out"), "--to", "megatron", "--ep", "2"],
+                     capsys)
+    assert code == 2 and "ep: a dense model has no experts to split over ep = 2 expert-parallel ranks" in text, text
+    assert not (tmp_path / "out").exists()

@@ -128,7 +128,9 @@ def convert_plain_to_hf(src: str | Path, dst: str | Path, config: str | Path | N
         files, shards, total = shard_layout([(n, source.shape(n), cast[n]) for n in names])
         with output.scratch_folder(dst, "partial") as tmp:
             manifest.require_space(dst.parent, total, manifest.free_bytes(tmp), str(dst), "the tensors to write")
-            what = "fp32 master" if fp32 else "model states"
+            # a universal checkpoint holds only fp32 masters (it said "model states" until 2026-12-07)
+            what = ("fp32 master" if fp32 else "fp32 masters cast to the training dtype" if kind == "universal"
+                    else "model states")
             what_src = f"DeepSpeed ZeRO-{source.stage} dp={source.dp} step {source.step} ({what})"
             log(f"converting {kind} {what_src} at {tag} -> hf ({len(names)} tensors; {total / 2**30:.2f} GiB to write)")
             t0 = time.monotonic()

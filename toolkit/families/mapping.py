@@ -316,8 +316,9 @@ def check_dims(dims: Dims, tp: int, pp: int, vpp: int, ep: int = 1) -> list[Prob
          "build the dims with toolkit.families.dims_from_hf(config, tp=tp)"),
         (dims.layers % (pp * vpp) == 0, "pp x vpp", f"{dims.layers} layers do not split into pp x vpp = {pp} x {vpp} "
          f"= {pp * vpp} equal chunks", f"choose pp x vpp dividing {dims.layers}"),
-        (ep >= 1 and (dims.experts or 1) % ep == 0, "ep", f"{dims.experts or 'no'} experts do not split over "
-         f"ep = {ep} expert-parallel ranks",
+        (ep >= 1 and (dims.experts or 1) % ep == 0, "ep",
+         f"{dims.experts} experts do not split over ep = {ep} expert-parallel ranks" if dims.experts else
+         f"a dense model has no experts to split over ep = {ep} expert-parallel ranks",
          f"choose ep dividing {dims.experts}" if dims.experts else "use ep = 1 for a dense model"),
         (not dims.experts or dims.moe_ffn % tp == 0, "tp",
          f"expert ffn size {dims.moe_ffn} is not divisible by tp = {tp}", f"choose tp dividing {dims.moe_ffn}"),
