@@ -379,3 +379,15 @@ def test_ep_on_a_dense_model_says_it_has_no_experts(sources, tmp_path, capsys):
                      capsys)
     assert code == 2 and "ep: a dense model has no experts to split over ep = 2 expert-parallel ranks" in text, text
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tp_above_the_key_value_heads_is_said(sources, tmp_path, capsys):
+    """Megatron-Core 0.16 takes tp > num_query_groups (a plain row split of the fused q/k/v, which its attention
+    all-gathers), so convert writes it; the toolkit's own training refuses it, which convert did not say."""
+    assert cli.main(["convert", "--no-verify", str(sources / "hf"), str(tmp_path / "tp4"), "--to", "megatron", "--tp",
+                     "4"]) == 0
+    assert "tensor parallelism: tp=4 is more than the model's 2 key/value heads, so each query group's q, k and v " \
+           "rows are split over 2 ranks" in capsys.readouterr().out
+    assert cli.main(["convert", "--no-verify", str(sources / "hf"), str(tmp_path / "tp2"), "--to", "megatron", "--tp",
+                     "2"]) == 0
+    assert "tensor parallelism" not in capsys.readouterr().out

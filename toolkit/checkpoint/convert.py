@@ -39,7 +39,7 @@ from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.megatron_sources import MegatronLMSource, TorchDistSource
 from toolkit.checkpoint.plain_to_hf import convert_plain_to_hf
 from toolkit.checkpoint.safetensors_sources import require_one_dtype
-from toolkit.checkpoint.source_base import MEGATRON_TARGETS, optimizer_note, padding_note, read_for
+from toolkit.checkpoint.source_base import MEGATRON_TARGETS, layout_notes, optimizer_note, read_for
 from toolkit.checkpoint.sources import (WEIGHT, DeepSpeedHFSource, Source, follow_pointer, not_a_checkpoint,
                                        open_source)
 from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, report, writers
@@ -190,7 +190,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
                 log(f"converting {source.describe()} at {src} -> {to}"
                     + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
                     + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write)")
-                if note := padding_note(source, to, tp):
+                for note in layout_notes(source, to, tp):
                     log(note)
             # the copy path that began this printed the source's note (copy_only.convert_by_copy): not twice
             if to != "hf" and not (announced and getattr(source, "optimizer_note", None)) and (

@@ -37,7 +37,7 @@ from toolkit.checkpoint import byte_ranges, output
 from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.pickled_copy import open_megatron
 from toolkit.checkpoint.safetensors_sources import HFSource, ToolkitWeights, follow_pointer, stored_config
-from toolkit.checkpoint.source_base import WEIGHT, Source, optimizer_note, padding_note, read_for
+from toolkit.checkpoint.source_base import WEIGHT, Source, layout_notes, optimizer_note, read_for
 from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, report, writers
 from toolkit.checkpoint.targets import HFTarget, MegatronTarget
 from toolkit.checkpoint.torch_dist_write import TorchDistTarget
@@ -87,7 +87,7 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
                 + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
                 + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write; file to file, "
                 + ("verified after" if verify else "torch-free") + ")")
-            if note := padding_note(source, to, tp):
+            for note in layout_notes(source, to, tp):
                 log(note)
             if to != "hf" and getattr(source, "optimizer_note", None):
                 log(f"optimizer state: {optimizer_note(source.optimizer_note, src)}")

@@ -129,6 +129,19 @@ def read_for(source: Source, to: str, tp: int, divisible_by: int | None, reopen)
     return source
 
 
+def layout_notes(source: Source, to: str, tp: int) -> list[str]:
+    """The lines a conversion to a Megatron target prints about its layout: the vocabulary's padding (padding_note),
+    and a tp above the key/value heads, which Megatron-Core takes but the toolkit's own training does not."""
+    notes = [note] if (note := padding_note(source, to, tp)) else []
+    kv = source.out_dims(tp).kv_heads if to in MEGATRON_TARGETS else tp
+    if tp > kv:
+        notes.append(f"tensor parallelism: tp={tp} is more than the model's {kv} key/value heads, so each query "
+                     f"group's q, k and v rows are split over {tp // kv} ranks, as Megatron-Core lays them out when "
+                     f"the groups are fewer than the ranks (its attention gathers them); the toolkit's own training "
+                     f"takes a tp that divides {kv}")
+    return notes
+
+
 def padding_note(source: Source, to: str, tp: int) -> str | None:
     """What a conversion to a Megatron target does with the vocabulary's padding, in one line; None where nothing is
     padded (docs/convert.md, "Vocabulary padding")."""
