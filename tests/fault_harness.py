@@ -31,7 +31,10 @@ from toolkit.train.faults import PHASES  # noqa: E402
 STEPS, INTERVAL = 8, 2
 RUN = [f"training.steps={STEPS}", "training.schedule.warmup_steps=2", "logging.interval=1",
        f"checkpoint.interval={INTERVAL}", "checkpoint.keep=100", "logging.sample_prompt=", "logging.tensorboard=false"]
-BACKENDS = {"deepspeed": "tiny_zero2", "megatron": "tiny_tp2"}
+BACKENDS = {"deepspeed": "tiny_zero2", "megatron": "tiny_tp2", "megatron_td": "tiny_tp2"}
+EXTRA = {"megatron_td": ("checkpoint.format=torch_dist",)}
+"""Overrides of a backend's runs beyond RUN: megatron_td saves through Megatron-Core's dist_checkpointing.save
+(the same training, so the same reference losses as megatron's)."""
 KINDS = (*PHASES, "torn", "signal", "corrupt")
 SAVE_PHASES = ("save-files", "save-flushed", "save-meta", "torn")
 
@@ -50,13 +53,14 @@ class Trial:
     note: str = ""
 
 
-def _args(recipe: str, out: Path) -> list[str]:
-    return ["recipes/train.py", "--recipe", recipe, *(a for s in [f"output_dir={out}", *RUN] for a in ("--set", s))]
+def _args(recipe: str, out: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    return ["recipes/train.py", "--recipe", recipe,
+            *(a for s in [f"output_dir={out}", *RUN, *extra] for a in ("--set", s))]
 
 
-def _cmd(recipe: str, out: Path) -> list[str]:
+def _cmd(recipe: str, out: Path, extra: tuple[str, ...] = ()) -> list[str]:
     return [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
-            str(free_port()), *_args(recipe, out)]
+            str(free_port()), *_args(recipe, out, extra)]
 
 
 def _env(fault: str | None) -> dict:
@@ -68,9 +72,10 @@ def _env(fault: str | None) -> dict:
     return env
 
 
-def run(recipe: str, out: Path, fault: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run(recipe: str, out: Path, fault: str | None = None, timeout: float = 600,
+        extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """A run to its end or its fault, through conftest's launcher (torchrun, or the warm launcher)."""
-    return run_ranks(_args(recipe, out), 2, _env(fault), "torchrun", timeout,
+    return run_ranks(_args(recipe, out, extra), 2, _env(fault), "torchrun", timeout,
                      preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN))
 
 
@@ -84,9 +89,9 @@ def _resumed(text: str) -> int | None:
     return int(m.group(2)) if m else None
 
 
-def _preempt(recipe: str, out: Path, step: int) -> subprocess.CompletedProcess:
+def _preempt(recipe: str, out: Path, step: int, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Two SIGUSR1s to every process: one once step `step` is logged, one as soon as a save is under way."""
-    proc = subprocess.Popen(_cmd(recipe, out), cwd=REPO, env=_env(None), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_cmd(recipe, out, extra), cwd=REPO, env=_env(None), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN))
     end = time.monotonic() + 600
@@ -126,21 +131,21 @@ def _verifies(tag_dir: Path) -> bool:
 
 
 def trial(t: Trial, recipe: str, out: Path, reference: list[float]) -> Trial:
-    damaged = None
+    damaged, extra = None, EXTRA.get(t.backend, ())
     if t.kind == "signal":
-        first = _preempt(recipe, out, t.step)
+        first = _preempt(recipe, out, t.step, extra)
         t.killed = first.returncode != 0
     elif t.kind == "corrupt":
-        first = run(recipe, out, f"forward@{t.step}:{t.rank}")  # die mid-step, then rot the newest checkpoint
+        first = run(recipe, out, f"forward@{t.step}:{t.rank}", extra=extra)  # die mid-step, rot the newest checkpoint
         t.killed = first.returncode != 0
         damaged = _damage_newest(out)
     else:
         phase = "save-flushed" if t.kind == "torn" else t.kind
         fault = f"{phase}@{t.step}:{t.rank}" + (":torn" if t.kind == "torn" else "")
-        first = run(recipe, out, fault)
+        first = run(recipe, out, fault, extra=extra)
         t.killed = first.returncode != 0
     reported = _saved(first.stdout + first.stderr)
-    second = run(recipe, out)
+    second = run(recipe, out, extra=extra)
     text = second.stdout + second.stderr
     if second.returncode != 0:
         t.note = f"relaunch failed ({second.returncode}): {text[-1500:]}"
@@ -174,7 +179,7 @@ def campaign(trials: list[Trial], work: Path, references: dict[str, list[float]]
         recipe = BACKENDS[t.backend]
         if t.backend not in references:
             ref_out = work / f"reference_{t.backend}"
-            proc = run(recipe, ref_out)
+            proc = run(recipe, ref_out, extra=EXTRA.get(t.backend, ()))
             assert proc.returncode == 0, proc.stderr[-3000:]
             references[t.backend] = [m["loss"] for m in read_metrics(ref_out)]
         done.append(trial(t, recipe, work / f"trial_{i:03d}_{t.backend}_{t.kind}", references[t.backend]))

@@ -314,3 +314,14 @@ def test_a_cast_that_would_round_an_fp32_runs_master_weights_is_refused(saved, t
     out = convert(saved / "checkpoints", tmp_path / "w", "torch_dist", dtype="bf16", weights_only=True, progress=False,
                   log=lambda *_: None)
     assert open_source(out, 512).dtype() == torch.bfloat16  # the run's vocabulary (512) pads to itself
+
+
+@pytest.mark.slow
+def test_a_vocab_size_other_than_the_recipes_is_refused(saved, tmp_path):
+    """A toolkit torch_dist step records its vocabulary in its recipe: --vocab-size 500 replaced the recipe's 512 and
+    wrote a 500-row model without a word (a trial of 2026-12-07). The recipe's own value is taken as it is."""
+    quiet = dict(progress=False, log=lambda *_: None)
+    with pytest.raises(ToolkitError, match=r"--vocab-size 500: .* records its vocabulary \(512\) in its recipe"):
+        convert(saved / "checkpoints", tmp_path / "hf", "hf", vocab_size=500, **quiet)
+    assert not list(tmp_path.iterdir())
+    assert convert(saved / "checkpoints", tmp_path / "hf", "hf", vocab_size=512, verify=False, **quiet).is_dir()

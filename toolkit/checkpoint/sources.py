@@ -197,7 +197,12 @@ def open_source(src: Path, vocab_size: int | None = None, fp32: bool = False, we
         meta = manifest.read_meta(src)
         backend = meta.get("backend")
         if backend == "megatron" and meta.get("checkpoint_format") == "torch_dist":  # checkpoint.format: torch_dist
-            source = TorchDistSource(src, vocab_size or meta["recipe"]["model"]["vocab_size"], weights_only, rows)
+            recorded = meta["recipe"]["model"]["vocab_size"]
+            if vocab_size is not None and vocab_size != recorded:  # it replaced the recipe's until 2026-12-07
+                raise ToolkitError(f"--vocab-size {vocab_size}: {src} records its vocabulary ({recorded}) in its "
+                                   f"recipe; --vocab-size gives the true vocabulary of a Megatron-LM checkpoint, "
+                                   "whose padded rows do not tell it: drop it")
+            source = TorchDistSource(src, recorded, weights_only, rows)
             source.meta, source.tag_dir = meta, src  # the run's recipe and per-rank state travel, as from a toolkit one
             source.config = recorded_model(source.config, meta, src)
             if source.scheduler is None and source.fields != (WEIGHT,) and meta.get("recipe") and meta.get("step"):
