@@ -15,7 +15,13 @@ run's layout: Megatron-Core reshards on load, so TP, PP, VPP and DP may differ f
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import multiprocessing
+import os
+import signal
+import threading
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import torch
@@ -25,6 +31,7 @@ from toolkit.errors import ToolkitError
 from toolkit.families import dims_from_hf
 from toolkit.format import safe_load
 from toolkit.model import to_hf_config
+from toolkit.train.preempt import SIGNALS
 
 FORMAT = "torch_dist"
 DCP_METADATA = ".metadata"
@@ -71,9 +78,46 @@ class _OwnFolder(logging.Filter):
         return not str(record.msg).startswith("Overwriting old incomplete / corrupted checkpoint")
 
 
+def _shield(parent: int) -> None:
+    """Run first in the server process of the results queue (_shielded_queue): preemption signals are the training
+    process's (toolkit/train/preempt.py), and the server dies with the process that started it."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: SIGKILL when the parent dies
+    except (OSError, AttributeError):  # not Linux: no parent-death signal; shutdown still comes with a normal exit
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+_managers: list = []  # the queue's manager, kept for the life of the process
+
+
+def _shielded_queue() -> None:
+    """Megatron-Core's torch_dist save sends each rank's write results through a queue served by a process it
+    spawns once (a multiprocessing Manager: filesystem_async._get_write_results_queue) and writes through processes
+    it forks per save. Slurm signals every process of a job step (SIGUSR1 before the time limit, SIGTERM on
+    preemption): the server died at the first signal, and every save after it failed (BrokenPipeError), so a
+    preempted run crashed instead of saving and exiting for its requeue (tests/test_preemption.py, 2026-12-07). The
+    toolkit starts that server itself, ignoring those signals and killed with its parent, and hands its queue to
+    Megatron-Core where it keeps its own."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async  # lazy: Megatron runs only
+
+    if getattr(filesystem_async, "_results_queue", False) is None:  # Megatron-Core 0.16's; none made yet
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=_shield, initargs=(os.getpid(),))
+        _managers.append(manager)
+        filesystem_async._results_queue = manager.Queue()
+
+
 def save(backend, tag_dir: Path, step: int) -> None:
-    """Collective over every rank: Megatron-Core's dist_checkpointing.save into the (existing) step folder."""
+    """Collective over every rank: Megatron-Core's dist_checkpointing.save into the (existing) step folder. Its
+    writer processes, forked during the save, inherit the preemption signals blocked (_shielded_queue says why); the
+    training process notes them once the save is over (or meanwhile, on another thread)."""
     from megatron.core import dist_checkpointing  # lazy: Megatron runs only
+
+    _shielded_queue()
 
     args = _args(backend)
     if backend.recipe.training.global_batch_size:  # the data position, as Megatron-LM's args count it in samples
@@ -82,9 +126,13 @@ def save(backend, tag_dir: Path, step: int) -> None:
              "num_floating_point_operations_so_far": 0, **sharded_state(backend, is_loading=False)}
     warnings, own = logging.getLogger("megatron.core.dist_checkpointing.serialization"), _OwnFolder()
     warnings.addFilter(own)
+    main = threading.current_thread() is threading.main_thread()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS) if main else None
     try:
         dist_checkpointing.save(state, str(tag_dir), async_sharded_save=False, content_metadata=_metadata(backend))
     finally:
+        if blocked is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         warnings.removeFilter(own)
 
 

@@ -9,7 +9,8 @@ time for two steps and a checkpoint save); then all ranks save a checkpoint toge
 <output_dir>/preempted.json, and the run exits with REQUEUE_EXIT. The job script requeues the job when it
 finds that file; the requeued run resumes from the checkpoint (checkpoint.resume: auto). A second signal during
 the save changes nothing: the save is not interrupted, and a checkpoint only counts once its manifest is
-written.
+written (Megatron-Core's torch_dist save runs helper processes, which are kept from these signals:
+toolkit/megatron/torch_dist_ckpt.py).
 
 Launchers: torchrun and the deepspeed launcher treat SIGUSR1 as fatal; start them with SIGUSR1 ignored (the
 shipped sbatch scripts do) and the training processes, which install their own handler, still get it.
