@@ -125,7 +125,7 @@ def recorded_model(from_args: dict, meta: dict, src: Path) -> dict:
     """The Hugging Face config of a toolkit torch_dist step: the model its recipe names (model_config), which must be
     the one its Megatron args describe. The args alone cannot name every family: Mistral's are Llama's (the same
     arguments and weights; megatron_lm.family_of_args), so a Mistral run came back as Llama before 2026-12-07."""
-    config = {**model_config(meta)[0], "vocab_size": from_args["vocab_size"]}  # --vocab-size, or the recipe's
+    config = model_config(meta)[0]
     changed = model_differences(from_args, config)
     if changed:
         raise ToolkitError(f"{src}: its {META} describes another model than the Megatron args in its common.pt "
