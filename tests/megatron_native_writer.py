@@ -23,6 +23,8 @@ optimizer's state by name; torch_dist_optim). More dp_reshardable ones: OUT/dp_r
 PP2 x VPP2 in fp32: the tied embedding's copies in buckets of their own). Before saving, the parameters are gathered
 as Megatron-LM's save_checkpoint gathers them (with the overlapped parameter gather, a rank holds the last step's
 values in the ranges other DP ranks own until the next forward).
+OUT/fps_distopt and OUT/fps_dp_reshardable: the distributed optimizer at DP2 again, both sharding types, saved through
+Megatron-LM's default FullyParallelSaveStrategyWrapper (replicated shards spread over the data-parallel ranks' files).
 OUT/legacy_distopt, OUT/legacy_distopt_buckets (from HF_ODD, hidden size 48, a bucket per parameter), OUT/legacy_distopt_tp2,
 OUT/legacy_distopt_pp2_vpp2: Megatron-LM's legacy layout with the distributed optimizer's distrib_optim.pt (its own
 save_parameter_state), each with live.safetensors. OUT/legacy_plain_tp2, OUT/legacy_plain_pp2_vpp2 (fp32, tied) and
@@ -165,13 +167,18 @@ def _save_live(out: Path, live: dict) -> None:
 
 
 def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: str, pp: int = 1, vpp: int = 1,
-                     extra: tuple = (), args_for=megatron_lm_args) -> None:
+                     extra: tuple = (), args_for=megatron_lm_args, fully_parallel: bool = False) -> None:
     """_trained, then dist_checkpointing.save of {args, iteration, model, optimizer} as Megatron-LM's
     save_checkpoint builds it, into each folder of `outs` ({folder: metadata["distrib_optim_sharding_type"] or None}).
     Beside each, live.safetensors: Megatron's own state by name ("<name>:exp_avg", ":exp_avg_sq", ":master"), gathered
-    from the live optimizer (TP shards and, for the distributed optimizer, its data-parallel ranks' buffer ranges)."""
+    from the live optimizer (TP shards and, for the distributed optimizer, its data-parallel ranks' buffer ranges).
+    `fully_parallel`: through FullyParallelSaveStrategyWrapper over the data-parallel group, as Megatron-LM 0.16 saves
+    by default (--ckpt-fully-parallel-save is on unless --no-ckpt-fully-parallel-save): each replicated shard is
+    written by one data-parallel rank, spread over all of them, not all by the first."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
     r, layout, wrapped, optimizer, live = _trained(hf, tp, zero_stage, precision, pp, vpp, extra)
     scheduler = scheduler_for(optimizer)
@@ -193,7 +200,11 @@ def torch_dist_optim(hf: str, outs: dict, tp: int, zero_stage: int, precision: s
         # the content metadata Megatron-LM 0.16's save_checkpoint stores (its _build_sharded_state_dict_metadata)
         saved = {"singleton_local_shards": False, **meta, **({"distrib_optim_fully_reshardable_mem_efficient": False}
                                                               if sharding == "fully_reshardable" else {})}
-        dist_checkpointing.save(state, str(folder), content_metadata=saved)
+        strategy = None
+        if fully_parallel:  # Megatron-LM's save_checkpoint, with its default ckpt_fully_parallel_save
+            strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
+                                                        ps.get_data_parallel_group(with_context_parallel=True), False)
+        dist_checkpointing.save(state, str(folder), strategy, content_metadata=saved)
         if dist.get_rank() == 0:
             (Path(out) / "latest_checkpointed_iteration.txt").write_text("2")
             _save_live(Path(out), live)
@@ -338,6 +349,9 @@ def main(hf_tied: str, hf_untied: str, out: str, torch_dist_iter: str | None = N
     torch_dist_optim(hf_untied, {Path(out) / "dp_reshardable_buckets": "dp_reshardable"}, 1, 1, "bf16",
                      extra=("parallel.megatron.bucket_size=5000",))
     torch_dist_optim(hf_untied, {Path(out) / "dp_reshardable_tp2": "dp_reshardable"}, 2, 1, "bf16")
+    # Megatron-LM's default save strategy at DP2 (fully parallel: the two DP ranks share the writing)
+    torch_dist_optim(hf_untied, {Path(out) / "fps_distopt": "fully_reshardable",
+                                 Path(out) / "fps_dp_reshardable": "dp_reshardable"}, 1, 1, "bf16", fully_parallel=True)
     torch_dist_optim(hf_tied, {Path(out) / "dp_reshardable_pp2_vpp2": "dp_reshardable"}, 1, 1, "fp32", pp=2, vpp=2)
     # Megatron-LM's legacy files with the distributed optimizer (distrib_optim.pt): DP2 in bf16 in one bucket and in
     # a bucket per parameter; TP2; PP2 x VPP2 with tied embeddings in fp32

@@ -74,7 +74,8 @@ def native(tmp_path_factory):
             "torch_dist": root / "out" / "torch_dist", "ours": ours, "lm_tied": lm_tied, "lm_untied": lm_untied, "stdout": proc.stdout,
             "hf_qwen2": root / "hf_qwen2", "hf_qwen3": root / "hf_qwen3",
             "legacy_qwen2": root / "out" / "legacy_qwen2", "torch_dist_qwen3": root / "out" / "torch_dist_qwen3",
-            **{k: root / "out" / k for k in ("optim_plain", "optim_distopt", "optim_dp_reshardable",
+            **{k: root / "out" / k for k in ("optim_plain", "optim_distopt", "optim_dp_reshardable", "fps_distopt",
+                                             "fps_dp_reshardable",
                                              "dp_reshardable_buckets", "dp_reshardable_tp2",
                                              "dp_reshardable_pp2_vpp2", "legacy_distopt", "legacy_distopt_buckets",
                                              "legacy_distopt_tp2", "legacy_distopt_pp2_vpp2", "legacy_plain_tp2",
@@ -422,7 +423,7 @@ def _optim_by_name(tag):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,tp,pp", [("optim_plain", 1, 2), ("optim_distopt", 2, 1)])
+@pytest.mark.parametrize("kind,tp,pp", [("optim_plain", 1, 2), ("optim_distopt", 2, 1), ("fps_distopt", 2, 1)])
 def test_torch_dist_optimizer_state_converts_by_name_to_another_layout(kind, tp, pp, native, tmp_path):
     """Megatron-Core's own optimizer state (plain at TP2 / distributed at DP2 as fully_reshardable, bf16) converts
     with the weights to another TP x PP: every parameter's exp_avg, exp_avg_sq and fp32 main weights equal the live
@@ -453,7 +454,8 @@ def test_torch_dist_optimizer_state_converts_by_name_to_another_layout(kind, tp,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["optim_dp_reshardable", "dp_reshardable_buckets", "dp_reshardable_tp2",
+@pytest.mark.parametrize("kind", ["optim_dp_reshardable", "fps_dp_reshardable", "dp_reshardable_buckets",
+                                  "dp_reshardable_tp2",
                                   "dp_reshardable_pp2_vpp2", "legacy_distopt", "legacy_distopt_buckets",
                                   "legacy_distopt_tp2", "legacy_distopt_pp2_vpp2"])
 def test_flat_distributed_optimizer_state_converts_by_name(kind, native, tmp_path):
@@ -709,3 +711,26 @@ def test_megatron_lm_rope_scaling_args_are_llama31s(native, tmp_path):
     assert json.loads((out / "config.json").read_text())["rope_scaling"] == {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.slow
+def test_megatron_lms_default_fully_parallel_save_reads_as_the_plain_one(native, tmp_path):
+    """Megatron-LM 0.16 saves torch_dist through FullyParallelSaveStrategyWrapper unless told
+    --no-ckpt-fully-parallel-save: at DP2 each data-parallel rank writes part of the replicated shards. The same two
+    training steps saved so (fps_distopt) and without it (optim_distopt) give the same weights, bit for bit, and their
+    files really differ in who wrote what (the second rank's .distcp holds model weights only in the first)."""
+    from safetensors.torch import load_file
+
+    from toolkit.checkpoint import torch_dist
+
+    quiet = dict(vocab_size=VOCAB, progress=False, log=lambda *_: None)
+    a = load_file(str(convert(native["fps_distopt"], tmp_path / "a", "hf", **quiet) / "model.safetensors"))
+    b = load_file(str(convert(native["optim_distopt"], tmp_path / "b", "hf", **quiet) / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+    def weight_files(kind: str) -> set[str]:
+        r = torch_dist.Reader(native[kind] / "iter_0000002")
+        return {info.relative_path for index, info in r.metadata.storage_data.items()
+                if not index.fqn.startswith("optimizer.")}
+
+    assert len(weight_files("fps_distopt")) > len(weight_files("optim_distopt"))
