@@ -43,8 +43,17 @@ def test_resume_skips_incomplete_checkpoints_and_stale_pointers(tmp_path):
     assert ckpt.find_resume(tmp_path, "auto") == tmp_path / "step_00000020"
     (tmp_path / ckpt.POINTER).write_text("step_00000030")  # even a pointer to it is not trusted
     assert ckpt.find_resume(tmp_path, "auto") == tmp_path / "step_00000020"
-    assert ckpt.find_resume(tmp_path, "never") is None
-    assert ckpt.find_resume(tmp_path, str(tmp_path / "step_00000010")) == tmp_path / "step_00000010"
+    # an earlier run's complete checkpoints past where this run starts: refused, not mixed (a run with never saved
+    # over them and pruned them, and auto then resumed the earlier run's newest, until 2026-12-07)
+    with pytest.raises(ToolkitError, match=r"holds 2 complete checkpoint\(s\) of an earlier run past the step this run "
+                                           r"starts from, scratch \(checkpoint.resume: never\): step_00000010, "
+                                           r"step_00000020; .* Use another output_dir"):
+        ckpt.find_resume(tmp_path, "never")
+    with pytest.raises(ToolkitError, match=r"past the step this run starts from, step 10 .*: step_00000020;"):
+        ckpt.find_resume(tmp_path, str(tmp_path / "step_00000010"))
+    assert ckpt.find_resume(tmp_path, str(tmp_path / "step_00000020")) == tmp_path / "step_00000020"  # the newest
+    assert ckpt.find_resume(tmp_path / "elsewhere", "never") is None  # an unused folder starts fresh
+    assert ckpt.find_resume(tmp_path / "elsewhere", str(tmp_path / "step_00000010")) == tmp_path / "step_00000010"
     with pytest.raises(ToolkitError, match="neither a complete checkpoint"):
         ckpt.find_resume(tmp_path, str(tmp_path / "step_00000030"))
 

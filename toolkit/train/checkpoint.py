@@ -203,12 +203,7 @@ def refuse_checkpoint_dir(root: Path) -> None:
         problem = ""
     except ToolkitError as e:
         problem = str(e)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        seen: list = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, problem)  # a rank that sees none still stops with the others
-        problem = next((p for p in seen if p), "")
-    if problem:
-        raise ToolkitError(problem)
+    _agree(problem)  # a rank that sees none still stops with the others
 
 
 def find_resume(root: Path, resume: str, log=None) -> Path | None:
@@ -216,11 +211,39 @@ def find_resume(root: Path, resume: str, log=None) -> Path | None:
     `log` gets one line naming the choice and one per newer checkpoint skipped, with the file that failed. Under a
     process group every rank must call this (the checksum work is shared; the ranks agree on the answer)."""
     refuse_checkpoint_dir(root)
-    if resume == "never":
-        return None
-    if resume != "auto":
-        return _explicit(Path(resume), log)
-    return _newest(root, log)
+    if resume == "auto":
+        return _newest(root, log)
+    start = None if resume == "never" else _explicit(Path(resume), log)
+    _agree(_newer_than(root, start))
+    return start
+
+
+def _newer_than(root: Path, start: Path | None) -> str:
+    """The problem (or "") of a run that starts from `start` (None: from scratch) while `root`, where it saves, holds
+    complete checkpoints past that step which it does not resume from: an earlier run's. Training would prune them or
+    save over them, and a later checkpoint.resume: auto would take the newest by step, possibly theirs: two runs
+    mixed without a word, as `checkpoint.resume: never` into a used output_dir did until 2026-12-07."""
+    begin = int(manifest.read_meta(start).get("step") or 0) if start is not None else 0
+    here = start.resolve() if start is not None else None
+    newer = [p for p in complete_tags(root) if int(p.name.removeprefix("step_")) > begin and p.resolve() != here] \
+        if root.is_dir() else []
+    if not newer:
+        return ""
+    where = f"step {begin} ({start})" if start is not None else "scratch (checkpoint.resume: never)"
+    return (f"checkpoint.dir {root} holds {len(newer)} complete checkpoint(s) of an earlier run past the step this run "
+            f"starts from, {where}: {', '.join(p.name for p in newer[-3:])}; training would prune or replace them, "
+            "and a later checkpoint.resume: auto could resume the earlier run. Use another output_dir (or "
+            "checkpoint.dir), or move those folders out first")
+
+
+def _agree(problem: str) -> None:
+    """Raise `problem` on every rank when any rank has one (ranks may see different disks)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        seen: list = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, problem)
+        problem = next((p for p in seen if p), "")
+    if problem:
+        raise ToolkitError(problem)
 
 
 def _newest(root: Path, log=None) -> Path | None:
@@ -293,7 +316,7 @@ def load(backend, tag_dir: Path, layout_meta: dict, micro_batch: int | None = No
             was = f"checkpoint {tag_dir} was written with {_describe(saved)}, this run has {_describe(layout_meta)}"
             if saved.get("zero_stage") == 0:  # the plain optimizer's whole states, into a distributed optimizer
                 raise ToolkitError(f"{was}: it holds the plain optimizer's state; set parallel.zero_stage: 0 to "
-                                   "resume it (at any dp), or checkpoint.resume: never to start fresh")
+                                   "resume it (at any dp), or start fresh in another output_dir")
             raise ToolkitError(f"{was}: the distributed optimizer's state is sharded over its data-parallel ranks; "
                                f"relaunch with the saved layout, or `toolkit convert {tag_dir} NEW_DIR --to megatron` (the "
                                "plain optimizer's state, by parameter name) and resume from NEW_DIR "
@@ -306,8 +329,8 @@ def load(backend, tag_dir: Path, layout_meta: dict, micro_batch: int | None = No
             move = f"toolkit convert {tag_dir} NEW_DIR --to deepspeed --dp {layout_meta['dp']}"
         raise ToolkitError(f"checkpoint {tag_dir} was written with {_describe(saved)}, this run has "
                            f"{_describe(layout_meta)}; relaunch with the saved layout, move the checkpoint to this "
-                           f"layout with `{move}` and resume from NEW_DIR (checkpoint.resume), or set "
-                           "checkpoint.resume: never to start fresh")
+                           f"layout with `{move}` and resume from NEW_DIR (checkpoint.resume), or "
+                           "start fresh in another output_dir")
     check_model(tag_dir, meta, _running_model(backend))
     if "tp" in layout_meta and hasattr(backend, "recipe"):  # the Megatron backend
         check_vocab_padding(tag_dir, meta, backend.recipe, layout_meta)
@@ -343,7 +366,7 @@ def _check_reshard(tag_dir: Path, saved: dict, layout_meta: dict) -> None:
         kind = {0: "the plain optimizer", 1: "the distributed optimizer"}
         raise ToolkitError(f"checkpoint {tag_dir} was saved with {kind.get(saved.get('zero_stage'), saved)}, this run "
                            f"uses {kind[layout_meta['zero_stage']]}; set parallel.zero_stage: {saved.get('zero_stage')} "
-                           "to resume it (TP, PP and DP may differ), or checkpoint.resume: never to start fresh")
+                           "to resume it (TP, PP and DP may differ), or start fresh in another output_dir")
     was, now = int(saved.get("ep", 1)), int(layout_meta.get("ep", 1))
     if (was > 1) != (now > 1):  # Megatron-Core gives the experts an optimizer of their own only at ep > 1
         raise ToolkitError(f"checkpoint {tag_dir} was saved at parallel.ep {was}, this run has ep {now}: Megatron-Core "
@@ -392,7 +415,7 @@ def check_vocab_padding(tag_dir: Path, meta: dict, recipe: Recipe, layout_meta: 
     raise ToolkitError(f"checkpoint {tag_dir} pads the vocabulary ({vocab}) to {was} rows ({was_by} x tp={was_tp}); "
                        f"this run pads it to {now} ({now_by} x tp={tp}), and Megatron trains the padding rows, so "
                        f"this run would resume another model: {fix}; or take the new padding knowingly with `{move}` "
-                       "and resume from NEW_DIR (checkpoint.resume); or start fresh with checkpoint.resume: never")
+                       "and resume from NEW_DIR (checkpoint.resume); or start fresh in another output_dir")
 
 
 ARCHITECTURE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -429,8 +452,8 @@ def check_model(tag_dir: Path, meta: dict, running: dict | None) -> None:
     diff = [f"{k} {was[k]} (this run: {now[k]})" for k in ARCHITECTURE if was[k] != now[k]]
     if diff:
         raise ToolkitError(f"checkpoint {tag_dir} holds another model: {', '.join(diff)}; resume it with the model "
-                           f"it was trained with (its recipe is in {META}), or start fresh with checkpoint.resume: "
-                           "never or another checkpoint.dir")
+                           f"it was trained with (its recipe is in {META}), or start fresh in another output_dir (or "
+                           "checkpoint.dir)")
 
 
 def _check_pickles(tag_dir: Path) -> None:
