@@ -5,6 +5,7 @@
     python recipes/train.py --recipe tiny_zero0          # one process
 """
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from toolkit.errors import ToolkitError  # noqa: E402
 from toolkit.recipe import load_recipe  # noqa: E402
+
+
+def _leave(code: int) -> int:
+    """The exit code of a rank that stops on a ToolkitError. Under a process group of several ranks it exits at once,
+    skipping the interpreter's teardown: that ran while gloo's threads were alive and intermittently aborted the rank
+    after its line was printed (SIGABRT, "terminate called without an active exception", a trial of 2026-12-07).
+    Leaving the group first could wait on a collective that a rank which did not fail never joins."""
+    dist = sys.modules.get("torch.distributed")  # no torch imported yet (a recipe error): no process group
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from toolkit.metrics import close_all
+
+        close_all()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def main() -> int:
@@ -29,7 +46,7 @@ def main() -> int:
         train(load_recipe(args.recipe, args.overrides))
     except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+        return _leave(e.exit_code)
     except Preempted as e:  # checkpoint complete; <output_dir>/preempted.json tells the job script to requeue
         print(f"[toolkit] {e}", file=sys.stderr)
         return e.exit_code

@@ -249,6 +249,8 @@ def test_a_resume_that_would_change_the_padding_is_refused_and_the_named_divisor
     at_tp4 = ["training.steps=6", *PADDED, "parallel.tp=4", "parallel.pp=1", f"checkpoint.resume={first}"]
     refused = launch("tiny_tp2_pp2", at_tp4, nproc=4, out_dir=tmp_path / "refused", check=False)
     assert refused.returncode != 0
+    # no rank aborted in the teardown after its line (recipes/train.py _leave)
+    assert "SIGABRT" not in refused.stderr and "terminate called" not in refused.stderr + refused.stdout
     assert ("pads the vocabulary (600) to 640 rows (64 x tp=2); this run pads it to 768 (64 x tp=4), and Megatron "
             "trains the padding rows, so this run would resume another model: set "
             "parallel.megatron.make_vocab_size_divisible_by: 32 (which pads it to 640 rows at tp=4)") in refused.stderr

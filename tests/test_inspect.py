@@ -93,3 +93,30 @@ def test_a_directory_whose_only_save_was_killed_is_reported_incomplete_not_refus
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(ToolkitError, match="is not a checkpoint this toolkit reads"):
         inspect(tmp_path)
+
+
+def test_a_step_folder_pruned_while_inspect_reads_it_is_left_out(tmp_path, monkeypatch):
+    """A running save prunes old step folders: one that vanished between the listing and its manifest check raised a
+    FileNotFoundError traceback in `inspect` (a trial of 2026-12-07). It is left out of the report."""
+    import shutil
+
+    from toolkit.checkpoint import inspect as inspect_module
+    from toolkit.format import manifest
+
+    for step in (1, 2):
+        tag = tmp_path / f"step_{step:08d}"
+        tag.mkdir()
+        (tag / "weights.bin").write_bytes(bytes(64))
+        (tag / "toolkit_meta.json").write_text(json.dumps({"schema_version": manifest.SCHEMA_VERSION, "step": step,
+                                                           "files": manifest.entries([tag / "weights.bin"])}))
+    real = manifest.verify
+
+    def pruned_meanwhile(tag_dir, *args, **kwargs):
+        if tag_dir.name == "step_00000001":
+            shutil.rmtree(tag_dir)
+            (tag_dir / "weights.bin").stat()  # what the check's own reads then meet
+        return real(tag_dir, *args, **kwargs)
+
+    monkeypatch.setattr(inspect_module.manifest, "verify", pruned_meanwhile)
+    report = inspect_module.inspect_root(tmp_path)
+    assert report["checkpoints"] == {"step_00000002": "complete"}

@@ -39,6 +39,15 @@ def detect_peak_tflops(device: str, precision: str) -> float | None:
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
+_OPEN: list = []  # the run logs of this process, for close_all
+
+
+def close_all() -> None:
+    """Flush every run log's TensorBoard writer: for an exit that skips the interpreter's teardown (recipes/train.py)."""
+    for log in _OPEN:
+        log.close()
+
+
 class RunLog:
     """Writes each logged step to the console, <out>/metrics.jsonl and TensorBoard. Only rank 0 writes."""
 
@@ -47,6 +56,7 @@ class RunLog:
         self.writer = None
         self.path = Path(out_dir) / "metrics.jsonl"
         self.resumed_from: int | None = None
+        _OPEN.append(self)
 
     def resumed(self, step: int) -> None:
         """This launch continues a checkpoint of `step`: the launch that wrote it may have logged later steps before
@@ -97,3 +107,4 @@ class RunLog:
     def close(self) -> None:
         if self.writer:
             self.writer.close()
+            self.writer = None

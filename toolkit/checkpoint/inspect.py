@@ -307,7 +307,7 @@ def inspect_root(root: Path) -> dict:
     """The newest intact checkpoint of a directory, plus the state of every step_* folder in it; complete only when
     convert reads the directory too (it takes the step its latest_complete pointer names, never an older one)."""
 
-    steps = {p.name: manifest.verify(p) for p in sorted(root.glob(TAG_GLOB)) if p.is_dir()}
+    steps = {p.name: found for p in sorted(root.glob(TAG_GLOB)) if p.is_dir() and (found := _verify(p)) is not None}
     intact = [name for name, problems in steps.items() if not problems]
     if not intact:  # a report (exit 1, as for any incomplete checkpoint), not an error
         return {"path": str(root), "format": "toolkit", "complete": False,
@@ -319,8 +319,23 @@ def inspect_root(root: Path) -> dict:
     return report
 
 
+def _verify(tag_dir: Path) -> list[str] | None:
+    """manifest.verify, or None for a step folder that a running save pruned while it was being read (a traceback
+    in a trial of 2026-12-07: `inspect` of a training run's checkpoint directory)."""
+    try:
+        return manifest.verify(tag_dir)
+    except FileNotFoundError:
+        return None
+
+
 def _bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    total = 0
+    for p in folder.rglob("*"):
+        try:
+            total += p.stat().st_size if p.is_file() else 0
+        except FileNotFoundError:  # removed meanwhile (a running save prunes old steps)
+            pass
+    return total
 
 
 def render(report: dict) -> str:
