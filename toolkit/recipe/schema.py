@@ -266,7 +266,8 @@ class CheckpointConfig(_Section):
     keep: int = Field(2, gt=0)
     """Complete checkpoints to keep; older ones are deleted after a newer one is complete."""
     resume: str = "auto"
-    """auto: continue from the latest complete checkpoint if any; never; or a checkpoint folder."""
+    """auto: continue from the latest complete checkpoint if any; never; or a checkpoint folder (never and a folder
+    are refused where checkpoint.dir holds an earlier run's complete checkpoints past the step the run starts from)."""
     export_hf: bool = False
     """At the end of training, convert the last checkpoint to a Hugging Face folder, <output_dir>/hf (with the
     tokenizer of data.tokenizer), as `toolkit convert --to hf` would."""
