@@ -375,8 +375,8 @@ def test_a_megatron_folder_without_its_tracker_names_the_iteration_to_pass(legac
 
 def test_ep_on_a_dense_model_says_it_has_no_experts(sources, tmp_path, capsys):
     """It said "ep: no experts do not split over ep = 2 expert-parallel ranks" (a trial of 2026-12-07)."""
-    code, text = run(["convert", "--quiet", str(sources / "hf"), str(tmp_path / "out"), "--to", "megatron", "--ep", "2"],
-                     capsys)
+    code, text = run(["convert", "--quiet", str(sources / "hf"), str(tmp_path / "out"), "--to", "megatron",
+                      "--ep", "2"], capsys)
     assert code == 2 and "ep: a dense model has no experts to split over ep = 2 expert-parallel ranks" in text, text
     assert not (tmp_path / "out").exists()
 

@@ -1,8 +1,9 @@
 """Fault injection, bounded: a rank SIGKILLed after its backward (DeepSpeed ZeRO-2) and mid-save with a torn file
 (DeepSpeed), rank 0 killed between writing the manifest and moving the pointers (Megatron TP2), and a kill
 followed by bit rot in the newest checkpoint (Megatron); and with Megatron-Core's torch_dist saves
-(`checkpoint.format: torch_dist`), a torn `.distcp` write and bit rot in the newest checkpoint. Each time: nothing completed is lost, nothing damaged is
-resumed from, and every step after the resume has the uninterrupted run's loss, bit for bit.
+(`checkpoint.format: torch_dist`), a torn `.distcp` write and bit rot in the newest checkpoint. Each time: nothing
+completed is lost, nothing damaged is resumed from, and every step after the resume has the uninterrupted run's
+loss, bit for bit.
 
 More trials: TOOLKIT_FAULT_TRIALS=N (drawn at random, seeded) or `python tests/fault_harness.py --trials N`.
 Signals (SIGUSR1 twice, the second during the save) are tests/test_preemption.py's, and a harness kind.

@@ -71,7 +71,7 @@ def test_toolkit_run_optimizer_state_loads_in_megatron_core(recipe, fmt, tmp_pat
     assert not any("weights only" in line for line in lines), lines
     distributed = recipe == "tiny_dp2_distopt"
     dist_flag = " --use-distributed-optimizer" if distributed else ""
-    dist_flag += " --use-checkpoint-opt_param-scheduler"  # the recipe's schedule, which Megatron-LM's args must not redo
+    dist_flag += " --use-checkpoint-opt_param-scheduler"  # the recipe's schedule, not Megatron-LM's arguments
     assert f"to continue in Megatron-LM: --load {lm} --ckpt-format torch --transformer-impl local{dist_flag} " \
            "--no-load-rng" in lines, lines
     assert f"to continue in Megatron-LM: --load {td} --ckpt-format torch_dist{dist_flag}" in lines, lines

@@ -43,7 +43,8 @@ _OPEN: list = []  # the run logs of this process, for close_all
 
 
 def close_all() -> None:
-    """Flush every run log's TensorBoard writer: for an exit that skips the interpreter's teardown (recipes/train.py)."""
+    """Flush every run log's TensorBoard writer, for an exit that skips the interpreter's teardown
+    (recipes/train.py)."""
     for log in _OPEN:
         log.close()
 

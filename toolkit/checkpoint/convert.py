@@ -72,9 +72,10 @@ def _refuse_unused(to: str, tp: int, pp: int, vpp: int, ep: int, dtype: str | No
         ("--make-vocab-size-divisible-by", divisible_by is not None)) if given]
     if unused:
         what = "at another data-parallel size (--dp)" if to == "deepspeed" else "in DeepSpeed's universal layout"
+        many = len(unused) > 1
         raise ToolkitError(f"--to {to} rewrites a DeepSpeed checkpoint's own files {what}, their dtypes and state as "
-                           f"they are: {', '.join(unused)} {'do' if len(unused) > 1 else 'does'} not apply to it; drop "
-                           f"{'them' if len(unused) > 1 else 'it'} (--to hf writes another dtype, or the weights alone)")
+                           f"they are: {', '.join(unused)} {'do' if many else 'does'} not apply to it; drop "
+                           f"{'them' if many else 'it'} (--to hf writes another dtype, or the weights alone)")
 
 
 def _check_cast(source: Source, cast: torch.dtype | None, weights_only: bool, src: Path, dtype: str | None) -> None:
