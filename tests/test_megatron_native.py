@@ -470,8 +470,11 @@ def test_flat_distributed_optimizer_state_converts_by_name(kind, native, tmp_pat
         from toolkit.checkpoint.inspect import inspect_megatron_lm
 
         n = len(list((native[kind] / "iter_0000002").glob("mp_rank_*")))
-        assert inspect_megatron_lm(native[kind])["optimizer_state"] == (
+        report = inspect_megatron_lm(native[kind])
+        assert report["optimizer_state"] == (
             f"distributed optimizer, distrib_optim.pt on {n} of {n} model-parallel ranks")
+        # the weights' dtype from the records of Megatron-Core's own rank files (inspect said none before 2026-12-07)
+        assert report["dtypes"] == {"F32" if kind.endswith("pp2_vpp2") else "BF16": report["parameters"]}
     got, meta = _optim_by_name(convert(native[kind], tmp_path / "one", "megatron", **quiet) / "step_00000002")
     assert meta["step"] == "2"
     live = load_file(str(native[kind] / "live.safetensors"))

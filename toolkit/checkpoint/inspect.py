@@ -14,10 +14,9 @@ from toolkit.checkpoint.deepspeed_plain import PlainDeepSpeedSource, inspect_pla
 from toolkit.checkpoint.safetensors_sources import read_json
 from toolkit.checkpoint.source_base import converted
 from toolkit.checkpoint.universal import inspect_universal, is_universal
-from toolkit.checkpoint.sources import not_a_checkpoint, refusal
+from toolkit.checkpoint.sources import model_config, not_a_checkpoint, refusal
 from toolkit.errors import ToolkitError
 from toolkit.families import dims_from_hf, iter_entries
-from toolkit.families.registry import family_named
 from toolkit.format import manifest, paths
 from toolkit.format import safetensors_stream as st
 from toolkit.format.names import POINTER, STARTED, TAG_GLOB
@@ -105,21 +104,6 @@ def _hf_architecture(config: dict) -> dict:
     return {k: config[k] for k in keys if config.get(k) is not None}
 
 
-def _recipe_architecture(model) -> dict:
-    """A training run's model (its recipe's) under the Hugging Face config's keys, as every other format's report
-    names it (it printed the recipe's own keys, and a dense model's mixture-of-experts defaults, until 2026-12-07);
-    without importing transformers."""
-    return _hf_architecture({
-        "model_type": family_named(model.family).model_types[0], "hidden_size": model.hidden_size,
-        "intermediate_size": model.intermediate_size, "num_hidden_layers": model.num_layers,
-        "num_attention_heads": model.num_attention_heads,
-        "num_key_value_heads": model.num_kv_heads or model.num_attention_heads, "head_dim": model.head_dim,
-        "vocab_size": model.vocab_size, "max_position_embeddings": model.max_position_embeddings,
-        "tie_word_embeddings": model.tie_word_embeddings, "num_experts": model.num_experts,
-        **({"num_experts_per_tok": model.num_experts_per_tok, "moe_intermediate_size": model.moe_intermediate_size}
-           if model.num_experts else {})})
-
-
 def inspect_toolkit(tag_dir: Path) -> dict:
 
     problems = manifest.verify(tag_dir)
@@ -141,7 +125,9 @@ def inspect_toolkit(tag_dir: Path) -> dict:
         report["weights_only"] = meta.get("weights_only")
     elif "recipe" in meta:
         model = Recipe.model_validate(meta["recipe"]).model
-        report["architecture"] = _recipe_architecture(model)
+        # the config a conversion writes from the recipe, under the keys every format's report uses (it printed the
+        # recipe's own keys, and a dense model's mixture-of-experts defaults, until 2026-12-07)
+        report["architecture"] = _hf_architecture(model_config(meta)[0])
         report["parameters"] = count_params(model)["total"]
     if meta.get("backend") == "megatron":
         report["vocab_padding"] = _vocab_padding(meta)
