@@ -16,6 +16,7 @@ from conftest import launch, write_corpus
 from toolkit.cli import main
 from toolkit.data import DataStream
 from toolkit.data.heldout import eval_micro_batches, eval_sequences
+from toolkit.data.indexed import check_prepared, index_mismatch
 from toolkit.errors import RecipeError, ToolkitError
 from toolkit.recipe import load_recipe, resolve
 from toolkit.run import build_data, build_train_data, check_before_start
@@ -206,6 +207,21 @@ def test_prepare_refuses_a_corpus_without_text(content, says, capsys, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]  # not even the output's folder
 
 
+def test_prepare_names_a_row_without_text_in_its_own_options(capsys, tmp_path):
+    """Rows past the checked head without text were dropped without a word; the head check's fix named recipe
+    keys (data.text_field) to a command-line user."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "a fine story about a cat"}\n' * 300 + '{"body": "x"}\n')
+    code, err = _prepare(capsys, tmp_path, [corpus])
+    assert code == 2 and err == ("error: --input: row 301 has no text under 'text'; fix or remove that row (or set "
+                                 "--text-field to the key that holds the text)"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]
+    corpus.write_text('{"body": "x"}\n')
+    code, err = _prepare(capsys, tmp_path, [corpus])
+    assert code == 2 and "line 1 has no text string under 'text' (its keys: body)" in err, err
+    assert "set --text-field to the key" in err and "data." not in err
+
+
 def test_prepare_refuses_a_missing_input_and_an_existing_output(prepared_blend, capsys, tmp_path):
     code, err = _prepare(capsys, tmp_path, [tmp_path / "nope.jsonl"])
     assert code == 2 and "matches no file" in err and len(err.splitlines()) == 1
@@ -235,6 +251,31 @@ def test_blend_path_without_bin_and_idx_is_refused_before_start(prepared_blend, 
     assert [p.key for p in e.value.problems] == ["data.blend[0].path", "data.blend[1].path", "eval.blend[0].path"]
     assert "has no .idx file" in e.value.problems[0].message and ".bin or .idx" in e.value.problems[1].message
     assert not (tmp_path / "run").exists()
+
+
+def test_an_index_beside_another_preparations_bin_is_refused(prepared_blend, tokenizer, tmp_path):
+    """.bin/.idx pairs mixed up in a copy: Megatron-Core's reader takes any .idx. A shorter index made a run read a
+    part of the .bin with wrong document bounds; a longer one failed mid-step with a traceback (a trial of
+    2026-12-07). Now one line per source before anything starts, whichever side is longer, and a record that
+    disagrees with its files."""
+    a, b = prepared_blend["a"], prepared_blend["b"]
+    for name, bin_, idx, record in (("long", a, b, a), ("short", b, a, b), ("record", a, a, b)):
+        for suffix, src in ((".bin", bin_), (".idx", idx), (".tokenizer.json", record)):
+            shutil.copy(src + suffix, tmp_path / (name + suffix))
+    assert index_mismatch(a) is None and index_mismatch(b) is None
+    r = load_recipe(prepared_blend["recipe"], [f"output_dir={tmp_path / 'run'}", "eval.split=null",
+                                               "data.blend=[" + ", ".join(f"{{path: {tmp_path / n}}}" for n in
+                                                                          ("long", "short", "record")) + "]"])
+    problems = check_prepared(r.data, tokenizer)
+    assert [p.key for p in problems] == ["data.blend[0].path", "data.blend[1].path", "data.blend[2].path"]
+    assert "long.idx indexes" in problems[0].message and "different preparations" in problems[0].message
+    assert "short.idx indexes" in problems[1].message
+    assert "record.tokenizer.json records" in problems[2].message and "prepare" in problems[2].fix
+    with pytest.raises(RecipeError):
+        build_data(resolve(r, 2).recipe, 16, tokenizer)
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "short.idx").write_bytes(b"MMIDIDX\x00\x00" + b"\x02" * 30)
+    assert "is not a Megatron-Core index" in index_mismatch(str(tmp_path / "short"))
 
 
 @pytest.mark.slow

@@ -91,3 +91,20 @@ def test_resume_skips_a_checkpoint_whose_files_no_longer_match_its_manifest(tmp_
     assert ckpt.find_resume(tmp_path, "auto") == tmp_path / "step_00000010"
     with pytest.raises(ToolkitError, match="does not match its manifest"):
         ckpt.find_resume(tmp_path, str(tmp_path / "step_00000020"))
+
+
+def test_a_resume_with_other_data_or_schedule_says_so_in_one_line():
+    """The saved data position and schedule step carry over whatever the recipe now says. A resume on other data
+    (or, with a data.blend, other training.steps, which reorders it) went on without a word (a trial of
+    2026-12-07). stop_at_step, the loader's workers and the logging do not change what is trained: no line."""
+    from toolkit.recipe import load_recipe
+    from toolkit.run import resume_notes
+
+    saved = load_recipe("tiny_zero0", ["training.steps=6"]).model_dump(mode="json")
+    same = load_recipe("tiny_zero0", ["training.steps=6", "training.stop_at_step=3", "data.num_workers=2",
+                                      "logging.interval=1"])
+    assert resume_notes(saved, same) == [] and resume_notes(None, same) == []
+    other = load_recipe("tiny_zero0", ["training.steps=10", "data.paths=[other.jsonl]"])
+    (line,) = resume_notes(saved, other)
+    assert line.startswith("[toolkit] note: this run's recipe differs from the checkpoint's in data.paths "
+                           "['recipes/data/demo_corpus/train.jsonl'] -> ['other.jsonl']; training.steps 6 -> 10: ")

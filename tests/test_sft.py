@@ -50,6 +50,17 @@ def test_labels_are_the_assistant_turns_exactly(tok):
         "User: And 4 more?</s>\nAssistant:")
 
 
+def test_an_opening_assistant_message_is_context(tok):
+    """A greeting before the first user turn has no prompt before it to render: it is not trained, the replies
+    after it are. It stopped the run with a traceback (an empty conversation to the template; a trial of
+    2026-12-07)."""
+    greeting = {"role": "assistant", "content": "Hello, how can I help?"}
+    ids, labels = render([greeting] + CONV[1:], tok)
+    assert ids == tok(tok.apply_chat_template([greeting] + CONV[1:], tokenize=False), add_special_tokens=False)[
+        "input_ids"]
+    assert tok.decode([i for i, x in zip(ids, labels) if x != -100]) == " 2 plus 3 is 5.</s>\n 5 plus 4 is 9.</s>\n"
+
+
 def test_packing_keeps_whole_conversations_with_positions_from_zero():
     a, b, c = ([1] * 5, [-100] * 2 + [1] * 3), ([2] * 4, [-100] + [2] * 3), ([3] * 7, [-100] * 4 + [3] * 3)
     rows = pack([a, b, c], 10, pad_id=0, packing=True)
@@ -128,7 +139,10 @@ BAD = [
      "line 1 is a conversation without an assistant turn"),
     ("no_messages", [{"text": "hello"}], [], "line 1 has no 'messages' (its keys: text)"),
     ("bad_role", [{"messages": [{"role": "robot", "content": "x"}, ASSISTANT]}], [], "message 0 has role 'robot'"),
-    ("no_template", [{"messages": [ASSISTANT]}], ["data.tokenizer=recipes/data/demo_tokenizer"],
+    ("opening_assistant_only", [{"messages": [ASSISTANT, {"role": "user", "content": "hi"}]}], [],
+     "line 1 has an assistant turn only as its opening message, which is context, not trained"),
+    ("no_template", [{"messages": [{"role": "user", "content": "hi"}, ASSISTANT]}],
+     ["data.tokenizer=recipes/data/demo_tokenizer"],
      "data.tokenizer: recipes/data/demo_tokenizer has no chat template"),
 ]
 
@@ -155,6 +169,11 @@ def test_a_bad_row_past_the_checked_head_is_named_when_rendering(tok):
     cfg = load_recipe("tiny_sft").data
     raw = datasets.Dataset.from_list([{"messages": CONV}] * 2 + [{"messages": [{"role": "user", "content": "x"}]}])
     with pytest.raises(ToolkitError, match="row 3 is a conversation without an assistant turn"):
+        build_chat(raw, tok, cfg)
+    tool = [{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}, ASSISTANT]  # a role ROLES allows
+    raw = datasets.Dataset.from_list([{"messages": CONV}] * 2 + [{"messages": tool}])
+    with pytest.raises(ToolkitError, match=r"^data.paths: row 3: the chat template of recipes/data/chat_tokenizer "
+                                           r"refuses it \(TemplateError: unknown role tool\); fix or remove"):
         build_chat(raw, tok, cfg)
     tok_without = AutoTokenizer.from_pretrained("recipes/data/demo_tokenizer")
     with pytest.raises(ToolkitError, match="has no chat template"):

@@ -15,6 +15,7 @@ from toolkit.data.blend import build_blend
 from toolkit.data.heldout import build_heldout, check_eval_files, eval_micro_batches, eval_sequences
 from toolkit.data.indexed import check_prepared
 from toolkit.errors import Problem, RecipeError, ToolkitError
+from toolkit.format import manifest
 from toolkit.format.names import refuse_foreign
 from toolkit.megatron.backend import MegatronBackend
 from toolkit.megatron.runtime import te_available, uses_transformer_engine
@@ -148,8 +149,11 @@ def train(recipe: Recipe) -> list[dict]:
         source = f"eval.split {r.eval.split}" if r.eval.split is not None else f"eval.paths {r.eval.paths}"
         if r.eval.blend is not None:
             source = f"eval.blend of {len(r.eval.blend)} prepared datasets"
+        asked = r.eval.batches and r.eval.batches * batch.global_batch > eval_count
+        fewer = f" (eval.batches {r.eval.batches} asks for {r.eval.batches * batch.global_batch}: all full global " \
+                f"batches it holds)" if asked else ""
         log.info(f"[toolkit] eval: every {r.eval.interval} steps and at the end, {eval_count} of "
-                 f"{len(heldout):,} held-out sequences ({source})")
+                 f"{len(heldout):,} held-out sequences ({source}){fewer}")
     root, start = Path(r.checkpoint_dir), 0
     tag_dir = ckpt.find_resume(root, r.checkpoint.resume, log=log.info)  # names the choice and any skipped
     if tag_dir is not None:
@@ -157,6 +161,8 @@ def train(recipe: Recipe) -> list[dict]:
         stream.load_state_dict(state["data"])
         start = state["step"]
         log.info(f"[toolkit] resumed from {tag_dir} at step {start}")
+        for line in resume_notes(manifest.read_meta(tag_dir).get("recipe"), r):
+            log.info(line)
         log.resumed(start)
     meta = {"layout": backend.layout_meta, "recipe": r.model_dump(mode="json"), "backend": backend.name,
             "checkpoint_format": r.checkpoint.format, "micro_batch": batch.micro_batch}
@@ -191,6 +197,38 @@ def train(recipe: Recipe) -> list[dict]:
     log.close()
     shutdown()
     return records
+
+
+# What a resume carries from the checkpoint into a recipe that may have changed: the data position (an epoch and a
+# count of micro-batches, meaningful for the same sequences in the same order) and the step of the LR schedule.
+_CARRIED = {"data": None, "training": ("steps", "global_batch_size", "seed", "schedule")}
+_UNCARRIED = {"data.num_workers"}
+
+
+def resume_notes(saved: dict | None, r: Recipe) -> list[str]:
+    """One line when this run's data or schedule differs from the recipe its checkpoint was saved with. Not refused:
+    more steps, a new schedule or new data are what a user may want, but the saved data position then counts
+    another stream's micro-batches, and a data.blend's order (which depends on training.steps) changes."""
+    if not isinstance(saved, dict):
+        return []
+    now = r.model_dump(mode="json")
+    changed = []
+    for section, keys in _CARRIED.items():
+        was, new = saved.get(section) or {}, now[section]
+        for key in keys or sorted(new):
+            name = f"{section}.{key}"
+            if name not in _UNCARRIED and key in was and was[key] != new[key]:
+                changed.append(f"{name} {_short(was[key])} -> {_short(new[key])}")
+    if not changed:
+        return []
+    return [f"[toolkit] note: this run's recipe differs from the checkpoint's in {'; '.join(changed)}: the saved data "
+            "position and schedule step carry over as they are (the data order changes with data and, for a "
+            "data.blend, with training.steps)"]
+
+
+def _short(value) -> str:
+    text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _export_hf(r: Recipe, info: DistInfo, log: RunLog) -> None:

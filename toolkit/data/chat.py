@@ -39,7 +39,10 @@ def check_row(row, cfg: DataConfig) -> str | None:
             return f"message {i} is not an object with string 'role' and 'content'"
         if m["role"] not in ROLES:
             return f"message {i} has role {m['role']!r}; roles are {', '.join(ROLES)}"
-    if not any(m["role"] == "assistant" for m in msgs):
+    if not any(m["role"] == "assistant" for m in msgs[1:]):
+        if msgs[0]["role"] == "assistant":
+            return ("has an assistant turn only as its opening message, which is context, not trained (nothing "
+                    "precedes it to answer): there is nothing to train on; remove it")
         return "is a conversation without an assistant turn: there is nothing to train on; remove it"
     return None
 
@@ -65,14 +68,22 @@ def _no_template(cfg: DataConfig) -> Problem:
                    "use the tokenizer of an instruct/chat model, or add a chat_template.jinja to the folder")
 
 
+class TemplateRefused(Exception):
+    """The tokenizer's chat template raised on a conversation (e.g. a role it does not know)."""
+
+
 def render(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
-    """(input ids, labels) of one conversation: labels are the ids on assistant turns and -100 elsewhere."""
+    """(input ids, labels) of one conversation: labels are the ids on assistant turns and -100 elsewhere. An
+    assistant message that opens the conversation is context: no prompt precedes it, so it is not trained."""
     def text(msgs, gen):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        try:
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        except Exception as e:  # noqa: BLE001 - a template raises what its author chose (jinja2's TemplateError)
+            raise TemplateRefused(f"{type(e).__name__}: {str(e)[:120]}") from None
 
     full, pieces, at = text(messages, False), [], 0  # pieces: (text, is assistant)
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i == 0:
             continue
         before, after = text(messages[:i], True), text(messages[:i + 1], False)
         if not (full.startswith(after) and after.startswith(before) and len(before) >= at):
@@ -135,7 +146,11 @@ def build_chat(raw, tokenizer, cfg: DataConfig):
             why = check_row({cfg.messages_field: msgs}, cfg)
             if why:
                 raise ToolkitError(f"data.paths: row {i + 1} {why}")
-            ids, labels = render(msgs, tokenizer)
+            try:
+                ids, labels = render(msgs, tokenizer)
+            except TemplateRefused as e:
+                raise ToolkitError(f"data.paths: row {i + 1}: the chat template of {cfg.tokenizer} refuses it ({e}); "
+                                   "fix or remove that row, or use a tokenizer whose template takes it") from None
             if all(x == -100 for x in labels[:cfg.seq_len]):
                 continue  # cut at seq_len before its first assistant token: nothing to train on
             convs.append((ids, labels))

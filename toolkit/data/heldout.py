@@ -29,7 +29,7 @@ def check_eval_files(r: Recipe) -> list[Problem]:
     cfg = eval_data_config(r)
     if cfg is None:
         return []
-    return [Problem("eval.paths", p.message, p.fix) for p in check_files(cfg)]
+    return [Problem("eval.paths", p.message, p.fix.replace("data.paths", "eval.paths")) for p in check_files(cfg)]
 
 
 def build_heldout(r: Recipe, tokenizer, train, rank_zero_first=nullcontext, global_batch: int = 1):
@@ -53,8 +53,10 @@ def build_heldout(r: Recipe, tokenizer, train, rank_zero_first=nullcontext, glob
     if cfg is not None and e.interval:
         try:
             return train, build_dataset(cfg, tokenizer, rank_zero_first)
-        except ToolkitError as err:
-            raise ToolkitError(f"eval.paths: {err}") from None
+        except ToolkitError as err:  # its line names the files it read: eval.paths, not data.paths
+            line = str(err)
+            raise ToolkitError("eval.paths: " + line.removeprefix("data.paths: ").replace("data.paths", "eval.paths")
+                               ) from None
     return train, None
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy
 from tqdm import tqdm
 
-from toolkit.data.text import check_files, load_raw, text_column
+from toolkit.data.text import check_files, load_raw, missing_text, text_column
 from toolkit.errors import Problem, ToolkitError
 from toolkit.recipe.checks import expand_glob
 from toolkit.recipe.schema import DataConfig
@@ -50,6 +50,11 @@ def check_prepared(cfg: DataConfig, tokenizer, sources: list | None = None, key:
     ours, out = tokenizer_fingerprint(tokenizer, cfg.tokenizer), []
     for i, source in enumerate(cfg.blend or [] if sources is None else sources):
         record = prefix_files(source.path)["tokenizer"]
+        mismatch = index_mismatch(source.path)
+        if mismatch:
+            out.append(Problem(f"{key}[{i}].path", mismatch, f"prepare {source.path} again (toolkit data prepare "
+                               "--overwrite), or copy the .bin, .idx and .tokenizer.json of one preparation together"))
+            continue
         if not record.is_file():
             continue
         try:
@@ -66,6 +71,46 @@ def check_prepared(cfg: DataConfig, tokenizer, sources: list | None = None, key:
                                f"prepare it again with --tokenizer {cfg.tokenizer}, or set data.tokenizer to the "
                                "tokenizer it was prepared with"))
     return out
+
+
+_INDEX_MAGIC = b"MMIDIDX\x00\x00"  # Megatron-Core's .idx: magic, version <Q, dtype code <B, sequences <Q, documents <Q
+_ITEM_BYTES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}  # its DType codes -> bytes per token
+
+
+def index_mismatch(prefix: str) -> str | None:
+    """Why PREFIX.idx does not describe PREFIX.bin (or disagrees with the tokenizer record beside them), else None.
+    Reads the index's header and its last sequence's length and pointer, not the whole index: the .bin must end
+    where that sequence does. An .idx copied beside another preparation's .bin made runs read a third of the data,
+    or fail mid-step (a trial of 2026-12-07)."""
+    files = prefix_files(prefix)
+    idx, size = files["idx"], files["bin"].stat().st_size
+    with idx.open("rb") as f:
+        head = f.read(34)
+        if len(head) < 34 or head[:9] != _INDEX_MAGIC or int.from_bytes(head[9:17], "little") != 1 or \
+                head[17] not in _ITEM_BYTES:
+            return f"{idx} is not a Megatron-Core index (its header is not MMIDIDX version 1 with a known dtype)"
+        item = _ITEM_BYTES[head[17]]
+        sequences, documents = int.from_bytes(head[18:26], "little"), int.from_bytes(head[26:34], "little")
+        if idx.stat().st_size < 34 + 12 * sequences + 8 * documents:
+            return f"{idx} is cut short: its header lists {sequences:,} sequences that the file does not hold"
+        ends = 0
+        if sequences:
+            f.seek(34 + 4 * (sequences - 1))
+            length = int(numpy.frombuffer(f.read(4), numpy.int32)[0])
+            f.seek(34 + 4 * sequences + 8 * (sequences - 1))
+            ends = int(numpy.frombuffer(f.read(8), numpy.int64)[0]) + length * item
+    if ends != size:
+        return (f"{idx} indexes {ends:,} bytes of tokens but {files['bin']} holds {size:,}: the two files come from "
+                "different preparations")
+    try:
+        record = json.loads(files["tokenizer"].read_text()) if files["tokenizer"].is_file() else {}
+    except ValueError:
+        return None  # check_prepared names an unreadable record
+    said = (record.get("documents"), record.get("tokens")) if isinstance(record, dict) else (None, None)
+    if said != (None, None) and said != (sequences, size // item):
+        return (f"{files['tokenizer']} records {said[0]} documents and {said[1]} tokens, but {prefix}.bin/.idx hold "
+                f"{sequences:,} and {size // item:,}: the files come from different preparations")
+    return None
 
 
 # ---- prepare ---------------------------------------------------------------------------------------------------
@@ -85,7 +130,10 @@ def _encode(span: tuple[int, int]):
     that tokenizes to nothing is left out."""
     tok, start, end = _worker["tokenizer"], span[0], span[1]
     texts = _worker["raw"][start:end][_worker["column"]]
-    ids = tok([t or "" for t in texts], add_special_tokens=False)["input_ids"]
+    for i, t in enumerate(texts, start):
+        if not isinstance(t, str):  # past the rows check_files reads
+            raise ToolkitError(cli_words(missing_text(i, _worker["column"], t)))
+    ids = tok(texts, add_special_tokens=False)["input_ids"]
     eos = tok.eos_token_id
     docs = [x + [eos] for x in ids if x]
     flat = numpy.concatenate([numpy.array(d, dtype=_worker["dtype"]) for d in docs]) if docs else numpy.array([])
@@ -168,6 +216,13 @@ def _add_each(builder, flat, lengths) -> None:
         at += n
 
 
+def cli_words(line: str) -> str:
+    """A data check's line in the words of `toolkit data prepare`: its options, not the recipe keys they fill."""
+    for key, option in (("data.paths", "--input"), ("data.text_field", "--text-field"), ("data.format", "--format")):
+        line = line.replace(key, option)
+    return line
+
+
 def _check_inputs(cfg: DataConfig, output: str, overwrite: bool) -> list[str]:
     """Bad input stops here, before anything is written: one line naming the problem and the fix."""
     files = []
@@ -181,7 +236,7 @@ def _check_inputs(cfg: DataConfig, output: str, overwrite: bool) -> list[str]:
                 raise ToolkitError(f"--input: {pattern} matches no file; give text/jsonl/parquet files or globs")
             files += [str(f) for f in found]
         for p in check_files(cfg):
-            raise ToolkitError(f"--input: {p.message}; {p.fix}")
+            raise ToolkitError(cli_words(f"--input: {p.message}; {p.fix}"))
     taken = [str(p) for p in prefix_files(output).values() if p.exists()]
     if taken and not overwrite:
         raise ToolkitError(f"--output: {', '.join(taken)} already exists; choose another prefix or pass --overwrite")

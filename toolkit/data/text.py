@@ -93,7 +93,7 @@ def _check_text(file: Path, kind: str | None, cfg: DataConfig) -> tuple[str, str
 
 def _check_json_lines(text: str, whole: bool, cfg: DataConfig) -> tuple[str, str] | None:
     """JSON lines, one object per line with the text column; a .json file may instead hold one JSON array."""
-    fields = [cfg.text_field] + (["text"] if cfg.format == "auto" else [])
+    fields = [cfg.text_field]
     lines = text.splitlines()
     if not whole:
         lines = lines[:-1]  # the last line may be cut by the read budget
@@ -147,13 +147,22 @@ def load_raw(cfg: DataConfig):
 
 
 def text_column(raw, cfg: DataConfig) -> str:
-    """The column that holds the text: `text` for text files (and json/parquet that have one when the format is
-    auto), else data.text_field."""
-    text_field = "text" if "text" in raw.column_names and cfg.format in ("text", "auto") else cfg.text_field
+    """The column that holds the text: `text` for plain text files (the only column `datasets` gives them), else
+    data.text_field, also where the rows have a `text` column as well (a title beside the body)."""
+    files = [str(p) for pattern in cfg.paths for p in expand_glob(pattern)]
+    plain = not cfg.hub_dataset and _builder(files, cfg.format) == "text"
+    text_field = "text" if plain else cfg.text_field
     if text_field not in raw.column_names:
         raise ToolkitError(f"data.text_field: column {text_field!r} not in the dataset (columns: "
                            f"{raw.column_names}); set data.text_field to the text column")
     return text_field
+
+
+def missing_text(i: int, field: str, value) -> str:
+    """The line for row i (0-based, over all files in order) whose text column holds no string."""
+    what = "no text" if value is None else f"a {type(value).__name__}, not a string,"
+    return (f"data.paths: row {i + 1} has {what} under {field!r}; fix or remove that row (or set data.text_field "
+            "to the key that holds the text)")
 
 
 def tokenize_and_pack(raw, tokenizer, cfg: DataConfig):
@@ -164,14 +173,13 @@ def tokenize_and_pack(raw, tokenizer, cfg: DataConfig):
         raise ToolkitError(f"data.tokenizer: {cfg.tokenizer} has no eos token, needed to separate documents")
     n = cfg.seq_len
 
-    def encode(batch):
-        ids = tokenizer(batch[text_field], add_special_tokens=False)["input_ids"]
+    def encode(batch, idx):
+        texts = batch[text_field]
+        for i, t in zip(idx, texts):
+            if not isinstance(t, str):  # past the rows check_files reads
+                raise ToolkitError(missing_text(i, text_field, t))
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         return {"ids": [x + [eos] for x in ids]}
-
-    def pack(batch):
-        flat = list(chain.from_iterable(batch["ids"]))
-        blocks = [flat[i:i + n] for i in range(0, len(flat) - n + 1, n)]
-        return {"input_ids": blocks, "labels": blocks}
 
     def pad(batch):
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -179,10 +187,38 @@ def tokenize_and_pack(raw, tokenizer, cfg: DataConfig):
         return {"input_ids": [x + [pad_id] * (n - len(x)) for x in rows],
                 "labels": [x + [-100] * (n - len(x)) for x in rows]}
 
-    tokenized = raw.map(encode, batched=True, remove_columns=raw.column_names, desc="tokenizing")
-    out = tokenized.map(pack if cfg.packing else pad, batched=True, batch_size=1000,
-                        remove_columns=["ids"], desc="packing" if cfg.packing else "padding")
+    tokenized = raw.map(encode, batched=True, with_indices=True, remove_columns=raw.column_names, desc="tokenizing")
+    if cfg.packing:
+        out = pack_blocks(tokenized, n)
+    else:
+        out = tokenized.map(pad, batched=True, batch_size=1000, remove_columns=["ids"], desc="padding")
     return out.with_format("torch")
+
+
+def pack_blocks(tokenized, n: int):
+    """The documents' ids (each ending in EOS) concatenated in order and cut into blocks of n: block k is tokens
+    [k n, (k + 1) n) of the whole corpus, so only the corpus's last partial block is left out. Each batch of
+    documents makes the blocks that start in it, reading ahead into the next documents for the last one's end."""
+    import numpy
+    import pyarrow.compute as pc  # lazy: heavy; corpus reads only
+
+    lengths = pc.list_value_length(tokenized.data.column("ids")).to_numpy(zero_copy_only=False)
+    starts = numpy.concatenate([[0], numpy.cumsum(lengths, dtype=numpy.int64)])
+    blocks_in_all = int(starts[-1]) // n
+
+    def pack(batch, idx):
+        first, end = idx[0], idx[-1] + 1
+        at, stop = int(starts[first]), int(starts[end])  # the batch's tokens are [at, stop) of the corpus
+        k0, k1 = -(-at // n), min(-(-stop // n), blocks_in_all)  # the blocks that start in them
+        flat = list(chain.from_iterable(batch["ids"]))
+        if k1 * n - at > len(flat):  # the last block ends in the documents after this batch
+            upto = int(numpy.searchsorted(starts, k1 * n, side="left"))
+            flat += chain.from_iterable(tokenized[end:upto]["ids"])
+        blocks = [flat[k * n - at:(k + 1) * n - at] for k in range(k0, k1)]
+        return {"input_ids": blocks, "labels": blocks}
+
+    return tokenized.map(pack, batched=True, batch_size=1000, with_indices=True, remove_columns=["ids"],
+                         desc="packing")
 
 
 def build_dataset(cfg: DataConfig, tokenizer, rank_zero_first=nullcontext):
