@@ -304,6 +304,42 @@ def test_existing_destination_needs_overwrite_and_survives_a_failure(megatron_lm
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no partial folders left
 
 
+def test_what_appears_at_dst_while_converting_is_never_replaced_or_deleted(megatron_lm_ckpt, tmp_path, monkeypatch):
+    """DST is checked before a conversion and again at the rename that puts it in place. Two conversions to one
+    DST both printed `wrote DST` and one output silently replaced the other; a file a user added to an old output
+    during an --overwrite conversion was deleted (a trial of 2026-12-07)."""
+    from toolkit.checkpoint import output
+
+    work = tmp_path / "work"
+    dst, real_durable = work / "hf", output.durable
+    convert_to_hf(megatron_lm_ckpt, work / "other", vocab_size=VOCAB)
+
+    def another_conversion_lands(folder):  # just before this one's rename
+        if not dst.exists():
+            os.rename(work / "other", dst)
+        return real_durable(folder)
+
+    monkeypatch.setattr(output, "durable", another_conversion_lands)
+    with pytest.raises(ToolkitError, match=r"hf appeared while converting \(another process wrote it\); it is left"):
+        convert_to_hf(megatron_lm_ckpt, dst, vocab_size=VOCAB)
+    theirs = (dst / "model.safetensors").stat().st_ino
+    assert sorted(p.name for p in work.iterdir()) == ["hf"]  # this one's scratch folder is gone
+
+    def user_adds_a_file(folder):
+        (dst / "NOTES.txt").write_text("mine")
+        return real_durable(folder)
+
+    monkeypatch.setattr(output, "durable", user_adds_a_file)
+    with pytest.raises(ToolkitError, match="hf came to hold NOTES.txt while converting, which toolkit convert did not"):
+        convert_to_hf(megatron_lm_ckpt, dst, vocab_size=VOCAB, overwrite=True)
+    assert (dst / "NOTES.txt").read_text() == "mine" and (dst / "model.safetensors").stat().st_ino == theirs
+    assert sorted(p.name for p in work.iterdir()) == ["hf"]
+    monkeypatch.setattr(output, "durable", real_durable)
+    (dst / "NOTES.txt").unlink()
+    convert_to_hf(megatron_lm_ckpt, dst, vocab_size=VOCAB, overwrite=True)  # its own output: replaced
+    assert (dst / "model.safetensors").stat().st_ino != theirs and sorted(p.name for p in work.iterdir()) == ["hf"]
+
+
 @pytest.mark.parametrize("to", ["megatron_lm", "torch_dist", "hf"])
 def test_every_output_file_is_on_disk_before_it_is_renamed_into_place(megatron_lm_ckpt, tmp_path, monkeypatch, to):
     """Every file and folder of the output is fsynced before the rename that makes it DST (Megatron-LM's rank files
@@ -311,19 +347,19 @@ def test_every_output_file_is_on_disk_before_it_is_renamed_into_place(megatron_l
     from toolkit.checkpoint import output
     from toolkit.checkpoint.convert import convert
 
-    synced, real_fsync, real_replace = set(), os.fsync, os.replace
+    synced, real_fsync, real_rename = set(), os.fsync, output._rename_no_replace
     renamed = []
 
     def fsync(fd):
         synced.add(os.readlink(f"/proc/self/fd/{fd}"))
         return real_fsync(fd)
 
-    def replace(a, b):
+    def rename(a, b):
         renamed.append(str(a))
-        return real_replace(a, b)
+        return real_rename(a, b)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(output.os, "replace", replace)
+    monkeypatch.setattr(output, "_rename_no_replace", rename)
     dst = convert(megatron_lm_ckpt, tmp_path / "out", to, tp=2 if to != "hf" else 1, vocab_size=VOCAB,
                   progress=False, log=lambda *_: None)
     scratch = renamed[-1]

@@ -315,6 +315,39 @@ def test_tokenizer_and_generation_config_survive_a_trip_through_megatron(tmp_pat
     assert "generation_config.json" in meta["files"]  # listed and hashed like the tensors' files
 
 
+def test_a_training_runs_tokenizer_is_copied_only_when_named(tmp_path, capsys):
+    """A training checkpoint's recipe names data.tokenizer, a path of the run's machine and working folder: convert
+    read it (relative paths from the toolkit's install folder), outside SRC, and could copy another folder's files
+    or none without a word (a trial of 2026-12-07). Now --tokenizer names the folder; without it, one line says
+    the tokenizer was left out."""
+    src, secret = tmp_path / "hf", tmp_path / "elsewhere"
+    write_llama(src, tokenizer=True)
+    secret.mkdir()
+    (secret / "tokenizer_config.json").write_text('{"SECRET": "private"}')
+    assert cli.main(["convert", "--quiet", str(src), str(tmp_path / "mg"), "--to", "megatron"]) == 0
+    tag = tmp_path / "mg" / "step_00000000"
+    for name in [p.name for p in tag.iterdir() if p.name.startswith(("tokenizer", "special"))]:
+        (tag / name).unlink()  # as a training run's checkpoint: no tokenizer files in it
+    meta = json.loads((tag / "toolkit_meta.json").read_text())
+    meta["files"] = {k: v for k, v in meta["files"].items() if not k.startswith(("tokenizer", "special"))}
+    meta["recipe"] = {"data": {"tokenizer": str(secret)}}
+    (tag / "toolkit_meta.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert cli.main(["convert", "--quiet", str(tmp_path / "mg"), str(tmp_path / "a"), "--to", "hf"]) == 0
+    out = capsys.readouterr().out
+    assert not (tmp_path / "a" / "tokenizer_config.json").exists()
+    assert f"tokenizer: not copied: the checkpoint holds none, and its run's data.tokenizer ({secret}) is outside " \
+           f"SRC; add --tokenizer {secret}" in out, out
+    assert cli.main(["convert", "--quiet", str(tmp_path / "mg"), str(tmp_path / "b"), "--to", "hf", "--tokenizer",
+                     str(src)]) == 0
+    assert (tmp_path / "b" / "tokenizer_config.json").read_bytes() == (src / "tokenizer_config.json").read_bytes()
+    for args, says in ((["--to", "megatron", "--tokenizer", str(src)], "--to megatron writes no tokenizer: drop it"),
+                       (["--to", "hf", "--tokenizer", str(tmp_path / "none")], "not a folder holding tokenizer")):
+        assert cli.main(["convert", "--quiet", str(tmp_path / "mg"), str(tmp_path / "c"), *args]) == 2
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
 def test_a_signal_during_the_final_renames_waits_until_dst_is_in_place(tmp_path, monkeypatch):
     """Between moving the old DST aside and the new one in, DST does not exist: a SIGTERM there would leave the old
     output hidden as .DST.old-PID and no DST. It now stops the conversion only once both renames and the old copy's
@@ -327,7 +360,8 @@ def test_a_signal_during_the_final_renames_waits_until_dst_is_in_place(tmp_path,
     for folder, text in ((dst, "old"), (tmp, "new")):
         folder.mkdir()
         (folder / "weights").write_text(text)
-    real, sent = os.replace, []
+    output.mark(dst)  # an earlier output of toolkit convert, which --overwrite replaces
+    real, sent = os.rename, []
 
     def replace_and_signal(a, b):
         real(a, b)
@@ -335,9 +369,9 @@ def test_a_signal_during_the_final_renames_waits_until_dst_is_in_place(tmp_path,
             sent.append(sorted(p.name for p in tmp_path.iterdir()))
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(output.os, "replace", replace_and_signal)
+    monkeypatch.setattr(output.os, "rename", replace_and_signal)
     with output.stop_on_signals() as got, pytest.raises(KeyboardInterrupt):
-        output.replace(tmp, dst)
+        output.replace(tmp, dst, overwrite=True)
     assert sent and sent[0] != ["out"] and got == [signal.SIGTERM]  # it came mid-way, and stopped the rest after
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (dst / "weights").read_text() == "new"
     assert signal.getsignal(signal.SIGTERM) is not None and not output._held["on"]

@@ -96,6 +96,28 @@ def test_every_kind_of_foreign_entry_is_refused_before_anything_is_written(world
     assert snapshot(root) == before and snapshot(tmp_path / "elsewhere") == outside
 
 
+@pytest.mark.parametrize("name", names.ROOT_FILES)
+def test_a_users_pointer_or_script_in_a_folder_without_checkpoints_is_refused(world_of_one, tmp_path, name):
+    """A save writes `latest_complete`, DeepSpeed's `latest` and its zero_to_fp32.py beside the step folders: a
+    user's own files of those names were replaced (a trial of 2026-12-07). In a folder holding none of the toolkit's
+    checkpoints they are the user's."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / name).write_text("the user's own\n")
+    before = snapshot(root)
+    for resume in ("auto", "never"):
+        with pytest.raises(ToolkitError) as err:
+            ckpt.find_resume(root, resume)
+        assert str(err.value) == (f"checkpoint.dir {root} holds {name}, which the toolkit did not write (a name a run "
+                                  "writes beside its checkpoints, in a folder holding none of the toolkit's); move it "
+                                  f"out of {root} or choose another checkpoint.dir. Nothing in {root} was written or "
+                                  "deleted")
+    assert snapshot(root) == before
+    (root / name).unlink()
+    _save(root, 1)  # beside the toolkit's own checkpoints they are the toolkit's: resumed as before
+    assert ckpt.find_resume(root, "auto") == root / "step_00000001"
+
+
 def test_a_foreign_folder_appearing_during_the_run_is_never_written_nor_pruned(world_of_one, tmp_path):
     root = tmp_path / "ckpt"
     assert ckpt.find_resume(root, "auto") is None

@@ -157,6 +157,13 @@ def tok_symlink_out(src: Path) -> None:
     (src / "tokenizer.json").symlink_to(_outside(src.parent, "secret.json", b'{"secret": true}'))
 
 
+def weights_a_fifo(src: Path) -> None:
+    """A named pipe where the weights go: reading it waited forever, in inspect and convert (a trial of
+    2026-12-07)."""
+    (src / "model.safetensors").unlink()
+    os.mkfifo(src / "model.safetensors")
+
+
 def config_symlink_out(src: Path) -> None:
     target = _outside(src.parent, "config.json", (src / "config.json").read_bytes())
     (src / "config.json").unlink()
@@ -316,6 +323,19 @@ def test_hostile_source_is_refused_in_one_line_and_nothing_is_written(name, sour
     assert_one_line(code, out, err, phrases)
     assert out == ""
     assert snapshot(case) == before
+
+
+def test_a_named_pipe_in_the_source_is_refused_not_waited_on(built, tmp_path, capsys):
+    case = tmp_path / "case"
+    case.mkdir()
+    src = case / "src"
+    shutil.copytree(built("hf"), src, symlinks=True)
+    weights_a_fifo(src)
+    for argv in (["convert", str(src), str(case / "dst"), "--to", "megatron"], ["inspect", str(src)]):
+        code, out, err = run(argv, capsys)
+        said = out + err
+        assert code in (1, 2) and "model.safetensors is a named pipe (FIFO), not a regular file" in said, said
+    assert sorted(p.name for p in case.iterdir()) == ["src"]
 
 
 def test_a_link_that_loops_is_refused_as_source_and_as_destination(built, tmp_path, capsys):

@@ -300,6 +300,34 @@ def test_bad_data_stops_the_run_before_anything_starts(name, content, needle, tm
     assert snapshot(tmp_path) == before, "no run folder, log or TensorBoard file"
 
 
+def test_unusable_output_folders_stop_the_run_before_anything_starts(tmp_path, capsys, monkeypatch):
+    """An output_dir that is a file failed after the first step with a traceback; a user's metrics.jsonl was appended
+    to; an export_hf folder of the user's was found only once training was over (a trial of 2026-12-07)."""
+    from toolkit.run import check_before_start
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "unused"))
+    (tmp_path / "a_file").write_text("x")
+    user = tmp_path / "user"
+    (user / "hf").mkdir(parents=True)
+    (user / "hf" / "config.json").write_text("{}")
+    (user / "metrics.jsonl").write_text("my own notes\n")
+    before = snapshot(tmp_path)
+    cases = (([f"output_dir={tmp_path / 'a_file'}"], "output_dir", "a_file is a file"),
+             ([f"output_dir={user}"], "output_dir", "metrics.jsonl is not a log of the toolkit's"),
+             ([f"output_dir={tmp_path / 'ok'}", f"checkpoint.dir={tmp_path / 'a_file' / 'ck'}"], "checkpoint.dir",
+              "ck cannot be made: " + str(tmp_path / "a_file") + " is a file"),
+             ([f"output_dir={user}", "checkpoint.export_hf=true"], "checkpoint.export_hf",
+              "hf holds config.json, which toolkit convert did not write: the export at the end"))
+    for sets, key, needle in cases:
+        with pytest.raises(RecipeError) as e:
+            check_before_start(load_recipe("tiny_zero0", sets))
+        assert any(p.key == key and needle in p.message for p in e.value.problems), (needle, str(e.value))
+    (user / "metrics.jsonl").write_text('{"time": 1.0, "step": 10, "loss": 5.0}\n')  # the toolkit's: appended to
+    check_before_start(load_recipe("tiny_zero0", [f"output_dir={user}"]))
+    (user / "metrics.jsonl").write_text("my own notes\n")
+    assert snapshot(tmp_path) == before
+
+
 def test_good_data_passes_the_check():
     from toolkit.data import check_files
     from toolkit.recipe.schema import DataConfig

@@ -140,6 +140,28 @@ def test_render_prints_or_writes_and_keeps_an_existing_file(tmp_path):
     assert toolkit(*args, "--out", str(out), "--overwrite").returncode == 0 and out.read_text() == printed.stdout
 
 
+def test_render_out_never_writes_through_a_link_nor_makes_folders(tmp_path):
+    """--out wrote through a symbolic link (into the file it pointed at, elsewhere), made missing folders, and gave
+    a traceback for a folder with --overwrite; --all ignored --recipe and --out and rewrote the shipped scripts in
+    the toolkit's own folder (a trial of 2026-12-07)."""
+    args = ["slurm", "render", "--recipe", "tiny_zero3", "--nodes", "1", "--gpus-per-node", "2", "--cpu"]
+    target, link = tmp_path / "elsewhere.txt", tmp_path / "job.sbatch"
+    target.write_text("not a job script")
+    link.symlink_to(target)
+    assert toolkit(*args, "--out", str(link), "--overwrite").returncode == 0
+    assert target.read_text() == "not a job script" and not link.is_symlink() and "#SBATCH" in link.read_text()
+    for out, says in ((tmp_path / "new" / "job.sbatch", "does not exist; create it first"),
+                      (tmp_path, "that is a folder")):
+        proc = toolkit(*args, "--out", str(out), "--overwrite")
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "new").exists()
+    shipped = {p: p.stat().st_mtime_ns for p in (REPO / "slurm").glob("*.sbatch")}
+    for extra in (["--recipe", "tiny_zero3"], ["--out", str(tmp_path / "x.sbatch")]):
+        proc = toolkit("slurm", "render", "--all", *extra)
+        assert proc.returncode == 2 and "--all rewrites the shipped scripts" in proc.stderr, proc.stderr
+    assert {p: p.stat().st_mtime_ns for p in (REPO / "slurm").glob("*.sbatch")} == shipped
+
+
 # ---- the shipped headers against arithmetic done here, from the recipe files -------------------------------------
 
 def _recipe_yaml(name: str) -> dict:

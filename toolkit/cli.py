@@ -144,13 +144,23 @@ def cmd_show(args) -> int:
     return 0
 
 
+def _all_alone(args, command: str, what: str, names: tuple[str, ...]) -> None:
+    """`--all` rewrites the shipped files in the toolkit's own folder (a developer's command): with another option
+    it was read as a request for one file, and the option was ignored."""
+    given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) not in (None, False, [])]
+    if given:
+        raise ToolkitError(f"{command} --all rewrites the shipped {what} in {REPO_ROOT} and takes no "
+                           f"{', '.join(given)}; drop --all to render one recipe (or drop {', '.join(given)})")
+
+
 def cmd_render_ds(args) -> int:
     if args.all:
+        _all_alone(args, "toolkit render ds-config", "DeepSpeed configs", ("recipe", "overrides"))
         DS_CONFIG_DIR.mkdir(exist_ok=True)
         for name in shipped_deepspeed_recipes():
             out = DS_CONFIG_DIR / f"{name}.json"
             out.write_text(render_ds_json(name))
-            print(f"wrote {out.relative_to(REPO_ROOT)}")
+            print(f"wrote {out}")
         return 0
     if not args.recipe:
         raise ToolkitError("toolkit render ds-config needs --recipe NAME (or --all)")
@@ -235,7 +245,7 @@ def _convert(args) -> int:
     options = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, dtype=args.dtype, vocab_size=args.vocab_size,
                    fp32=args.fp32, weights_only=args.weights_only, overwrite=args.overwrite,
                    verify=not args.no_verify, dp=args.dp, progress=not args.quiet, config=args.config,
-                   verbose=args.verbose, divisible_by=args.divisible_by)
+                   verbose=args.verbose, divisible_by=args.divisible_by, tokenizer=args.tokenizer)
     out, announced = convert_by_copy(args.src, args.dst, args.to, **options, verifier=_copy_check)
     if out is not None:  # a conversion that only copies bytes: made without loading torch
         print(f"wrote {out}")
@@ -274,8 +284,10 @@ def cmd_slurm_render(args) -> int:
     from toolkit.slurm import render_job, write_job, write_shipped  # lazy: per command (above)
 
     if args.all:
+        _all_alone(args, "toolkit slurm render", "scripts", ("recipe", "nodes", "gpus_per_node", "out", "overrides",
+                                                             "partition", "time", "account", "job_name", "cpu"))
         for path in write_shipped():
-            print(f"wrote {path.relative_to(REPO_ROOT)}")
+            print(f"wrote {path}")
         return 0
     if args.recipe is None or args.nodes is None or args.gpus_per_node is None:
         raise ToolkitError("toolkit slurm render needs --recipe NAME --nodes N --gpus-per-node G (or --all)")
@@ -375,6 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="plain DeepSpeed checkpoints (engine.save_checkpoint without "
                    "the toolkit): the model's Hugging Face folder or config.json, when the checkpoint holds none")
     p.add_argument("--weights-only", action="store_true", help="leave the optimizer state behind")
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="--to hf: copy the tokenizer files of this local "
+                   "folder into DST (a training run's checkpoint holds none; its recipe's data.tokenizer is not read)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace DST, once the new checkpoint is complete, if DST is an earlier output of "
                    "toolkit convert (its .toolkit_output.json lists every entry) or empty")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import torch.distributed as dist
 
 from toolkit.adapters.megatron import check_megatron
 from toolkit.checkpoint.convert import convert_to_hf
+from toolkit.checkpoint.output import not_written_by_us
+from toolkit.checkpoint.safetensors_sources import TOKENIZER_FILES
 from toolkit.data import DataStream, build_dataset, check_files, check_fills_a_step
 from toolkit.data.blend import build_blend
 from toolkit.data.heldout import build_heldout, check_eval_files, eval_micro_batches, eval_sequences
@@ -42,6 +45,13 @@ def check_before_start(recipe: Recipe) -> None:
         problems += check_files(recipe.data)
     if not any(p.key == "eval.paths" for p in problems):
         problems += check_eval_files(recipe)
+    export = Path(recipe.out_dir) / "hf"
+    if recipe.checkpoint.export_hf and os.path.lexists(export):  # replaced at the end only if convert wrote it
+        theirs = "is a symbolic link" if export.is_symlink() else not_written_by_us(export)
+        if theirs:
+            what = theirs if export.is_symlink() else f"holds {theirs}, which toolkit convert did not write"
+            problems.append(Problem("checkpoint.export_hf", f"{export} {what}: the export at the end of the run "
+                                    "would be refused", "move it away, or choose another output_dir"))
     if problems:
         raise RecipeError(recipe.name, problems)
 
@@ -235,7 +245,9 @@ def _export_hf(r: Recipe, info: DistInfo, log: RunLog) -> None:
     """checkpoint.export_hf: the last checkpoint as a Hugging Face folder, <output_dir>/hf, written by rank 0 through
     the same converter as `toolkit convert --to hf` (verified, all or nothing, tokenizer carried along)."""
     if info.rank == 0:
-        dst = convert_to_hf(r.checkpoint_dir, Path(r.out_dir) / "hf", overwrite=True)
+        tokenizer = Path(r.data.tokenizer)  # the folder the run read (a hub name: none)
+        tokenizer = tokenizer if any((tokenizer / name).is_file() for name in TOKENIZER_FILES) else None
+        dst = convert_to_hf(r.checkpoint_dir, Path(r.out_dir) / "hf", overwrite=True, tokenizer=tokenizer)
         log.info(f"[toolkit] exported to Hugging Face: {dst}")
     dist.barrier()
 

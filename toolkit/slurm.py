@@ -18,6 +18,7 @@ import shlex
 from pathlib import Path
 
 from toolkit.errors import Problem, RecipeError, ToolkitError
+from toolkit.format.paths import check_write_path, write_replacing
 from toolkit.recipe import load_recipe, resolve
 from toolkit.recipe.loader import REPO_ROOT
 
@@ -172,12 +173,11 @@ def time_limit_seconds(limit: str) -> int | None:
 
 
 def write_job(script: str, out: str | Path, overwrite: bool = False) -> Path:
-    """Write a rendered script; an existing file is kept unless `overwrite`."""
+    """Write a rendered script; an existing file is kept unless `overwrite`. A link at `out` is replaced, not
+    written through (it was until 2026-12-07), and a missing folder is not created (as `plan --write`)."""
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise ToolkitError(f"{out} exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(script)
+    check_write_path(out, overwrite, "--out")
+    write_replacing(out, script)
     return out
 
 

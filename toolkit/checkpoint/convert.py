@@ -107,12 +107,14 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
             dtype: str | None = None, vocab_size: int | None = None, fp32: bool = False, weights_only: bool = False,
             overwrite: bool = False, verify: bool = True, dp: int | None = None, progress: bool = True,
             log=print, config: str | Path | None = None, verbose: bool = False, ep: int = 1, copy: bool = True,
-            announced: bool = False, divisible_by: int | None = None) -> Path:
+            announced: bool = False, divisible_by: int | None = None, tokenizer: str | Path | None = None) -> Path:
     """Convert SRC into DST (see the module docstring). Returns DST. `config`: the Hugging Face config of a plain
     DeepSpeed checkpoint (toolkit/checkpoint/plain_to_hf.py). `copy`: try the torch-free copy-only path first
     (toolkit/checkpoint/copy_only.py); `announced`: it already printed the "converting" line (and why it stopped).
-    `divisible_by`: a Megatron target's make_vocab_size_divisible_by (default: the source's)."""
+    `divisible_by`: a Megatron target's make_vocab_size_divisible_by (default: the source's). `tokenizer`: a folder
+    whose tokenizer files an hf target gets (outside SRC, so only when named)."""
     src, dst = Path(src), Path(dst)
+    tokenizer = copy_only.check_tokenizer_folder(to, tokenizer)
     _refuse_unused(to, tp, pp, vpp, ep, dtype, weights_only, vocab_size, fp32, config, divisible_by)
     if divisible_by is not None and to not in MEGATRON_TARGETS:
         raise ToolkitError(f"--make-vocab-size-divisible-by pads the vocabulary of a Megatron target (--to megatron, "
@@ -130,11 +132,13 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
         if dtype is not None and dtype not in DTYPES:
             raise ToolkitError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         return convert_plain_to_hf(src, dst, config, fp32, DTYPES[dtype] if dtype else None, overwrite, verify, log,
-                                   reader=UniversalSource, resolve=resolve_universal, kind="universal")
+                                   reader=UniversalSource, resolve=resolve_universal, kind="universal",
+                                   tokenizer=tokenizer)
     if to == "hf" and is_plain(src):
         if dtype is not None and dtype not in DTYPES:
             raise ToolkitError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-        return convert_plain_to_hf(src, dst, config, fp32, DTYPES[dtype] if dtype else None, overwrite, verify, log)
+        return convert_plain_to_hf(src, dst, config, fp32, DTYPES[dtype] if dtype else None, overwrite, verify, log,
+                                   tokenizer=tokenizer)
     # read by the two branches above only: never ignored silently (a plain checkpoint's own refusal comes below)
     if config is not None and not is_plain(src):
         if not _known(src):
@@ -147,7 +151,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     if copy:
         copied, announced = copy_only.convert_by_copy(src, dst, to, tp, pp, vpp, dtype, vocab_size, fp32,
                                                       weights_only, overwrite, verify, dp, progress, log, config,
-                                                      verbose, ep, lambda: CopyCheck, divisible_by)
+                                                      verbose, ep, lambda: CopyCheck, divisible_by, tokenizer)
         if copied is not None:  # bytes only: copied file to file
             return copied
     output.check_destination(src, dst, overwrite)
@@ -179,7 +183,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
         cast = DTYPES[dtype] if dtype else None
         _check_cast(source, cast, to == "hf" or weights_only, src, dtype)
         with output.scratch_folder(dst, "partial") as tmp, check:
-            target = (HFTarget(tmp, source, cast) if to == "hf"
+            target = (HFTarget(tmp, source, cast, tokenizer=tokenizer) if to == "hf"
                       else TorchDistTarget(tmp, source, tp, pp, vpp, cast, weights_only, ep, optimizer_plan)
                       if to == "torch_dist"
                       else MegatronLMTarget(tmp, source, tp, pp, vpp, cast, ep, weights_only, optimizer_writer)
@@ -191,8 +195,9 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
                 log(f"converting {source.describe()} at {src} -> {to}"
                     + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
                     + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write)")
-                for note in layout_notes(source, to, tp):
-                    log(note)
+                for note in layout_notes(source, to, tp) + [getattr(target, "note", None) if to == "hf" else None]:
+                    if note:
+                        log(note)
             # the copy path that began this printed the source's note (copy_only.convert_by_copy): not twice
             if to != "hf" and not (announced and getattr(source, "optimizer_note", None)) and (
                     getattr(source, "optimizer_note", None) or getattr(target, "note", None)):
@@ -207,7 +212,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
                                            digests, tmp if to == "hf" else None)
                 if verbose:
                     log(f"phases: verify {time.monotonic() - t0:.1f} s")
-            output.replace(tmp, dst)
+            output.replace(tmp, dst, overwrite)
             if hasattr(target, "megatron_lm_flags"):  # docs/convert.md, "Continuing in Megatron-LM or Megatron-Bridge"
                 log(f"to continue in Megatron-LM: --load {dst} {target.megatron_lm_flags()}")
     finally:
@@ -310,7 +315,8 @@ def _to_deepspeed(src: Path, dst: Path, dp: int | None, overwrite: bool, log=pri
 
 
 def convert_to_hf(src: str | Path, dst: str | Path, vocab_size: int | None = None, dtype: str | None = None,
-                  overwrite: bool = False, verify: bool = True) -> Path:
+                  overwrite: bool = False, verify: bool = True, tokenizer: str | Path | None = None) -> Path:
     """Shorthand for convert(..., to="hf")."""
     return convert(src, dst, "hf", dtype=dtype, vocab_size=vocab_size, overwrite=overwrite, verify=verify,
-                   progress=False, log=lambda *_: None)
+                   progress=False, log=lambda *_: None, tokenizer=tokenizer)
+

@@ -36,7 +36,8 @@ from pathlib import Path
 from toolkit.checkpoint import byte_ranges, output
 from toolkit.checkpoint.megatron_lm_write import MegatronLMTarget
 from toolkit.checkpoint.pickled_copy import open_megatron
-from toolkit.checkpoint.safetensors_sources import HFSource, ToolkitWeights, follow_pointer, stored_config
+from toolkit.checkpoint.safetensors_sources import (TOKENIZER_FILES, HFSource, ToolkitWeights, follow_pointer,
+                                                    stored_config)
 from toolkit.checkpoint.source_base import WEIGHT, Source, layout_notes, optimizer_note, read_for
 from toolkit.checkpoint.streaming import Progress, SourceCheck, WriteBehind, report, writers
 from toolkit.checkpoint.targets import HFTarget, MegatronTarget
@@ -56,11 +57,13 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
                     dtype: str | None = None, vocab_size: int | None = None, fp32: bool = False,
                     weights_only: bool = False, overwrite: bool = False, verify: bool = True, dp: int | None = None,
                     progress: bool = True, log=print, config: str | Path | None = None, verbose: bool = False,
-                    ep: int = 1, verifier=None, divisible_by: int | None = None) -> tuple[Path | None, bool]:
+                    ep: int = 1, verifier=None, divisible_by: int | None = None,
+                    tokenizer: Path | None = None) -> tuple[Path | None, bool]:
     """convert.convert's conversion, made here when it only copies bytes (the module docstring): (DST, True), or
     (None, whether it had begun: its "converting" line and the reason it stopped are printed) when the full path
     must make it (nothing is left behind then). `verifier`: for a verified conversion, a function that imports and
     returns the full path's check (convert.CopyCheck); without one a verified conversion is left to the full path."""
+    tokenizer = check_tokenizer_folder(to, tokenizer)
     if (not byte_ranges.ENABLED or (verify and verifier is None) or dtype is not None or fp32 or dp is not None
             or config is not None or to not in ("hf", "megatron", "megatron_lm", "torch_dist")
             or (divisible_by is not None and to == "hf")
@@ -77,7 +80,7 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
     begun, checker = False, None
     try:
         with output.scratch_folder(dst, "partial") as tmp, SourceCheck(source.unchecked) as check:
-            target = (HFTarget(tmp, source, None) if to == "hf"
+            target = (HFTarget(tmp, source, None, tokenizer=tokenizer) if to == "hf"
                       else MegatronLMTarget(tmp, source, tp, pp, vpp, None, ep, True) if to == "megatron_lm"
                       else TorchDistTarget(tmp, source, tp, pp, vpp, None, True, ep) if to == "torch_dist"
                       else MegatronTarget(tmp, source, tp, pp, vpp, None, True, ep))
@@ -87,8 +90,9 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
                 + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
                 + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write; file to file, "
                 + ("verified after" if verify else "torch-free") + ")")
-            for note in layout_notes(source, to, tp):
-                log(note)
+            for note in layout_notes(source, to, tp) + [getattr(target, "note", None) if to == "hf" else None]:
+                if note:
+                    log(note)
             if to != "hf" and getattr(source, "optimizer_note", None):
                 log(f"optimizer state: {optimizer_note(source.optimizer_note, src)}")
             begun = True
@@ -99,7 +103,7 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
             if checker is not None:
                 checker.check(tmp if to == "hf" else target.tag_dir, target.fields, tmp if to == "hf" else None, log,
                               verbose)
-            output.replace(tmp, dst)
+            output.replace(tmp, dst, overwrite)
             if hasattr(target, "megatron_lm_flags"):  # docs/convert.md, "Continuing in Megatron-LM or Megatron-Bridge"
                 log(f"to continue in Megatron-LM: --load {dst} {target.megatron_lm_flags()}")
     except _NotByCopy as e:
@@ -233,3 +237,18 @@ def _copy(source: Source, target, pp: int, vpp: int, progress: bool, log, verbos
             behind.submit(copies)
         check.wait()  # before the last writes are counted: a damaged source prints no "done" progress line
     report(target, behind, t0, plan_s, 0.0, 0.0, log, verbose)
+
+
+def check_tokenizer_folder(to: str, tokenizer: str | Path | None) -> Path | None:
+    """--tokenizer: a local folder holding tokenizer files, for an hf target."""
+    if tokenizer is None:
+        return None
+    if to != "hf":
+        raise ToolkitError(f"--tokenizer adds tokenizer files to a Hugging Face folder; --to {to} writes no "
+                           "tokenizer: drop it")
+    folder = Path(tokenizer)
+    if not folder.is_dir() or not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        names = ", ".join(TOKENIZER_FILES[:3])
+        raise ToolkitError(f"--tokenizer {tokenizer}: not a folder holding tokenizer files ({names}, ...); give the "
+                           "tokenizer's local folder. Nothing was written")
+    return folder

@@ -130,7 +130,7 @@ def reshard_deepspeed(src_tag_dir: str | Path, dst_root: str | Path, dp: int, ov
         (tmp / POINTER).write_text(tag)
         if (src.parent / "zero_to_fp32.py").is_file():  # DeepSpeed's own consolidation script, as beside the source
             shutil.copy2(src.parent / "zero_to_fp32.py", tmp / "zero_to_fp32.py")
-        output.replace(tmp, dst_root)  # an old one (overwrite) is moved aside first, so a failure never leaves neither
+        output.replace(tmp, dst_root, overwrite)  # an old one (overwrite) is moved aside first: never neither
     return dst_root / tag
 
 
@@ -300,5 +300,5 @@ def reshard_plain(src: str | Path, dst_root: str | Path, dp: int, overwrite: boo
         if (tag.parent / "zero_to_fp32.py").is_file() and (tag.parent / "latest").is_file():
             shutil.copy2(tag.parent / "zero_to_fp32.py", tmp / "zero_to_fp32.py")
         PlainDeepSpeedSource(tmp / tag.name, fp32=True).close()  # what was written reads back as a whole save
-        output.replace(tmp, dst_root)
+        output.replace(tmp, dst_root, overwrite)
     return dst_root

@@ -5,6 +5,7 @@ only when it is such a folder and holds nothing else, at any depth: never a fold
 file a user added to one."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -39,14 +40,14 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         raise ToolkitError(f"{dst} already exists; pass --overwrite to replace it (it is replaced only after the "
                            "new checkpoint is complete and verified)")
     if dst.exists():
-        foreign = _not_written_by_us(dst)
+        foreign = not_written_by_us(dst)
         if foreign:
             raise ToolkitError(f"{dst} holds {foreign}, which toolkit convert did not write; --overwrite replaces "
                                "only a folder written by toolkit convert: move it away yourself or choose another "
                                "destination. Nothing was written")
 
 
-def _not_written_by_us(dst: Path) -> str | None:
+def not_written_by_us(dst: Path) -> str | None:
     """The first entry under `dst`, at any depth, that its mark does not list (or what is wrong with the mark); None
     if all are. A mark written before marks listed subfolders' contents (2026-12-06: top-level names only) cannot
     vouch for what a subfolder holds now, so its subfolders count as not ours."""
@@ -91,19 +92,60 @@ def durable(folder: Path) -> None:
         list(pool.map(paths.fsync, [p for p in [folder, *folder.rglob("*")] if not p.is_symlink()]))
 
 
-def replace(tmp: Path, dst: Path) -> None:
-    """Move the finished folder into place, once all of it is on disk; an old DST (checked by check_destination) is
-    kept until the new one is there, then removed. Ctrl-C and SIGTERM wait until that is done: between the two
+def replace(tmp: Path, dst: Path, overwrite: bool) -> None:
+    """Move the finished folder into place, once all of it is on disk. check_destination ran before the conversion,
+    which takes minutes, so what it checked is checked again here, where it cannot change under the check:
+    - without overwrite, DST must still be absent: the rename refuses a DST that another process (a second
+      conversion to the same DST) put there meanwhile, instead of deleting it;
+    - with overwrite, the old DST is first renamed aside, then checked again for files the toolkit did not write
+      (a user's, added meanwhile); if there are any it is put back and the conversion refused.
+    The old DST is removed once the new one is there. Ctrl-C and SIGTERM wait until that is done: between the
     renames DST would be missing, its old copy hidden beside it (stop_on_signals)."""
     mark(tmp)
     durable(tmp)
     old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+    moved = False
     with _signals_held():
-        if dst.exists():
-            os.replace(dst, old)
-        os.replace(tmp, dst)
+        if overwrite and dst.exists() and not dst.is_symlink():
+            os.rename(dst, old)
+            moved = True
+            foreign = not_written_by_us(old)
+            if foreign:
+                os.rename(old, dst)  # back where it was (a folder only this process knows the hidden name of)
+                raise ToolkitError(f"{dst} came to hold {foreign} while converting, which toolkit convert did not "
+                                   "write; it is left as it was and the conversion was not moved into place: move "
+                                   "that file away and run the command again")
+        try:
+            _rename_no_replace(tmp, dst)
+        except FileExistsError:
+            if moved and not os.path.lexists(dst):
+                os.rename(old, dst)
+            raise ToolkitError(f"{dst} appeared while converting (another process wrote it); it is left as it was "
+                               "and this conversion was removed: give each conversion its own destination, or "
+                               "pass --overwrite to replace a folder toolkit convert wrote") from None
         paths.fsync(dst.parent)  # the rename itself on disk
-        shutil.rmtree(old, ignore_errors=True)
+        if moved:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _rename_no_replace(src: Path, dst: Path) -> None:
+    """rename(2) that never replaces: FileExistsError when dst exists (a file, a link, a folder empty or not)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is not None:  # glibc >= 2.28: atomic
+        at_fdcwd, rename_noreplace = -100, 1
+        if renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), rename_noreplace) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(err, os.strerror(err), str(dst))
+        if err not in (errno.EINVAL, errno.ENOSYS):  # EINVAL/ENOSYS: a file system without the flag
+            raise OSError(err, os.strerror(err), str(dst))
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    os.rename(src, dst)
 
 
 _held = {"on": False, "got": []}  # inside replace()'s renames: the signals that came meanwhile

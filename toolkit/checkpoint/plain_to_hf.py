@@ -112,7 +112,8 @@ def check_against_config(source: PlainDeepSpeedSource, config_file: Path, need_c
 
 def convert_plain_to_hf(src: str | Path, dst: str | Path, config: str | Path | None = None, fp32: bool = False,
                         dtype: torch.dtype | None = None, overwrite: bool = False, verify: bool = True,
-                        log=print, reader=PlainDeepSpeedSource, resolve=resolve_tag, kind: str = "plain") -> Path:
+                        log=print, reader=PlainDeepSpeedSource, resolve=resolve_tag, kind: str = "plain",
+                        tokenizer: Path | None = None) -> Path:
     """Convert a plain DeepSpeed checkpoint (folder with `latest`, or a global_stepN folder) to a Hugging Face
     folder; see the module docstring. `reader`/`resolve`: another source of the same interface (universal.py)."""
     src, dst = Path(src), Path(dst)
@@ -148,24 +149,24 @@ def convert_plain_to_hf(src: str | Path, dst: str | Path, config: str | Path | N
                         writer.write(name, source.get(name).to(cast[name]))
                 writer.close()
             write_index(tmp, files, shards, total)
-            _write_config(config_file, tmp, cast)
+            _write_config(config_file, tmp, cast, tokenizer)
             log(f"wrote {total / 2**30:.2f} GiB in {time.monotonic() - t0:.1f} s")
             if verify:
                 _verify(source, tmp, files, shards, cast, cls, total, log)
-            output.replace(tmp, dst)
+            output.replace(tmp, dst, overwrite)
     finally:
         source.close()
     return dst
 
 
-def _write_config(config_file: Path, folder: Path, cast: dict) -> None:
+def _write_config(config_file: Path, folder: Path, cast: dict, tokenizer: Path | None = None) -> None:
     config = json.loads(config_file.read_text())
     dtypes = {d for d in cast.values() if d.is_floating_point}
     main = max(dtypes, key=lambda d: sum(1 for v in cast.values() if v == d)) if dtypes else torch.float32
     config["dtype" if "dtype" in config else "torch_dtype"] = str(main).replace("torch.", "")
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    where = config_file.parent
-    for name in TOKENIZER_FILES:  # the tokenizer beside the config, when there is one
+    where = tokenizer or config_file.parent
+    for name in TOKENIZER_FILES:  # --tokenizer's, else the tokenizer beside the config, when there is one
         if (where / name).is_file():
             shutil.copy2(paths.inside(where, name, f"{where} (its tokenizer file)"), folder / name)
 

@@ -20,7 +20,6 @@ from toolkit.format import manifest, paths
 from toolkit.format import safetensors_stream as st
 from toolkit.format.names import (META, OPTIM_GROUPS, OPTIM_SCHEDULER, POINTER, SCHEMA_VERSION, chunk_key, model_file,
                                   optim_file, plain_group, tag_for)
-from toolkit.repo import REPO_ROOT
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +31,9 @@ class HFTarget:
     raw_bytes = True  # safetensors files: byte ranges can be copied in (toolkit/checkpoint/byte_ranges.py)
     concurrent_writes = True  # its files (safetensors_stream.Writer) take writes from several threads at once
 
-    def __init__(self, folder: Path, source: Source, dtype: torch.dtype | str | None, shard_bytes: int = SHARD_BYTES):
+    def __init__(self, folder: Path, source: Source, dtype: torch.dtype | str | None, shard_bytes: int = SHARD_BYTES,
+                 tokenizer: Path | None = None):
+        """`tokenizer`: a folder whose tokenizer files to add (a training run's own, or --tokenizer)."""
         self.folder, self.dims = folder, source.dims()
         self.fields = (WEIGHT,)
         out_dtype = st.dtype_name(dtype) if dtype is not None else source.dtype_name()
@@ -51,7 +52,7 @@ class HFTarget:
         if not config.get("architectures"):  # absent, or None in a config made from a config class (no model saved it)
             config["architectures"] = [family.hf_architecture]  # vLLM and others pick the model class from it
         (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        _copy_tokenizer(source, folder)
+        self.note = _copy_tokenizer(source, folder, tokenizer)
 
     def writes(self, entry, field: str, hf_tensors: list[torch.Tensor]) -> list[tuple[st.Writer, str, torch.Tensor]]:
         """(file, key, tensor) for each tensor this parameter puts in the folder."""
@@ -64,22 +65,27 @@ class HFTarget:
             w.close()
 
 
-def _copy_tokenizer(source: Source, folder: Path, recipe: bool = True) -> None:
-    """Carry the tokenizer (and generation_config.json, the chat template: TOKENIZER_FILES) along: from a Hugging Face
-    source folder, from a toolkit checkpoint's step folder that a conversion put them in, or (`recipe`) the recipe's
-    local tokenizer folder."""
-    where = getattr(source, "folder", None)
+def _copy_tokenizer(source: Source, folder: Path, given: Path | None = None) -> str | None:
+    """Carry the tokenizer (and generation_config.json, the chat template: TOKENIZER_FILES) along: from `given` (a
+    folder the user named, or a training run's own data.tokenizer), else from a Hugging Face source folder or a
+    toolkit checkpoint's step folder that a conversion put them in. Nothing outside SRC is read unless named: a
+    training checkpoint's recipe names its tokenizer, but as a path of the run's machine and working folder (it was
+    read until 2026-12-07, relative paths from the toolkit's install). Returns a note when that tokenizer is left
+    out."""
+    where = given if given is not None else getattr(source, "folder", None)
     tag = getattr(source, "tag_dir", None)
     if where is None and tag is not None and any((Path(tag) / name).is_file() for name in TOKENIZER_FILES):
         where = tag
-    if where is None and recipe and source.meta and source.meta.get("recipe"):
-
-        tok = Path(source.meta["recipe"].get("data", {}).get("tokenizer") or "")
-        where = tok if tok.is_absolute() else REPO_ROOT / tok
     if where is not None and Path(where).is_dir():
         for name in TOKENIZER_FILES:
             if (Path(where) / name).is_file():
                 shutil.copy2(paths.inside(Path(where), name, f"{where} (its tokenizer file)"), folder / name)
+        return None
+    named = (source.meta or {}).get("recipe", {}).get("data", {}).get("tokenizer") if source.meta else None
+    if named:
+        return (f"tokenizer: not copied: the checkpoint holds none, and its run's data.tokenizer ({named}) is outside "
+                f"SRC; add --tokenizer {named} (from the folder the run started in) to copy its files")
+    return None
 
 
 class MegatronTarget:
@@ -173,7 +179,7 @@ class MegatronTarget:
                             [self.tag_dir / f"toolkit_rank{rank:05d}.pt" for rank in range(layout["world_size"])])
         # the tokenizer files travel in the step folder, so that a conversion back to Hugging Face has them again
         # (generation_config.json's eos_token_id list, the chat template); the manifest lists and hashes them
-        _copy_tokenizer(self.source, self.tag_dir, recipe=False)
+        _copy_tokenizer(self.source, self.tag_dir)
         meta["files"] = manifest.complete(self.tag_dir, known)
         (self.tag_dir / META).write_text(json.dumps(meta, indent=2, default=str))
         (self.root / POINTER).write_text(self.tag_dir.name)

@@ -210,7 +210,7 @@ def write_universal(src: str | Path, dst: str | Path, overwrite: bool = False, l
         (tmp / POINTER).write_text(tag.name)
         log(f"wrote {count} parameters (fp32, exp_avg, exp_avg_sq each), read back and compared, in "
             f"{time.monotonic() - t0:.1f} s")
-        output.replace(tmp, dst)
+        output.replace(tmp, dst, overwrite)
     return dst
 
 

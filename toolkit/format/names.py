@@ -80,22 +80,34 @@ def own(tag_dir: Path) -> bool:
     return (tag_dir / META).is_file() or (tag_dir / STARTED).is_file() or not any(tag_dir.iterdir())
 
 
+# What a run writes beside its step folders: the toolkit's pointer, and DeepSpeed's own (with its consolidation
+# scripts, which DeepSpeed's save copies into the folder)
+ROOT_FILES = (POINTER, DEEPSPEED_POINTER, "zero_to_fp32.py", "zero_to_torch.py")
+
+
 def foreign(root: Path) -> list[Path]:
-    """The step_* entries of a checkpoint directory that the toolkit did not write (see own)."""
+    """The step_* entries of a checkpoint directory that the toolkit did not write (see own), and, in a folder
+    holding no step folder of the toolkit's, any of the files a run writes beside them (ROOT_FILES): a user's own
+    `latest` or `zero_to_fp32.py`, which a save would replace (it did until 2026-12-07)."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob(TAG_GLOB) if not own(p))
+    steps = list(root.glob(TAG_GLOB))
+    found = sorted(p for p in steps if not own(p))
+    if not any(own(p) for p in steps):
+        found += [root / name for name in ROOT_FILES if os.path.lexists(root / name)]
+    return found
 
 
 def refuse_foreign(root: Path, what: str = "checkpoint.dir") -> None:
-    """Refuse a checkpoint directory holding step_* entries the toolkit did not write: it would save into them and
-    delete them when pruning."""
+    """Refuse a checkpoint directory holding step_* entries (or files beside them) the toolkit did not write: it
+    would save into them, replace them, and delete them when pruning."""
     found = foreign(root)
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        raise ToolkitError(f"{what} {root} holds {found[0].name}{more}, which the toolkit did not write (no {META} "
-                           f"or {STARTED} in it); move it out of {root} or choose another {what}. Nothing in "
-                           f"{root} was written or deleted")
+        why = (f"no {META} or {STARTED} in it" if found[0].name.startswith("step_") else
+               "a name a run writes beside its checkpoints, in a folder holding none of the toolkit's")
+        raise ToolkitError(f"{what} {root} holds {found[0].name}{more}, which the toolkit did not write ({why}); move "
+                           f"it out of {root} or choose another {what}. Nothing in {root} was written or deleted")
 
 
 def mark_started(tag_dir: Path, step: int) -> None:

@@ -5,6 +5,7 @@ files into its own repository's blobs folder."""
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from toolkit.errors import ToolkitError
@@ -37,6 +38,14 @@ def inside(root: Path, name: str | Path, what: str) -> Path:
     if not any(real == home or home in real.parents for home in _homes(root)):
         raise ToolkitError(f"{what} names {name}, which resolves to {real}, outside {root}; a checkpoint may only "
                            f"refer to files inside its own folder: copy the file into {root} (not a link out of it)")
+    try:
+        mode = real.stat().st_mode
+    except OSError:
+        return path  # missing: its reader says so
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a read of a FIFO waits forever (a trial of 2026-12-07)
+        kind = "named pipe (FIFO)" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode) else "device file"
+        raise ToolkitError(f"{path} is a {kind}, not a regular file; a checkpoint's files are regular files: replace "
+                           "it with the file itself")
     return path
 
 
@@ -70,3 +79,32 @@ def fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_write_path(path: Path, overwrite: bool, option: str) -> None:
+    """A file the user asked for (`plan --write`, `slurm render --out`) can be written: not a folder, not an existing
+    file without overwrite, in a folder that exists and is writable. Checked before anything is written, so a typo
+    leaves nothing behind. Write it with write_replacing."""
+    path = Path(path)
+    if path.is_dir():
+        raise ToolkitError(f"{option} {path}: that is a folder; give a file path in it")
+    if os.path.lexists(path) and not overwrite:
+        raise ToolkitError(f"{path} exists; pass --overwrite to replace it, or choose another {option} path")
+    folder = path.parent
+    if not folder.is_dir():
+        raise ToolkitError(f"{option} {path}: the folder {folder} does not exist; create it first (mkdir -p "
+                           f"{folder}) or choose another path")
+    if not os.access(folder, os.W_OK):
+        raise ToolkitError(f"{option} {path}: the folder {folder} is not writable; choose another path")
+
+
+def write_replacing(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it over `path`: a link at `path` is replaced
+    itself, never written through, and a reader never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from toolkit.errors import Problem, RecipeError, ToolkitError
+from toolkit.format.paths import check_write_path
 from toolkit.metrics import count_params
 from toolkit.plan import report
 from toolkit.plan.choice import from_recipe
@@ -40,21 +41,6 @@ def cluster_from_args(args) -> Cluster:
 
 def _global_batch(r) -> int:
     return r.training.global_batch_size or resolve(r).batch.global_batch
-
-
-def check_write_path(path: Path, overwrite: bool) -> None:
-    """`--write PATH` can be written: its folder exists and is writable, and it is not a folder itself. Checked
-    before the temporary file is written, so a typo leaves nothing behind."""
-    if path.is_dir():
-        raise ToolkitError(f"--write {path}: that is a folder; give a file path such as {path / 'planned.yaml'}")
-    if path.exists() and not overwrite:
-        raise ToolkitError(f"{path} exists; pass --overwrite to replace it, or choose another --write path")
-    folder = path.parent
-    if not folder.is_dir():
-        raise ToolkitError(f"--write {path}: the folder {folder} does not exist; create it first (mkdir -p "
-                           f"{folder}) or choose another path")
-    if not os.access(folder, os.W_OK):
-        raise ToolkitError(f"--write {path}: the folder {folder} is not writable; choose another path")
 
 
 def run(args) -> int:
@@ -109,7 +95,7 @@ def run(args) -> int:
 
 
 def _write(path: Path, args, best, cluster, why) -> None:
-    check_write_path(path, args.overwrite)
+    check_write_path(path, args.overwrite, "--write")
     base = str(find_recipe(args.recipe).resolve())
     tmp = path.with_name(path.name + ".tmp")
     report.write_recipe(tmp, base, parse_overrides(args.overrides, args.recipe), best, cluster, why)

@@ -285,7 +285,45 @@ def check_paths(r: Recipe) -> list[Problem]:
                            "convert the weights to safetensors, or set model.pretrained: false"))
     out += _check_hf_config(r)
     out += check_nvme_path(r)
+    out += check_output_paths(r)
     return out
+
+
+def check_output_paths(r: Recipe) -> list[Problem]:
+    """The folders the run writes: each a folder (or not there yet) that this user can write, and no metrics.jsonl of
+    someone else's in output_dir (the run appends to it). Found at the first logged step until 2026-12-07, with a
+    traceback, after training had begun (and checkpoints had been saved elsewhere)."""
+    out = []
+    for key, folder in (("output_dir", Path(r.out_dir)), ("checkpoint.dir", Path(r.checkpoint_dir))):
+        if folder.exists() and not folder.is_dir():
+            out.append(Problem(key, f"{folder} is a file", "give a folder path: the run writes its files in it"))
+            continue
+        existing = next((p for p in [folder, *folder.absolute().parents] if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            out.append(Problem(key, f"{folder} cannot be made: {existing} is a file", "give a folder path"))
+        elif existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+            out.append(Problem(key, f"{folder} cannot be written: {existing} is not writable by this user (or is on a "
+                               "read-only file system)", "choose a folder you can write"))
+    metrics = Path(r.out_dir) / "metrics.jsonl"
+    if metrics.is_file() and not _our_metrics(metrics):
+        out.append(Problem("output_dir", f"{metrics} is not a log of the toolkit's (its first line is not a step "
+                           "record), and the run would append to it", "move it away or choose another output_dir"))
+    return out
+
+
+def _our_metrics(path: Path) -> bool:
+    """Whether metrics.jsonl begins with a step record as toolkit.metrics writes them (or is empty)."""
+    import json
+
+    with path.open("rb") as f:
+        first = f.readline(1 << 16).strip()
+    if not first:
+        return True
+    try:
+        record = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and {"time", "step", "loss"} <= set(record)
 
 
 def _check_hf_config(r: Recipe) -> list[Problem]:
