@@ -5,7 +5,8 @@ the engine's own gathered 16-bit weights (`engine.save_16bit_model`).
     deepspeed --num_gpus 3 tests/plain_deepspeed_train.py --out DIR --runs RUNS_JSON
 
 RUNS_JSON is a list of {"name", "model": "llama"|"qwen2", "stage", "dtype": "bf16"|"fp16"|"fp32", "steps",
-"extra_step": bool, "config_beside": bool, "freeze": bool, "sizes": {config overrides}, "no_16bit": bool,
+"extra_step": bool, "config_beside": bool, "freeze": bool, "numpy_state": bool, "sizes": {config overrides},
+"no_16bit": bool,
 "global_batch": G, "save_at": N, "resume_universal": DIR, "resume": DIR, "zero": {zero_optimization overrides}};
 the runs train one after another in this one launch (one
 process start for several checkpoints). With "global_batch" every step draws one global batch of G sequences from
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import deepspeed
+import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
@@ -106,7 +108,10 @@ def train_one(run: dict, out: Path) -> None:
         dist.barrier()
         engine.destroy()
         return
-    engine.save_checkpoint(str(ckpt))
+    # numbers of numpy's in client_state (common: an epoch, a best loss) made the checkpoint unreadable until
+    # 2026-12-07: refused as an unknown pickled class
+    numbers = {"epoch": np.int64(3), "best_loss": np.float64(1.5), "improved": np.bool_(True)}
+    engine.save_checkpoint(str(ckpt), client_state=numbers if run.get("numpy_state") else {})
     if not run.get("no_16bit"):
         engine.save_16bit_model(str(out / f"{run['name']}.16bit"), "model16.bin")
     if run.get("extra_step"):  # a second, later checkpoint in the same folder (files of another step)

@@ -34,8 +34,8 @@ RUNS = {
     3: [dict(name="llama_z3_bf16", model="llama", stage=3, dtype="bf16", steps=2, extra_step=True),
         dict(name="qwen_z2_fp32", model="qwen2", stage=2, dtype="fp32", steps=2, freeze=True),
         dict(name="qwen_z1_bf16", model="qwen2", stage=1, dtype="bf16", steps=2, config_beside=True)],
-    2: [dict(name="llama_z1_fp32", model="llama", stage=1, dtype="fp32", steps=2),
-        dict(name="llama_z2_bf16", model="llama", stage=2, dtype="bf16", steps=2),
+    2: [dict(name="llama_z1_fp32", model="llama", stage=1, dtype="fp32", steps=2, numpy_state=True),
+        dict(name="llama_z2_bf16", model="llama", stage=2, dtype="bf16", steps=2, freeze=True),
         dict(name="qwen_z3_fp32", model="qwen2", stage=3, dtype="fp32", steps=2, freeze=True),
         dict(name="llama_z0_bf16", model="llama", stage=0, dtype="bf16", steps=1),
         dict(name="llama_z2_fp16", model="llama", stage=2, dtype="fp16", steps=2),  # a dynamic loss scaler
@@ -101,9 +101,11 @@ def test_fp32_equals_deepspeeds_zero_to_fp32(world, name, runs, tmp_path):
     ref = get_fp32_state_dict_from_zero_checkpoint(str(root / name))
     aliases = {"lm_head.weight": "model.embed_tokens.weight"} if name in TIED else {}
     assert set(ref) == set(got) | set(aliases)
-    for key, tensor in ref.items():
+    for key, tensor in ref.items():  # a frozen parameter has no master: zero_to_fp32 keeps it in the training
+        # dtype, the toolkit casts it (exactly), so that the folder holds one dtype (llama_z2_bf16's frozen norm)
         mine = got[aliases.get(key, key)]
-        assert mine.dtype == tensor.dtype and torch.equal(mine, tensor), key
+        assert mine.dtype == torch.float32 and torch.equal(mine, tensor.float()), key
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "float32"
 
 
 @pytest.mark.slow
@@ -225,6 +227,29 @@ def test_config_missing_or_of_another_model_is_refused(runs, tmp_path, capsys):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
 
 
+def test_a_config_that_ties_what_the_checkpoint_does_not_is_refused(runs, tmp_path, capsys):
+    """A tied config over an untied checkpoint (its lm_head trained on its own) was written and printed "verified":
+    from_pretrained kept both tensors. The toolkit then refused its own output; with transformers 4 the tie would
+    have replaced lm_head. The reverse was refused only by the verification, in a table of missing keys (a trial
+    of 2026-12-07). Both ways now one line, before anything is written, with or without verification."""
+    import json
+
+    root = runs(2)
+    for name, tie in (("llama_z1_fp32", True), ("qwen_z3_fp32", False)):
+        config = tmp_path / f"{name}.config"
+        config.mkdir()
+        spec = json.loads((root / f"{name}.config" / "config.json").read_text())
+        (config / "config.json").write_text(json.dumps({**spec, "tie_word_embeddings": tie}))
+        for verify in ([], ["--no-verify"]):
+            capsys.readouterr()
+            assert convert(root / name, tmp_path / "out", "--config", config, *verify) == 2
+            err = capsys.readouterr().err.strip()
+            says = ("ties lm_head.weight to model.embed_tokens.weight (tie_word_embeddings: true), but" if tie else
+                    "ties lm_head.weight to model.embed_tokens.weight, but")
+            assert err.startswith("error: ") and "\n" not in err and says in err, (verify, err)
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------------------------------- universal
 @pytest.fixture(scope="module")
 def universal(runs, tmp_path_factory):
@@ -250,6 +275,23 @@ def universal(runs, tmp_path_factory):
                + [dict(name=f"rs_{n}", model=m, stage=z, dtype=d, steps=2, global_batch=6,
                        resume=str(out / f"rs{world}" / n)) for n, m, z, d in UNIVERSAL])
     return root, out
+
+
+def test_options_of_other_targets_are_refused_for_deepspeeds_own_files(runs, universal, tmp_path, capsys):
+    """A plain or universal source went down its own branch before the checks: --dp, --tp and --pp were ignored in
+    silence (`--to universal --dp 3` looked like a dp=3 checkpoint; a trial of 2026-12-07)."""
+    plain = _src(runs(2), "llama_z2_bf16")
+    uc = universal[1] / "ours" / "uc_llama_z2_bf16"
+    cases = [(plain, "hf", ["--dp", "4"], "--dp sets the data-parallel size of a DeepSpeed target"),
+             (plain, "hf", ["--tp", "2", "--pp", "2"], "--tp/--pp/--vpp describe a Megatron target"),
+             (plain, "universal", ["--dp", "3"], "drop it for --to universal"),
+             (uc, "hf", ["--dp", "4"], "drop it for --to hf")]
+    for src, to, options, message in cases:
+        capsys.readouterr()
+        assert cli.main(["convert", str(src), str(tmp_path / "out"), "--to", to, "--quiet", *options]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err and message in err, err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
@@ -420,6 +462,20 @@ def test_universal_bad_input_one_line_nothing_written(runs, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["no_optim", "planted", "taken", "uc"]
     assert not marker.exists()
     assert not any((tmp_path / "taken").iterdir())
+    # a damaged or planted state file of a universal checkpoint: inspect called it complete, convert refused it
+    state = next(universal.rglob("lm_head.weight/fp32.pt"))
+    with state.open("r+b") as f:
+        f.truncate(state.stat().st_size - 50)
+    shutil.copytree(universal, tmp_path / "uc_planted")
+    torch.save({"param": RunsShell(marker)}, next((tmp_path / "uc_planted").rglob("lm_head.weight/exp_avg.pt")))
+    for src, says in ((universal, "lm_head.weight/fp32.pt: the file is truncated or damaged"),
+                      (tmp_path / "uc_planted", "holds a pickled posix.system")):
+        capsys.readouterr()
+        assert cli.main(["inspect", str(src)]) == 1
+        out = capsys.readouterr().out
+        assert "INCOMPLETE" in out and says in out, out
+        assert cli.main(["convert", str(src), str(tmp_path / "out"), "--to", "hf", "--quiet"]) == 2
+    assert not marker.exists() and not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow

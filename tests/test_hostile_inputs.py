@@ -328,6 +328,21 @@ def test_unusable_output_folders_stop_the_run_before_anything_starts(tmp_path, c
     assert snapshot(tmp_path) == before
 
 
+def test_fp16_with_deepspeed_on_cpu_is_one_line_before_anything_starts():
+    """DeepSpeed's CPU accelerator refuses fp16 once the engine is built: 23 lines of traceback after start-up (a
+    trial of 2026-12-07). The Megatron backend runs fp16 on CPU."""
+    import torch
+
+    from toolkit.run import check_before_start
+
+    assert not torch.cuda.is_available()
+    with pytest.raises(RecipeError) as e:
+        check_before_start(load_recipe("tiny_zero2", ["training.precision=fp16"]))
+    assert [p.key for p in e.value.problems] == ["training.precision"]
+    assert "fp16 does not run on CPU with DeepSpeed" in e.value.problems[0].message
+    check_before_start(load_recipe("tiny_tp2", ["training.precision=fp16"]))
+
+
 def test_good_data_passes_the_check():
     from toolkit.data import check_files
     from toolkit.recipe.schema import DataConfig

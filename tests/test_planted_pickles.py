@@ -154,6 +154,11 @@ def test_toolkit_rank_file_is_refused_on_resume(payload, tmp_path):
             ckpt.load(backend, tag_dir, {"dp": 1})
         assert str(err.value) == f"checkpoint {tag_dir}: {refused(rank_file, payload)}"
         assert backend.loaded is None and not marker.exists()
+        from toolkit.checkpoint.inspect import inspect  # called it complete: its manifest matches (2026-12-07)
+
+        report = inspect(tag_dir)
+        assert not report["complete"] and report["problems"] == [refused(rank_file, payload)]
+        assert not marker.exists()
     finally:
         dist.destroy_process_group()
 

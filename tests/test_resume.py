@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import launch, read_metrics
+from conftest import UNINTERRUPTED, launch, read_metrics
 from reference import assert_blend_val_loss
 
 STEPS = 8
@@ -38,6 +38,24 @@ def test_resume_reproduces_uninterrupted_run(recipe, uninterrupted, tmp_path, re
     if recipe.endswith("_blend.yaml"):  # eval.split 0.1 of each source's documents, one global batch every 4 steps
         assert "eval: every 4 steps and at the end, 16 of 16 held-out sequences (eval.split 0.1)" in proc.stdout
         assert_blend_val_loss(recipe, tmp_path / "split", COMMON, split, straight, [4, 8])
+
+
+@pytest.mark.slow
+def test_a_resume_at_another_micro_batch_size_continues_the_same_data(uninterrupted, stopped, tmp_path):
+    """The same global batch as micro 4 x 2 accumulation instead of micro 8: the saved data position counts micro-
+    batches of 8. It was read as micro-batches of 4 (half as many sequences), so the run trained again on what it
+    had seen (a trial of 2026-12-07: step 5's loss 5.76 against 5.86)."""
+    import shutil
+
+    straight = uninterrupted("tiny_zero3", STEPS)
+    shutil.copytree(stopped("tiny_zero3", STEPS, 4), tmp_path / "split")
+    launch("tiny_zero3", [f"training.steps={STEPS}", *UNINTERRUPTED, "training.micro_batch_size=4"], nproc=2,
+           out_dir=tmp_path / "split")
+    split = read_metrics(tmp_path / "split")
+    assert [m["step"] for m in split] == list(range(1, STEPS + 1))
+    assert [m["loss"] for m in split[:4]] == [m["loss"] for m in straight[:4]]  # the first launch's records
+    for a, b in zip(split[4:], straight[4:]):  # the same sequences, their gradients summed in another order
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a["step"], a["loss"], b["loss"])
 
 
 def test_a_resumed_launch_marks_its_first_record_and_purges_tensorboards_later_steps(tmp_path):

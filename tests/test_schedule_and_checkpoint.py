@@ -76,6 +76,11 @@ def test_resume_on_another_layout_is_refused_before_loading(tmp_path):
     with pytest.raises(ToolkitError, match="written with world_size=2, zero_stage=3, this run has dp=4, "
                                            "world_size=4, zero_stage=3"):
         ckpt.load(backend=None, tag_dir=d, layout_meta={"world_size": 4, "zero_stage": 3, "dp": 4})
+    # another stage: `toolkit convert --to deepspeed` moves dp only, so the line must not send the user there
+    with pytest.raises(ToolkitError, match=r"written at ZeRO stage 3, this run has stage 2: a ZeRO checkpoint resumes "
+                                           r"at its own stage .* relaunch with parallel.zero_stage: 3") as e:
+        ckpt.load(backend=None, tag_dir=d, layout_meta={"world_size": 2, "zero_stage": 2, "dp": 2})
+    assert "--to deepspeed" not in str(e.value)
 
 
 def test_resume_skips_a_checkpoint_whose_files_no_longer_match_its_manifest(tmp_path):

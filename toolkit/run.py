@@ -41,6 +41,10 @@ def check_before_start(recipe: Recipe) -> None:
             raise ToolkitError(f"{lock} was left by a DeepSpeed op build that was killed (no process holds it), and "
                                f"DeepSpeed would wait for it forever: delete it (rm {lock}) and start again")
     problems = check_paths(recipe)
+    if recipe.parallel.backend == "deepspeed" and recipe.training.precision == "fp16" and not torch.cuda.is_available():
+        # DeepSpeed's CPU accelerator refuses fp16 once the engine is built: a traceback after start-up
+        problems.append(Problem("training.precision", "fp16 does not run on CPU with DeepSpeed (its CPU accelerator "
+                                "supports bf16 and fp32)", "use bf16 or fp32 here; fp16 is for GPUs"))
     if recipe.data.blend is None and not any(p.key == "data.paths" for p in problems):
         problems += check_files(recipe.data)
     if not any(p.key == "eval.paths" for p in problems):

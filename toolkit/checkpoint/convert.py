@@ -119,6 +119,16 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
     if divisible_by is not None and to not in MEGATRON_TARGETS:
         raise ToolkitError(f"--make-vocab-size-divisible-by pads the vocabulary of a Megatron target (--to megatron, "
                            f"torch_dist or megatron_lm); --to {to} has no padding: drop it")
+    # before any branch returns (a universal or plain DeepSpeed source took --dp, --tp and --pp in silence until
+    # 2026-12-07)
+    if dp is not None and to != "deepspeed":
+        raise ToolkitError(f"--dp sets the data-parallel size of a DeepSpeed target (--to deepspeed); drop it for "
+                           f"--to {to}")
+    if to == "hf" and (tp, pp, vpp) != (1, 1, 1):
+        raise ToolkitError("--tp/--pp/--vpp describe a Megatron target; a Hugging Face folder is not sharded")
+    if ep > 1 and to == "hf":
+        raise ToolkitError(f"--ep {ep}: expert-parallel files are written in the toolkit's Megatron layout and "
+                           "Megatron-LM's legacy one; a Hugging Face folder holds every expert in one model: drop --ep")
     if to == "universal":  # DeepSpeed's universal checkpoint from a ZeRO checkpoint (toolkit/checkpoint/universal.py)
         return write_universal(src, dst, overwrite, log)
     if vocab_size is not None and (is_universal(src) or is_plain(src)):
@@ -145,9 +155,6 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
             raise not_a_checkpoint(src) if src.exists() else ToolkitError(f"{src} does not exist")
         raise ToolkitError(f"--config gives the model of a DeepSpeed checkpoint (plain or universal) converted --to hf; "
                            f"{src} --to {to} reads its own: drop --config")
-    if dp is not None and to != "deepspeed":
-        raise ToolkitError(f"--dp sets the data-parallel size of a DeepSpeed target (--to deepspeed); drop it for "
-                           f"--to {to}")
     if copy:
         copied, announced = copy_only.convert_by_copy(src, dst, to, tp, pp, vpp, dtype, vocab_size, fp32,
                                                       weights_only, overwrite, verify, dp, progress, log, config,
@@ -161,11 +168,6 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
         return _to_deepspeed(src, dst, dp, overwrite, log)
     if to not in ("hf", "megatron", "torch_dist", "megatron_lm"):
         raise ToolkitError(f"--to {to!r} is not one of hf, megatron, torch_dist, megatron_lm, deepspeed, universal")
-    if to == "hf" and (tp, pp, vpp) != (1, 1, 1):
-        raise ToolkitError("--tp/--pp/--vpp describe a Megatron target; a Hugging Face folder is not sharded")
-    if ep > 1 and to == "hf":
-        raise ToolkitError(f"--ep {ep}: expert-parallel files are written in the toolkit's Megatron layout and "
-                           "Megatron-LM's legacy one; a Hugging Face folder holds every expert in one model: drop --ep")
     # a Hugging Face target carries no optimizer state: it never reads (nor can be stopped by) the source's
     source, check = _open_checking(src, vocab_size, fp32, weights_only or to == "hf", to, tp, divisible_by)
     try:

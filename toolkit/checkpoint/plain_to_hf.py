@@ -75,8 +75,8 @@ def _model_on_meta(config_file: Path):
 
 
 def _family_tensors(config_file: Path) -> dict | None:
-    """{name: (shape, None)} of the model, from the toolkit's own map of its family (toolkit/families) when the
-    config's model_type is one it knows, so transformers need not be imported; None otherwise."""
+    """{name: (shape, tied-to or None)} of the model, from the toolkit's own map of its family (toolkit/families)
+    when the config's model_type is one it knows, so transformers need not be imported; None otherwise."""
     try:
         config = json.loads(config_file.read_text())
         if not isinstance(config, dict) or config.get("model_type") not in FAMILIES:
@@ -84,8 +84,11 @@ def _family_tensors(config_file: Path) -> dict | None:
         dims = dims_from_hf(config)
     except (ValueError, OSError, KeyError, TypeError, ToolkitError):
         return None  # transformers' reading of it decides (and names the problem)
-    return {n: (tuple(s), None) for e in iter_entries(dims, 1, 1) if e.reads_back
-            for n, s in zip(e.hf_names, e.hf_shapes)}
+    tensors = {n: (tuple(s), None) for e in iter_entries(dims, 1, 1) if e.reads_back
+               for n, s in zip(e.hf_names, e.hf_shapes)}
+    if dims.tied:  # as transformers' model lists it: the output layer, tied to the embeddings
+        tensors["lm_head.weight"] = (tensors["model.embed_tokens.weight"][0], "model.embed_tokens.weight")
+    return tensors
 
 
 def check_against_config(source: PlainDeepSpeedSource, config_file: Path, need_class: bool = True):
@@ -98,7 +101,8 @@ def check_against_config(source: PlainDeepSpeedSource, config_file: Path, need_c
     if want is None:
         cls, cfg, want = _model_on_meta(config_file)
     have = {n: source.shape(n) for n in source.names()}
-    tied = set(source.shared()) | {n for n, (_, to) in want.items() if to is not None}
+    shared = source.shared()
+    tied = set(shared) | {n for n, (_, to) in want.items() if to is not None}
     missing = [n for n in want if n not in have and n not in tied]
     extra = [n for n in have if n not in want]
     bad = [f"{n} {have[n]} vs {want[n][0]}" for n in have if n in want and tuple(have[n]) != want[n][0]]
@@ -106,7 +110,19 @@ def check_against_config(source: PlainDeepSpeedSource, config_file: Path, need_c
         raise ToolkitError(f"{config_file} does not describe the model in {source.tag_dir}: "
                            + "; ".join(x for x in (missing and f"missing {missing[:3]}", extra and f"unexpected "
                                                    f"{extra[:3]}", bad and f"shapes {bad[:3]}") if x)
-                           + ": pass the config the model was trained with (--config)")
+                           + ": pass the config the model was trained with (--config)"
+                           + ("; a checkpoint saved with exclude_frozen_parameters=True leaves its frozen weights out, "
+                              "and cannot give a whole model" if missing and not extra and not bad else ""))
+    for n, (_, to) in want.items():  # the config and the checkpoint must tie the same weights (a trial of 2026-12-07:
+        # a tied config over an untied checkpoint was written, "verified", and then refused by the toolkit itself)
+        if to is not None and n in have and n not in shared:
+            raise ToolkitError(f"{config_file} ties {n} to {to} (tie_word_embeddings: true), but {source.tag_dir} "
+                               f"holds its own {n}: pass the config the model was trained with (--config), whose "
+                               "tie_word_embeddings is false")
+        if to is None and n in shared:
+            raise ToolkitError(f"{source.tag_dir} ties {n} to {shared[n]}, but {config_file} gives {n} its own "
+                               "weights (tie_word_embeddings: false): pass the config the model was trained with "
+                               "(--config), whose tie_word_embeddings is true")
     return cls
 
 
@@ -124,7 +140,11 @@ def convert_plain_to_hf(src: str | Path, dst: str | Path, config: str | Path | N
     try:
         cls = check_against_config(source, config_file, need_class=verify)
         names = source.names()
-        cast = {n: dtype if dtype is not None and source.out_dtype(n).is_floating_point else source.out_dtype(n)
+        # --fp32 takes the masters; a frozen parameter has none and stays in the training dtype in DeepSpeed's
+        # zero_to_fp32, but is cast here (exactly): one dtype in the folder and in config.json, which the toolkit
+        # reads back (a mixed folder labelled float32 was written until 2026-12-07)
+        want = dtype if dtype is not None else torch.float32 if fp32 else None
+        cast = {n: want if want is not None and source.out_dtype(n).is_floating_point else source.out_dtype(n)
                 for n in names}
         files, shards, total = shard_layout([(n, source.shape(n), cast[n]) for n in names])
         with output.scratch_folder(dst, "partial") as tmp:

@@ -389,6 +389,12 @@ def inspect_universal(path: Path) -> dict:
     except ToolkitError as e:
         report["problems"].append(str(e))
         return report
+    # every state file, as a conversion reads it (memory-mapped: the pickle, and the size its tensor needs); inspect
+    # called a truncated or planted fp32.pt complete until 2026-12-07
+    report["problems"] = [why for f in sorted((tag / "zero").rglob("*.pt")) if (why := safe_load.check_file(f))]
+    if report["problems"]:
+        src.close()
+        return report
     count = sum(_numel(src.shape(n)) for n in src.names())
     report.update(complete=True, step=src.step, tag=tag.name, layout={"zero_stage": src.stage, "dp": src.dp},
                   written_by="DeepSpeed universal checkpoint (ds_to_universal.py or toolkit convert --to universal);"

@@ -63,13 +63,15 @@ def megatron_lm_records() -> list:
 
 
 def numpy_records() -> list:
-    """numpy's RNG state (Megatron-LM stores np.random.get_state() as arrays)."""
+    """numpy's RNG state (Megatron-LM stores np.random.get_state() as arrays), arrays and numbers of plain dtypes."""
 
-    reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
+    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
     dtypes = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32, np.int32, np.float16, np.uint8,
                                           np.int8, np.bool_)]
-    # numpy 1.x wrote the same function under its old module name
-    return [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, *dtypes]
+    # numpy 1.x wrote the same functions under their old module name. `scalar` rebuilds a number (np.float64(1.5),
+    # common in a DeepSpeed client_state) from its dtype, one of the plain ones above, and its bytes
+    return [multiarray._reconstruct, (multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+            multiarray.scalar, (multiarray.scalar, "numpy.core.multiarray.scalar"), np.ndarray, np.dtype, *dtypes]
 
 
 def by_name(records: list) -> dict[str, object]:

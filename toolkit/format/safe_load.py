@@ -58,7 +58,7 @@ def allowed(deepspeed: bool | None = None) -> list:
 def refusal(path: Path, error: BaseException) -> ToolkitError:
     """The error for a file torch.load could not (or would not) read."""
     text = str(error)
-    unsafe = re.search(r"GLOBAL ([\w.]+)", text)
+    unsafe = re.search(r"GLOBAL ([\w.]+)", text) or re.search(r"but got <class '([\w.]+)'>", text)
     if isinstance(error, pickle.UnpicklingError) and unsafe:
         return ToolkitError(f"{path} holds a pickled {unsafe.group(1)}, which is neither a tensor nor a known "
                             f"checkpoint record: {REFUSED} (loading it could run code). Use checkpoints from "

@@ -322,6 +322,14 @@ def load(backend, tag_dir: Path, layout_meta: dict, micro_batch: int | None = No
                                "plain optimizer's state, by parameter name) and resume from NEW_DIR "
                                "(checkpoint.resume) with parallel.zero_stage: 0 at any dp; checkpoint.format: "
                                "torch_dist saves checkpoints that resume at any layout")
+        if "tp" not in layout_meta and saved.get("zero_stage") != layout_meta.get("zero_stage"):
+            # `--to deepspeed` moves a checkpoint to another dp, never to another stage: following that advice
+            # looped back to this line (a trial of 2026-12-07)
+            raise ToolkitError(f"checkpoint {tag_dir} was written at ZeRO stage {saved.get('zero_stage')}, this run "
+                               f"has stage {layout_meta.get('zero_stage')}: a ZeRO checkpoint resumes at its own "
+                               f"stage (toolkit convert moves it to another dp, not another stage); relaunch with "
+                               f"parallel.zero_stage: {saved.get('zero_stage')}, or start fresh in another output_dir "
+                               "(from its weights: convert it --to hf and set model.hf_path, model.pretrained: true)")
         if "tp" in layout_meta:
             move = (f"toolkit convert {tag_dir} NEW_DIR --to megatron --tp {layout_meta['tp']} --pp "
                     f"{layout_meta['pp']} --vpp {layout_meta['vpp']}")
@@ -341,7 +349,11 @@ def load(backend, tag_dir: Path, layout_meta: dict, micro_batch: int | None = No
                            "--to hf and set model.hf_path to that folder with model.pretrained: true")
     _check_pickles(tag_dir)
     state = safe_load.load(tag_dir / rank_file(0 if moved else dist.get_rank()))
-    if moved:  # RNG streams cannot map onto another set of ranks: every rank takes rank 0's (no dropout here)
+    # the data position counts micro-batches: in this run's, when the layout or the micro-batch size changed (a
+    # resume at another micro_batch_size read it in the saved size's until 2026-12-07, and trained again on
+    # sequences it had seen). RNG streams cannot map onto another set of ranks: every rank takes rank 0's.
+    resized = micro_batch is not None and meta.get("micro_batch") not in (None, micro_batch)
+    if moved or resized:
         state["data"] = moved_data_position(state["data"], meta.get("micro_batch"), saved.get("dp"), micro_batch,
                                             layout_meta["dp"], tag_dir)
     with safe_load.weights_only_everywhere(tag_dir):  # also DeepSpeed's and Megatron's own torch.load calls
