@@ -51,6 +51,19 @@ def test_master_port_in_use_is_reported():
     assert f.status == doctor.FAIL and f"{port} is already in use" in f.detail
 
 
+def test_launch_variables_that_no_rank_could_use_fail():
+    """MASTER_PORT=99999 took doctor down with an OverflowError; garbage RANK/WORLD_SIZE were listed as [info]
+    (a trial of 2026-12-07)."""
+    found = doctor.check_launch_env({"MASTER_PORT": "99999", "RANK": "x", "WORLD_SIZE": "-3", "LOCAL_RANK": "0"})
+    bad = {f.check: f.detail for f in found if f.status == doctor.FAIL}
+    assert bad == {"MASTER_PORT": "'99999' is not a port, 1-65535", "RANK": "'x' is not a whole number from 0",
+                   "WORLD_SIZE": "'-3' is not a whole number from 1"}
+    (f,) = [f for f in doctor.check_launch_env({"RANK": "4", "WORLD_SIZE": "4"}) if f.status == doctor.FAIL]
+    assert f.check == "RANK" and "is not below WORLD_SIZE 4" in f.detail
+    assert [f for f in doctor.check_launch_env({"MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "2"})
+            if f.status == doctor.FAIL] == []
+
+
 def test_disk_too_small_for_the_recipes_checkpoints(monkeypatch):
     recipe = load_recipe("llama7b_zero3")
     one = doctor.checkpoint_bytes(recipe)

@@ -328,10 +328,12 @@ def test_unusable_output_folders_stop_the_run_before_anything_starts(tmp_path, c
     assert snapshot(tmp_path) == before
 
 
-def test_fp16_with_deepspeed_on_cpu_is_one_line_before_anything_starts():
+def test_fp16_with_deepspeed_on_cpu_is_one_line_before_anything_starts(tmp_path, monkeypatch):
     """DeepSpeed's CPU accelerator refuses fp16 once the engine is built: 23 lines of traceback after start-up (a
     trial of 2026-12-07). The Megatron backend runs fp16 on CPU."""
     import torch
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "unused"))  # no other build's lock in the way
 
     from toolkit.run import check_before_start
 
@@ -341,6 +343,22 @@ def test_fp16_with_deepspeed_on_cpu_is_one_line_before_anything_starts():
     assert [p.key for p in e.value.problems] == ["training.precision"]
     assert "fp16 does not run on CPU with DeepSpeed" in e.value.problems[0].message
     check_before_start(load_recipe("tiny_tp2", ["training.precision=fp16"]))
+
+
+@pytest.mark.parametrize("name", [".", "/", "", "tests"])
+def test_a_recipe_name_that_is_a_folder_or_empty_is_one_line(name, capsys):
+    """`--recipe .` (or '/', '', a folder) ended in a ValueError traceback from Path.with_suffix; doctor took ''
+    for no recipe and said ready (a trial of 2026-12-07)."""
+    for argv in (["validate", "--recipe", name], ["doctor", "--recipe", name]):
+        code, out, err = run_cli(capsys, *argv)
+        assert_refused(code, err, "--recipe: ", "is not a recipe", block=True)
+
+
+def test_a_copy_thread_count_that_is_not_a_number_does_not_take_commands_down():
+    proc = subprocess.run([sys.executable, "-m", "toolkit", "validate", "--recipe", "tiny_zero0"], cwd=REPO,
+                          env={**os.environ, "TOOLKIT_COPY_THREADS": "abc"}, capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok: tiny_zero0"), proc.stderr[-2000:]
 
 
 def test_good_data_passes_the_check():
@@ -464,3 +482,13 @@ def test_extensions_cache_is_per_environment(monkeypatch, tmp_path):
     run.use_own_extensions_cache()
     assert os.environ["TORCH_EXTENSIONS_DIR"] == "/users/choice", "the user's setting wins"
     assert snapshot(tmp_path) == {}, "choosing the folder creates nothing"
+
+
+def test_a_boolean_where_a_number_goes_is_refused(capsys):
+    """`parallel.world_size=true` validated as one rank: pydantic's lax mode reads true as 1 (a trial of
+    2026-12-07). Keys that take a boolean still do."""
+    for key in ("parallel.world_size", "training.steps", "training.optimizer.lr", "eval.split"):
+        code, out, err = run_cli(capsys, "validate", "--recipe", "tiny_zero0", "--set", f"{key}=true")
+        assert_refused(code, err, f"{key}: Value error, a boolean (true/false) is not a number", block=True)
+    code, out, err = run_cli(capsys, "validate", "--recipe", "tiny_zero0", "--set", "data.packing=false")
+    assert code == 0, err

@@ -111,4 +111,4 @@ def test_nvme_path_must_exist_unless_inside_the_run_folder(tmp_path):
     assert not [p for p in check_paths(inside) if p.key == "parallel.nvme_path"]
     (tmp_path / "file").write_text("x")
     blocked = load_recipe("tiny_zero3_nvme", [f"output_dir={tmp_path}/file", f"parallel.nvme_path={tmp_path}/file/swap"])
-    assert [p.key for p in check_paths(blocked)] == ["parallel.nvme_path"]
+    assert [p.key for p in check_paths(blocked)] == ["parallel.nvme_path", "output_dir", "checkpoint.dir"]

@@ -311,7 +311,7 @@ def cmd_doctor(args) -> int:
     from toolkit import doctor  # lazy: per command (above)
     from toolkit.recipe import load_recipe  # lazy: per command (above)
 
-    recipe = load_recipe(args.recipe, args.overrides) if args.recipe else None
+    recipe = load_recipe(args.recipe, args.overrides) if args.recipe is not None else None
     findings = doctor.run(recipe, nodes=args.nodes)
     print(json.dumps(doctor.as_json(findings), indent=2) if args.json else doctor.render(findings))
     return 1 if any(f.status == doctor.FAIL for f in findings) else 0

@@ -169,8 +169,18 @@ def check_launch_env(env: dict | None = None) -> list[Finding]:
              if k in env}
     if slurm:
         out.append(Finding("Slurm", INFO, ", ".join(f"{k}={v}" for k, v in slurm.items())))
+    for key, low in (("MASTER_PORT", 1), ("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)):
+        value = env.get(key)  # a launcher passes them on: a bad one fails every rank's init (a trial of 2026-12-07)
+        if value is not None and not (value.isdigit() and low <= int(value) <= (65535 if key == "MASTER_PORT"
+                                                                               else 1 << 30)):
+            span = "a port, 1-65535" if key == "MASTER_PORT" else f"a whole number from {low}"
+            out.append(Finding(key, FAIL, f"{value!r} is not {span}", f"unset {key} (launchers set it) or fix it"))
+    if "RANK" in env and "WORLD_SIZE" in env and env["RANK"].isdigit() and env["WORLD_SIZE"].isdigit() and \
+            int(env["RANK"]) >= int(env["WORLD_SIZE"]):
+        out.append(Finding("RANK", FAIL, f"{env['RANK']} is not below WORLD_SIZE {env['WORLD_SIZE']}",
+                           "unset RANK and WORLD_SIZE (launchers set them) or fix them"))
     port = env.get("MASTER_PORT")
-    if port and port.isdigit() and env.get("RANK", "0") == "0" and \
+    if port and port.isdigit() and 1 <= int(port) <= 65535 and env.get("RANK", "0") == "0" and \
             env.get("MASTER_ADDR", "localhost") in ("localhost", "127.0.0.1", socket.gethostname()):
         if _port_in_use("", int(port)):
             out.append(Finding("MASTER_PORT", FAIL, f"{port} is already in use on this host",

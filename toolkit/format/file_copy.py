@@ -22,7 +22,9 @@ _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, er
 without it, a sandbox that forbids it): the copy then goes through user space. Any other error is raised."""
 _COPY_CHUNK = 32 * 2**20
 """copy_ranges cuts its ranges into copies of at most this many bytes, run on COPY_THREADS threads."""
-COPY_THREADS = max(1, int(os.environ.get("TOOLKIT_COPY_THREADS", "") or min(4, os.cpu_count() or 1)))
+_THREADS = os.environ.get("TOOLKIT_COPY_THREADS", "").strip()
+# not a number: the default, not a ValueError at import, which took every command down (a trial of 2026-12-07)
+COPY_THREADS = max(1, int(_THREADS) if _THREADS.isdigit() else min(4, os.cpu_count() or 1))
 """Threads copying one tensor's byte ranges at once (TOOLKIT_COPY_THREADS; 1 copies them in order). The kernel's
 copy of cached pages takes a core: one thread left a 2-core machine's second core idle (2.6 s against 1.3 s for
 2.7 GiB, both with start_writeback)."""

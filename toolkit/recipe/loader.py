@@ -23,10 +23,15 @@ RECIPE_DIR = REPO_ROOT / "recipes"
 def find_recipe(name_or_path: str) -> Path:
     """A recipe by path, or by name among the shipped recipes (`llama7b_zero3` -> recipes/llama7b_zero3.yaml)."""
     p = Path(name_or_path)
-    for cand in (p, p.with_suffix(".yaml"), RECIPE_DIR / p.name, RECIPE_DIR / f"{p.name}.yaml"):
-        if cand.is_file():
-            return cand
     shipped = ", ".join(list_recipes())
+    if p.name:  # '', '.', '/' have none: Path.with_suffix raised ValueError (a traceback until 2026-12-07)
+        for cand in (p, p.with_suffix(".yaml"), RECIPE_DIR / p.name, RECIPE_DIR / f"{p.name}.yaml"):
+            if cand.is_file():
+                return cand
+    if not p.name or p.is_dir():
+        what = "an empty name" if not str(name_or_path).strip() else f"{name_or_path!r}, a folder,"
+        raise RecipeError(name_or_path or "''", [Problem("--recipe", f"{what} is not a recipe", "pass a path to a "
+                                                         ".yaml file or a shipped recipe's name (toolkit show --list)")])
     raise RecipeError(name_or_path, [Problem("--recipe", f"no recipe file or shipped recipe named {name_or_path!r}",
                                              f"pass a path to a .yaml file or one of: {shipped}")])
 

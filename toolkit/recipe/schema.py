@@ -5,9 +5,9 @@ Field docstrings double as the text `toolkit show --explain` prints and unknown-
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Offload = Literal["none", "cpu", "nvme"]
 
@@ -17,6 +17,18 @@ class _Section(BaseModel):
     # allow_inf_nan=False: `lr: .inf` or `1e999` (YAML reads both as a float) is refused, not trained with.
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=False,
                               allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value, info):
+        """`true` where a number goes: pydantic's lax mode reads it as 1 (`world_size: true` validated as one
+        rank; a trial of 2026-12-07). A key whose type takes a bool (or anything) still gets it."""
+        if isinstance(value, bool):
+            field = cls.model_fields[info.field_name]
+            kinds = set(get_args(field.annotation)) or {field.annotation}
+            if kinds & {int, float} and not kinds & {bool, Any}:
+                raise ValueError("a boolean (true/false) is not a number")
+        return value
 
 
 class ModelConfig(_Section):
