@@ -57,7 +57,9 @@ def packed_dataset(spec: dict, tokenizer):
 
     raw = load_dataset("json", data_files=spec["data_files"], split="train")
     ds = raw.map(encode, batched=True, remove_columns=raw.column_names)
-    return ds.map(pack, batched=True, remove_columns=["ids"]).with_format("torch")
+    # the whole corpus in one batch: blocks cut from all of it, as the toolkit cuts them (per batch of 1,000
+    # documents each batch would drop its own partial block)
+    return ds.map(pack, batched=True, batch_size=None, remove_columns=["ids"]).with_format("torch")
 
 
 def finish(clock: StepClock, path: str, **extra) -> None:

@@ -146,7 +146,7 @@ def test_a_pipe_where_common_pt_goes_is_refused_not_waited_on(sources, tmp_path,
     os.mkfifo(src / "iter_0000000" / "common.pt")  # opening it for reading would wait for a writer forever
     proc = subprocess.run([sys.executable, "-m", "toolkit", "convert", str(src), str(tmp_path / "o"), "--to", "hf",
                            "--vocab-size", "500"], capture_output=True, text=True, timeout=120)  # a hang fails
-    one_line(proc.returncode, proc.stdout + proc.stderr, "common.pt is not a regular file")
+    one_line(proc.returncode, proc.stdout + proc.stderr, "common.pt is a named pipe (FIFO), not a regular file")
     assert not (tmp_path / "o").exists()
 
 

@@ -17,6 +17,8 @@ import pytest
 import torch
 from conftest import REPO, launch, read_metrics, run_ranks
 
+from toolkit.recipe import load_recipe
+
 SHORT = ["training.schedule.warmup_steps=2", "logging.interval=1", "logging.sample_prompt="]
 
 # Trains a recipe exactly like recipes/train.py, and at every checkpoint also asks the engine for its own
@@ -358,10 +360,12 @@ def test_toolkit_convert_zero3_to_hf_from_model_states_and_fp32_master(bf16_run,
     engine16.pop("lm_head.weight", None)  # tied: the engine's state dict repeats the embeddings, HF stores them once
     reference32 = _zero_to_fp32(out / "checkpoints" / "step_00000004")
     reference32.pop("lm_head.weight", None)
+    tokenizer = load_recipe("tiny_qwen2").data.tokenizer
     for flag, want, dtype in (([], engine16, torch.bfloat16), (["--fp32"], reference32, torch.float32)):
         dst = tmp_path / f"hf{'32' if flag else '16'}"
+        named = ["--tokenizer", tokenizer] if flag else []  # outside SRC: copied only when named
         proc = subprocess.run([sys.executable, "-m", "toolkit", "convert", str(out / "checkpoints"), str(dst),
-                               "--to", "hf", *flag], cwd=REPO, capture_output=True, text=True, check=False)
+                               "--to", "hf", *flag, *named], cwd=REPO, capture_output=True, text=True, check=False)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "verified: transformers' Qwen2ForCausalLM gives the source's logits" in proc.stdout
         got = load_file(str(dst / "model.safetensors"))
@@ -371,4 +375,7 @@ def test_toolkit_convert_zero3_to_hf_from_model_states_and_fp32_master(bf16_run,
         assert loaded.config.use_cache is True  # not the training-time use_cache=False
         assert loaded.dtype == dtype and type(loaded).__name__ == "Qwen2ForCausalLM"
         assert loaded.config.tie_word_embeddings
-        assert len(AutoTokenizer.from_pretrained(dst)) == 512  # the recipe's tokenizer came along
+        if named:
+            assert len(AutoTokenizer.from_pretrained(dst)) == 512  # the run's tokenizer came along
+        else:
+            assert not (dst / "tokenizer.json").exists() and f"add --tokenizer {tokenizer}" in proc.stdout

@@ -125,7 +125,7 @@ def test_large_deepspeed_recipes_size_buckets_from_hidden(name):
 
 
 def test_large_list_is_every_large_deepspeed_recipe():
-    from toolkit.cli import shipped_deepspeed_recipes
+    from toolkit.adapters.deepspeed import shipped_deepspeed_recipes
 
     large = [n for n in shipped_deepspeed_recipes() if not raw_recipe(n)["model"]["preset"].startswith("tiny")]
     assert sorted(large) == sorted(LARGE)

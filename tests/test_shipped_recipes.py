@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from toolkit.cli import DS_CONFIG_DIR, render_ds_json, shipped_deepspeed_recipes
+from toolkit.adapters.deepspeed import render_ds_json, shipped_deepspeed_recipes
+from toolkit.cli import DS_CONFIG_DIR
 from toolkit.recipe import list_recipes, load_recipe, resolve
 
 RECIPES = list_recipes()

@@ -145,8 +145,7 @@ def cmd_show(args) -> int:
 
 
 def _all_alone(args, command: str, what: str, names: tuple[str, ...]) -> None:
-    """`--all` rewrites the shipped files in the toolkit's own folder (a developer's command): with another option
-    it was read as a request for one file, and the option was ignored."""
+    """`--all` (rewrite the shipped files) with another option: refused, not ignored (until 2026-12-07)."""
     given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) not in (None, False, [])]
     if given:
         raise ToolkitError(f"{command} --all rewrites the shipped {what} in {REPO_ROOT} and takes no "
@@ -156,10 +155,9 @@ def _all_alone(args, command: str, what: str, names: tuple[str, ...]) -> None:
 def cmd_render_ds(args) -> int:
     if args.all:
         _all_alone(args, "toolkit render ds-config", "DeepSpeed configs", ("recipe", "overrides"))
-        DS_CONFIG_DIR.mkdir(exist_ok=True)
-        for name in shipped_deepspeed_recipes():
-            out = DS_CONFIG_DIR / f"{name}.json"
-            out.write_text(render_ds_json(name))
+        from toolkit.adapters.deepspeed import write_shipped_configs  # lazy: per command (above)
+
+        for out in write_shipped_configs(DS_CONFIG_DIR):
             print(f"wrote {out}")
         return 0
     if not args.recipe:
@@ -315,20 +313,6 @@ def cmd_doctor(args) -> int:
     findings = doctor.run(recipe, nodes=args.nodes)
     print(json.dumps(doctor.as_json(findings), indent=2) if args.json else doctor.render(findings))
     return 1 if any(f.status == doctor.FAIL for f in findings) else 0
-
-
-def shipped_deepspeed_recipes() -> list[str]:
-    from toolkit.recipe import list_recipes, load_recipe  # lazy: per command (above)
-
-    return [n for n in list_recipes() if load_recipe(n).parallel.backend == "deepspeed"]
-
-
-def render_ds_json(name: str) -> str:
-    """The text of ds_configs/<name>.json: the recipe rendered for its own world size, for GPUs."""
-    from toolkit.adapters.deepspeed import build_ds_config  # lazy: per command (above)
-    from toolkit.recipe import load_recipe, resolve  # lazy: per command (above)
-
-    return json.dumps(build_ds_config(resolve(load_recipe(name)), "cuda"), indent=2) + "\n"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from toolkit.errors import Problem, RecipeError
+from toolkit.recipe import list_recipes, load_recipe, resolve
 from toolkit.recipe.checks import Plan
 
 # DeepSpeed keys whose value the recipe decides: an explicit, different value in a user's JSON is a conflict.
@@ -171,3 +172,23 @@ def build_ds_config(plan: Plan, device: str = "cuda") -> dict:
     if problems:
         raise RecipeError(plan.recipe.name, problems)
     return merged
+
+
+def shipped_deepspeed_recipes() -> list[str]:
+    """The shipped recipes that run on the DeepSpeed backend."""
+    return [n for n in list_recipes() if load_recipe(n).parallel.backend == "deepspeed"]
+
+
+def render_ds_json(name: str) -> str:
+    """The text of ds_configs/<name>.json: the recipe rendered for its own world size, for GPUs."""
+    return json.dumps(build_ds_config(resolve(load_recipe(name)), "cuda"), indent=2) + "\n"
+
+
+def write_shipped_configs(folder: Path) -> list[Path]:
+    """Rewrite folder/<name>.json for every shipped DeepSpeed recipe (`toolkit render ds-config --all`)."""
+    folder.mkdir(exist_ok=True)
+    out = []
+    for name in shipped_deepspeed_recipes():
+        (folder / f"{name}.json").write_text(render_ds_json(name))
+        out.append(folder / f"{name}.json")
+    return out

@@ -5,6 +5,7 @@ only when it is such a folder and holds nothing else, at any depth: never a fold
 file a user added to one."""
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -130,8 +131,6 @@ def replace(tmp: Path, dst: Path, overwrite: bool) -> None:
 
 def _rename_no_replace(src: Path, dst: Path) -> None:
     """rename(2) that never replaces: FileExistsError when dst exists (a file, a link, a folder empty or not)."""
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     renameat2 = getattr(libc, "renameat2", None)
     if renameat2 is not None:  # glibc >= 2.28: atomic

@@ -153,7 +153,10 @@ def prepare(inputs: list[str], output: str, tokenizer: str, *, workers: int = 1,
     try:
         tok = AutoTokenizer.from_pretrained(tokenizer)
     except (OSError, ValueError) as e:
-        raise ToolkitError(f"--tokenizer: cannot load {tokenizer!r} ({str(e)[:120]}); point it at a tokenizer "
+        first = " ".join(str(e).split())
+        first = first[:first.index(". ") + 1] if ". " in first else first[:300]  # its first sentence, whole
+        where = "" if Path(tokenizer).is_dir() else f"no local folder {tokenizer!r}, and as a hub name: "
+        raise ToolkitError(f"--tokenizer: cannot load {tokenizer!r} ({where}{first}); point it at a tokenizer "
                            "folder") from None
     if tok.eos_token_id is None:
         raise ToolkitError(f"--tokenizer: {tokenizer} has no EOS token, which separates documents; use a "

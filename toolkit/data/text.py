@@ -179,7 +179,7 @@ def tokenize_and_pack(raw, tokenizer, cfg: DataConfig):
             if not isinstance(t, str):  # past the rows check_files reads
                 raise ToolkitError(missing_text(i, text_field, t))
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return {"ids": [x + [eos] for x in ids]}
+        return {"ids": [x + [eos] for x in ids], "n": [len(x) + 1 for x in ids]}
 
     def pad(batch):
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -191,7 +191,7 @@ def tokenize_and_pack(raw, tokenizer, cfg: DataConfig):
     if cfg.packing:
         out = pack_blocks(tokenized, n)
     else:
-        out = tokenized.map(pad, batched=True, batch_size=1000, remove_columns=["ids"], desc="padding")
+        out = tokenized.map(pad, batched=True, batch_size=1000, remove_columns=["ids", "n"], desc="padding")
     return out.with_format("torch")
 
 
@@ -199,11 +199,9 @@ def pack_blocks(tokenized, n: int):
     """The documents' ids (each ending in EOS) concatenated in order and cut into blocks of n: block k is tokens
     [k n, (k + 1) n) of the whole corpus, so only the corpus's last partial block is left out. Each batch of
     documents makes the blocks that start in it, reading ahead into the next documents for the last one's end."""
-    import numpy
-    import pyarrow.compute as pc  # lazy: heavy; corpus reads only
+    import numpy  # lazy: heavy; corpus reads only
 
-    lengths = pc.list_value_length(tokenized.data.column("ids")).to_numpy(zero_copy_only=False)
-    starts = numpy.concatenate([[0], numpy.cumsum(lengths, dtype=numpy.int64)])
+    starts = numpy.concatenate([[0], numpy.cumsum(numpy.asarray(tokenized["n"], dtype=numpy.int64))])
     blocks_in_all = int(starts[-1]) // n
 
     def pack(batch, idx):
@@ -217,7 +215,7 @@ def pack_blocks(tokenized, n: int):
         blocks = [flat[k * n - at:(k + 1) * n - at] for k in range(k0, k1)]
         return {"input_ids": blocks, "labels": blocks}
 
-    return tokenized.map(pack, batched=True, batch_size=1000, with_indices=True, remove_columns=["ids"],
+    return tokenized.map(pack, batched=True, batch_size=1000, with_indices=True, remove_columns=["ids", "n"],
                          desc="packing")
 
 

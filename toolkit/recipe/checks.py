@@ -1,6 +1,7 @@
 """Rules a recipe must satisfy for the world size it runs on; every problem is collected, then raised once."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -313,8 +314,6 @@ def check_output_paths(r: Recipe) -> list[Problem]:
 
 def _our_metrics(path: Path) -> bool:
     """Whether metrics.jsonl begins with a step record as toolkit.metrics writes them (or is empty)."""
-    import json
-
     with path.open("rb") as f:
         first = f.readline(1 << 16).strip()
     if not first:

@@ -30,8 +30,8 @@ def find_recipe(name_or_path: str) -> Path:
                 return cand
     if not p.name or p.is_dir():
         what = "an empty name" if not str(name_or_path).strip() else f"{name_or_path!r}, a folder,"
-        raise RecipeError(name_or_path or "''", [Problem("--recipe", f"{what} is not a recipe", "pass a path to a "
-                                                         ".yaml file or a shipped recipe's name (toolkit show --list)")])
+        fix = "pass a path to a .yaml file or a shipped recipe's name (toolkit show --list)"
+        raise RecipeError(name_or_path or "''", [Problem("--recipe", f"{what} is not a recipe", fix)])
     raise RecipeError(name_or_path, [Problem("--recipe", f"no recipe file or shipped recipe named {name_or_path!r}",
                                              f"pass a path to a .yaml file or one of: {shipped}")])
 
