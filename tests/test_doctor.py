@@ -77,6 +77,17 @@ def test_disk_too_small_for_the_recipes_checkpoints(monkeypatch):
     assert f.status == doctor.WARN and "checkpoint.keep" in f.fix  # keep=2 needs 3 checkpoints while saving
 
 
+def test_the_checkpoint_disk_is_the_one_training_uses(tmp_path, monkeypatch):
+    """A relative checkpoint folder was resolved from the toolkit's install folder, not from where the run starts
+    (another disk); a folder that cannot be written was called too small (a trial of 2026-12-07)."""
+    monkeypatch.chdir(tmp_path)
+    (f,) = doctor.check_disk(load_recipe("tiny_zero0", ["output_dir=rel/run"]))
+    assert f.detail.startswith(f"{tmp_path}/rel/run/checkpoints: "), f.detail
+    (tmp_path / "afile").write_text("x")
+    (f,) = doctor.check_disk(load_recipe("tiny_zero0", ["output_dir=afile/run"]))
+    assert f.status == doctor.FAIL and f"{tmp_path}/afile is a file" in f.detail and "you can write" in f.fix
+
+
 def test_command_line_json_and_exit_status():
     ok = subprocess.run([sys.executable, "-m", "toolkit", "doctor", "--recipe", "tiny_zero0", "--json"], cwd=REPO,
                         capture_output=True, text=True, check=False)

@@ -140,6 +140,7 @@ def test_bad_cluster_arguments_are_refused_without_writing(tmp_path, args, messa
     path = tmp_path / "never.yaml"
     proc = cli("--recipe", "llama7b_zero3", *args, "--write", str(path))
     assert proc.returncode == 2 and message in proc.stderr and not path.exists()
+    assert "recipe toolkit plan" not in proc.stderr, proc.stderr  # it read as a recipe of that name
 
 
 # ---- the schedule arithmetic against Megatron's own ------------------------------------------------------------

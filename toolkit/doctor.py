@@ -22,7 +22,6 @@ from pathlib import Path
 from toolkit.metrics import count_params
 from toolkit.proc import abandoned_build_locks, extensions_in_use
 from toolkit.recipe.checks import check_nvme_path
-from toolkit.recipe.loader import REPO_ROOT
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
 
@@ -236,12 +235,16 @@ def checkpoint_bytes(recipe) -> int:
 
 
 def check_disk(recipe) -> list[Finding]:
-
-    folder = Path(recipe.checkpoint_dir)
-    folder = folder if folder.is_absolute() else REPO_ROOT / folder
+    """The checkpoint folder's disk, resolved as training resolves it: from the working folder (it was resolved
+    from the toolkit's install folder until 2026-12-07, another disk when the run starts elsewhere)."""
+    folder = Path(recipe.checkpoint_dir).absolute()
     probe = folder
     while not probe.exists():
         probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        why = "is a file" if not probe.is_dir() else "is not writable by this user (or is read-only)"
+        return [Finding("checkpoint disk", FAIL, f"{folder}: {probe} {why}",
+                        "point checkpoint.dir (or output_dir) at a folder you can write")]
     free = shutil.disk_usage(probe).free
     one = checkpoint_bytes(recipe)
     keep = recipe.checkpoint.keep

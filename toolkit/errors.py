@@ -26,13 +26,13 @@ class ToolkitError(Exception):
 class RecipeError(ToolkitError):
     """Every problem found in one recipe, reported together."""
 
-    def __init__(self, source: str, problems: list[Problem]):
-        self.source = source
+    def __init__(self, source: str, problems: list[Problem], what: str = "recipe"):
+        self.source, self.what = source, what  # what: "recipe", or a command's options ("toolkit plan's options")
         self.problems = list(problems)
         super().__init__(self.render())
 
     def render(self) -> str:
         n = len(self.problems)
-        head = f"recipe {self.source}: {n} problem{'s' if n != 1 else ''}"
+        head = f"{self.what} {self.source}: {n} problem{'s' if n != 1 else ''}".replace(" : ", ": ")
         body = "\n".join(f"  {i}. {p.render()}" for i, p in enumerate(self.problems, 1))
         return f"{head}\n{body}"
