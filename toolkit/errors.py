@@ -27,12 +27,12 @@ class RecipeError(ToolkitError):
     """Every problem found in one recipe, reported together."""
 
     def __init__(self, source: str, problems: list[Problem], what: str = "recipe"):
-        self.source, self.what = source, what  # what: "recipe", or a command's options ("toolkit plan's options")
+        self.source, self.what = source, what  # what: "recipe", or whose options ("toolkit plan's")
         self.problems = list(problems)
         super().__init__(self.render())
 
     def render(self) -> str:
         n = len(self.problems)
-        head = f"{self.what} {self.source}: {n} problem{'s' if n != 1 else ''}".replace(" : ", ": ")
+        head = f"{self.what} {self.source}: {n} problem{'s' if n != 1 else ''}"
         body = "\n".join(f"  {i}. {p.render()}" for i, p in enumerate(self.problems, 1))
         return f"{head}\n{body}"

@@ -197,7 +197,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
                 log(f"converting {source.describe()} at {src} -> {to}"
                     + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
                     + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write)")
-                for note in layout_notes(source, to, tp) + [getattr(target, "note", None) if to == "hf" else None]:
+                for note in layout_notes(source, to, tp) + [getattr(target, "tokenizer_note", None)]:
                     if note:
                         log(note)
             # the copy path that began this printed the source's note (copy_only.convert_by_copy): not twice

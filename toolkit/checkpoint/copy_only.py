@@ -90,7 +90,7 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
                 + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
                 + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write; file to file, "
                 + ("verified after" if verify else "torch-free") + ")")
-            for note in layout_notes(source, to, tp) + [getattr(target, "note", None) if to == "hf" else None]:
+            for note in layout_notes(source, to, tp) + [getattr(target, "tokenizer_note", None)]:
                 if note:
                     log(note)
             if to != "hf" and getattr(source, "optimizer_note", None):

@@ -52,7 +52,7 @@ class HFTarget:
         if not config.get("architectures"):  # absent, or None in a config made from a config class (no model saved it)
             config["architectures"] = [family.hf_architecture]  # vLLM and others pick the model class from it
         (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self.note = _copy_tokenizer(source, folder, tokenizer)
+        self.tokenizer_note = _copy_tokenizer(source, folder, tokenizer)
 
     def writes(self, entry, field: str, hf_tensors: list[torch.Tensor]) -> list[tuple[st.Writer, str, torch.Tensor]]:
         """(file, key, tensor) for each tensor this parameter puts in the folder."""
@@ -81,7 +81,7 @@ def _copy_tokenizer(source: Source, folder: Path, given: Path | None = None) -> 
             if (Path(where) / name).is_file():
                 shutil.copy2(paths.inside(Path(where), name, f"{where} (its tokenizer file)"), folder / name)
         return None
-    named = (source.meta or {}).get("recipe", {}).get("data", {}).get("tokenizer") if source.meta else None
+    named = ((source.meta or {}).get("recipe") or {}).get("data", {}).get("tokenizer")
     if named:
         return (f"tokenizer: not copied: the checkpoint holds none, and its run's data.tokenizer ({named}) is outside "
                 f"SRC; add --tokenizer {named} (from the folder the run started in) to copy its files")

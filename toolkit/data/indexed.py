@@ -95,10 +95,10 @@ def index_mismatch(prefix: str) -> str | None:
             return f"{idx} is cut short: its header lists {sequences:,} sequences that the file does not hold"
         ends = 0
         if sequences:
-            f.seek(34 + 4 * (sequences - 1))
-            length = int(numpy.frombuffer(f.read(4), numpy.int32)[0])
+            f.seek(34 + 4 * (sequences - 1))  # the last of the int32 lengths, then of the int64 byte pointers
+            length = int.from_bytes(f.read(4), "little", signed=True)
             f.seek(34 + 4 * sequences + 8 * (sequences - 1))
-            ends = int(numpy.frombuffer(f.read(8), numpy.int64)[0]) + length * item
+            ends = int.from_bytes(f.read(8), "little", signed=True) + length * item
     if ends != size:
         return (f"{idx} indexes {ends:,} bytes of tokens but {files['bin']} holds {size:,}: the two files come from "
                 "different preparations")

@@ -32,7 +32,7 @@ def cluster_from_args(args) -> Cluster:
         problems.append(Problem("--gpu-memory", f"{args.gpu_memory} GiB leaves nothing after the "
                                 f"{Cluster.reserve_gib} GiB CUDA/NCCL reserve", "give the GPU's memory in GiB, e.g. 80"))
     if problems:
-        raise RecipeError("", problems, what="toolkit plan's options")
+        raise RecipeError("options", problems, what="toolkit plan's")
     extra = {k: v for k, v in (("cpu_memory_gib", args.cpu_memory), ("nvme_gib", args.nvme),
                                ("peak_tflops", args.peak_tflops)) if v is not None}
     return Cluster(gpus=args.gpus, gpus_per_node=min(args.gpus_per_node, args.gpus),
