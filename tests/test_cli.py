@@ -39,6 +39,14 @@ def test_show_explain_and_list():
     assert "tiny_zero3" in toolkit("show", "--list").stdout.split()
 
 
+@pytest.mark.parametrize("args", [["--list", "--explain"], ["--list", "--recipe", "tiny_zero3"],
+                                  ["--explain", "--set", "training.steps=3"]])
+def test_show_refuses_options_it_would_ignore(args):
+    proc = toolkit("show", *args)  # until 2026-12-07 the second one was ignored
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: toolkit show: ") and "do not go together" in proc.stderr
+
+
 def test_render_ds_config_prints_json():
     proc = toolkit("render", "ds-config", "--recipe", "tiny_zero3", "--device", "cpu")
     assert proc.returncode == 0

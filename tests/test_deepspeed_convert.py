@@ -172,6 +172,12 @@ def test_reshard_dp2_to_dp1_resumes_like_uninterrupted_run(zero2_dp2, tmp_path):
     assert all(torch.equal(before.get(n), after.get(n)) for n in before.names())
     with pytest.raises(ToolkitError, match="already exists"):
         reshard_deepspeed(src, dst, dp=1)
+    # 24 = micro 4 x 6: dp 4 does not divide it, and the fix named is one convert takes (until 2026-12-07: the
+    # recipe's "set training.global_batch_size")
+    with pytest.raises(ToolkitError, match=r"^--dp 4: the run's global batch 24 is not a multiple of its micro-batch "
+                                           r"4 x dp 4.*pass a --dp dividing 6: 1, 2, 3, 6$"):
+        reshard_deepspeed(src, tmp_path / "dp4", dp=4)
+    assert not (tmp_path / "dp4").exists()
 
     proc = launch("tiny_zero2", [*ZERO2_RUN, f"checkpoint.resume={dst}"], nproc=1, out_dir=tmp_path / "resumed",
                   launcher="python")

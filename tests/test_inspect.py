@@ -120,3 +120,26 @@ def test_a_step_folder_pruned_while_inspect_reads_it_is_left_out(tmp_path, monke
     monkeypatch.setattr(inspect_module.manifest, "verify", pruned_meanwhile)
     report = inspect_module.inspect_root(tmp_path)
     assert report["checkpoints"] == {"step_00000002": "complete"}
+
+
+def test_bytes_on_disk_count_no_link_target_and_a_killed_conversion_is_named(tiny_hf_checkpoint, tmp_path):
+    """Until 2026-12-07 a symbolic link in the folder added its target's size (a 1 GiB file elsewhere made the
+    checkpoint 1 GiB bigger), and a `.DST.partial-PID` that a killed conversion left was named only by the next
+    conversion."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_hf_checkpoint, folder)
+    own = inspect(folder)["bytes"]
+    assert own == sum(p.stat().st_size for p in folder.iterdir())
+    (tmp_path / "big.bin").write_bytes(b"\0" * 2**20)
+    (folder / "notes.bin").symlink_to(tmp_path / "big.bin")
+    assert inspect(folder)["bytes"] == own
+    gone = 4194999  # above Linux's largest pid_max: no process has it
+    (tmp_path / f".out.partial-{gone}").mkdir()
+    with pytest.raises(ToolkitError, match=rf"out does not exist; {tmp_path}/\.out\.partial-{gone} \(0\.00 GiB\) is "
+                                           "the unfinished output of a conversion to"):
+        inspect(tmp_path / "out")
+    shutil.copytree(tiny_hf_checkpoint, tmp_path / "out")
+    report = inspect(tmp_path / "out")
+    assert report["complete"] and len(report["left_behind"]) == 1 and f"process {gone}" in report["left_behind"][0]

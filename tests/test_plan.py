@@ -80,6 +80,15 @@ def test_nothing_fits_says_what_is_missing():
     assert "CPU RAM: needs" in proc.stdout
 
 
+def test_no_valid_layout_names_the_batch_or_the_model():
+    batch = cli("--recipe", "tiny_zero0", "--gpus", "3", "--backend", "deepspeed")
+    assert batch.returncode == 1 and "Nothing fits: no layout of 3 GPUs is valid for this recipe." in batch.stdout
+    assert ("no valid layout: global batch 16 is not divisible by micro-batch x data-parallel size in any layout "
+            "of 3 GPUs; a multiple of 3 is (e.g. --set training.global_batch_size=18)") in batch.stdout
+    both = cli("--recipe", "tiny_zero0", "--gpus", "3")  # tp 3 at dp 1 divides the batch, not the 4 heads
+    assert both.returncode == 1 and "divides only over data-parallel size 1 on 3 GPUs" in both.stdout
+
+
 # ---- the command ------------------------------------------------------------------------------------------------
 
 def test_table_and_json_carry_the_same_numbers_quickly():

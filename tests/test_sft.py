@@ -124,6 +124,22 @@ def test_parquet_rows_give_the_same_sequences_as_json_lines(tok, tmp_path):
         assert torch.equal(a[:][key], b[:][key])
 
 
+def test_conversations_left_out_for_seq_len_are_counted(tok, tmp_path):
+    """A conversation cut at seq_len before its first assistant token has nothing to train on and is left out; until
+    2026-12-07 no line said how many were."""
+    long_user = [{"role": "user", "content": "one two three " * 200}, {"role": "assistant", "content": "No."}]
+    rows = [CONV, long_user, CONV, long_user, long_user]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    notes = []
+    ds = build_dataset(load_recipe("tiny_sft", [f"data.paths=[{tmp_path / 'chat.jsonl'}]"]).data, tok, notes=notes)
+    assert notes == ["data: 3 of 5 conversations left out: no assistant token within data.seq_len=256 (raise "
+                     "data.seq_len to train on them)"]
+    (tmp_path / "kept.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows if m is CONV))
+    kept = build_dataset(load_recipe("tiny_sft", [f"data.paths=[{tmp_path / 'kept.jsonl'}]"]).data, tok, notes=notes)
+    assert ds.column_names == kept.column_names == ["input_ids", "labels", "position_ids"] and len(notes) == 1
+    assert all(torch.equal(ds[:][k], kept[:][k]) for k in ds.column_names)
+
+
 # ------------------------------------------------------------------ bad chat data
 
 def _train_main():

@@ -19,8 +19,6 @@ from toolkit.errors import ToolkitError
 from toolkit.repo import REPO_ROOT
 
 if TYPE_CHECKING:
-    from pydantic import BaseModel
-
     from toolkit.recipe import Plan
 
 DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
@@ -107,32 +105,23 @@ def resolved_dict(plan: Plan) -> dict:
     return d
 
 
-def _explain(model: type[BaseModel], prefix: str = "") -> list[str]:
-    from pydantic import BaseModel  # lazy: per command (above)
-
-    lines = []
-    for name, f in model.model_fields.items():
-        ann = f.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            lines.append(f"{prefix}{name}:  # {f.description}")
-            lines += _explain(ann, prefix + "  ")
-        else:
-            default = f.get_default(call_default_factory=True)
-            lines.append(f"{prefix}{name}: {json.dumps(default, default=str)}  # {f.description}")
-    return lines
-
-
 def cmd_show(args) -> int:
     import yaml  # lazy: per command (above)
 
     from toolkit.recipe import list_recipes  # lazy: per command (above)
-    from toolkit.recipe.schema import Recipe  # lazy: per command (above)
+    from toolkit.recipe.schema import explain  # lazy: per command (above)
 
+    listing = [f"--{n}" for n in ("list", "explain") if getattr(args, n)]
+    given = [f"--{n.replace('_', '-')}" for n in ("recipe", "overrides", "world_size")
+             if getattr(args, n, None) not in (None, [])]
+    if len(listing) > 1 or (listing and given):
+        raise ToolkitError(f"toolkit show: {' and '.join(listing + given)} do not go together; "
+                           "--list, --explain and --recipe each print one thing (pass one of them)")
     if args.list:
         print("\n".join(list_recipes()))
         return 0
     if args.explain:
-        print("\n".join(_explain(Recipe)))
+        print("\n".join(explain()))
         return 0
     if not args.recipe:
         raise ToolkitError("toolkit show needs --recipe NAME (or --list / --explain)")

@@ -107,20 +107,20 @@ def build_train_data(r: Recipe, global_batch: int, tokenizer):
     return build_data(r, global_batch, tokenizer)[0]
 
 
-def build_data(r: Recipe, global_batch: int, tokenizer):
+def build_data(r: Recipe, global_batch: int, tokenizer, notes: list | None = None):
     """(training sequences, held-out sequences or None), the same for both backends. A data.blend and its held-out
     set (eval.split or eval.blend) come from one call of Megatron-Core's builder; on-the-fly data and eval.paths
-    files go through build_heldout."""
+    files go through build_heldout. Lines for the run's log go to `notes`."""
     if r.data.blend is None:
-        return build_heldout(r, tokenizer, build_dataset(r.data, tokenizer, rank_zero_first), rank_zero_first,
-                             global_batch)
+        return build_heldout(r, tokenizer, build_dataset(r.data, tokenizer, rank_zero_first, notes), rank_zero_first,
+                             global_batch, notes)
     problems = check_prepared(r.data, tokenizer) + check_prepared(r.data, tokenizer, r.eval.blend or [], "eval.blend")
     if problems:
         raise RecipeError(r.name, problems)
     train, held = build_blend(r.data, tokenizer, r.training.steps * global_batch, r.out_dir, r.training.seed,
                               r.eval, global_batch)
     if r.eval.paths:
-        return build_heldout(r, tokenizer, train, rank_zero_first, global_batch)
+        return build_heldout(r, tokenizer, train, rank_zero_first, global_batch, notes)
     return train, held
 
 
@@ -141,7 +141,7 @@ def train(recipe: Recipe) -> list[dict]:
         notices.append("data.packing: chat conversations are padded one per sequence, not packed: Megatron with "
                        "Transformer Engine layers cannot keep packed conversations apart here (docs/sft.md)")
         r = r.model_copy(update={"data": r.data.model_copy(update={"packing": False})})
-    dataset, heldout = build_data(r, batch.global_batch, tokenizer)
+    dataset, heldout = build_data(r, batch.global_batch, tokenizer, notices)
     check_fills_a_step(len(dataset), batch.micro_batch, batch.grad_accum, layout.dp)
     evaluating = heldout is not None and bool(r.eval.interval)
     eval_count = eval_sequences(len(heldout), r.eval.batches, batch.global_batch) if evaluating else 0

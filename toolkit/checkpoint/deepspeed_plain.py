@@ -249,7 +249,7 @@ def inspect_plain(path: Path) -> dict:
     path = Path(path)
     report = {"path": str(path), "format": "deepspeed (plain engine.save_checkpoint)", "complete": False,
               "problems": [], "step": None, "layout": None, "architecture": None, "parameters": None,
-              "dtypes": None, "bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file())}
+              "dtypes": None, "bytes": paths.regular_bytes(path)}
     try:
         tag = resolve_tag(path)
         src = PlainDeepSpeedSource(tag)

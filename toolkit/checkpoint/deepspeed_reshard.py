@@ -27,7 +27,7 @@ from toolkit.checkpoint.deepspeed_io import (
 )
 from toolkit.checkpoint.deepspeed_plain import PlainDeepSpeedSource, resolve_tag
 from toolkit.checkpoint.deepspeed_zero3 import copy_pieces, reshard_zero3
-from toolkit.errors import ToolkitError
+from toolkit.errors import RecipeError, ToolkitError
 from toolkit.format import manifest, safe_load
 from toolkit.format.names import DEEPSPEED_POINTER, META, POINTER
 from toolkit.recipe import resolve
@@ -48,6 +48,23 @@ def _new_recipe(recipe, dp: int):
             and t.get("micro_batch_size") is not None:
         t["grad_accum_steps"] = None
     return Recipe.model_validate(d)
+
+
+def _resolve_at(recipe, dp: int, old_batch):
+    """The run's plan at `dp` ranks. A dp that the run's global batch and micro-batch do not divide into is refused
+    with the dps that do: the recipe's own fix (change the batch) is not one a conversion can take."""
+    try:
+        return resolve(recipe, dp)
+    except RecipeError as e:
+        per_micro = old_batch.global_batch // old_batch.micro_batch
+        if any(p.key == "training.global_batch_size" for p in e.problems) and per_micro:
+            fits = [d for d in range(1, per_micro + 1) if per_micro % d == 0]
+            raise ToolkitError(f"--dp {dp}: the run's global batch {old_batch.global_batch} is not a multiple of its "
+                               f"micro-batch {old_batch.micro_batch} x dp {dp}, and a conversion keeps both (the "
+                               f"data position and learning-rate schedule count them); pass a --dp dividing "
+                               f"{per_micro}: {', '.join(map(str, fits))}") from None
+        raise ToolkitError(f"--dp {dp}: the run's recipe does not run on {dp} ranks: "
+                           f"{e.problems[0].render().splitlines()[0]}") from None
 
 
 def _ds_config(cfg: dict, batch) -> dict:
@@ -103,7 +120,7 @@ def reshard_deepspeed(src_tag_dir: str | Path, dst_root: str | Path, dp: int, ov
         raise ToolkitError(f"{dst_root} overlaps the source checkpoint directory {src_root}; write elsewhere")
     old_plan = resolve(recipe, int(meta["layout"]["world_size"]))
     new_recipe = _new_recipe(recipe, dp)
-    new_plan = resolve(new_recipe, dp)
+    new_plan = _resolve_at(new_recipe, dp, old_plan.batch)
     if new_plan.batch.global_batch != old_plan.batch.global_batch:
         raise ToolkitError(f"the global batch would change ({old_plan.batch.global_batch} -> "
                            f"{new_plan.batch.global_batch}) at dp={dp}")

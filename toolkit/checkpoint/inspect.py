@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from toolkit.checkpoint import megatron_lm, torch_dist
+from toolkit.checkpoint import megatron_lm, output, torch_dist
 from toolkit.checkpoint.deepspeed_plain import PlainDeepSpeedSource, inspect_plain, is_plain, zero_dtypes
 from toolkit.checkpoint.safetensors_sources import read_json
 from toolkit.checkpoint.source_base import converted
@@ -31,7 +31,14 @@ def inspect(path: str | Path) -> dict:
     path = Path(path)
     paths.resolve(path)  # a link that loops: one line, not a traceback
     if not path.exists():
-        raise ToolkitError(f"{path} does not exist")
+        raise ToolkitError("; ".join([f"{path} does not exist", *output.left_behind(path)]))
+    report = _inspect(path)
+    if output.left_behind(path):
+        report["left_behind"] = output.left_behind(path)
+    return report
+
+
+def _inspect(path: Path) -> dict:
     if (path / "config.json").is_file() and list(path.glob("*.safetensors")):
         return _agree(inspect_hf(path), path)
     if is_universal(path):  # DeepSpeed's universal format (universal.py); `convert --to universal` names tags step_*
@@ -87,7 +94,7 @@ def inspect_hf(folder: Path) -> dict:
                 dtypes[name] = dtypes.get(name, 0) + n
     return {"path": str(folder), "format": "hf", "complete": not problems, "problems": problems, "step": None,
             "layout": None, "architecture": _hf_architecture(config), "parameters": params, "dtypes": dtypes,
-            "bytes": _bytes(folder)}
+            "bytes": paths.regular_bytes(folder)}
 
 
 def _hf_architecture(config: dict) -> dict:
@@ -116,7 +123,7 @@ def inspect_toolkit(tag_dir: Path) -> dict:
     unfinished = "toolkit" if (tag_dir / STARTED).is_file() else "unknown"
     report = {"path": str(tag_dir), "format": meta.get("backend", unfinished), "complete": not problems,
               "problems": problems, "step": meta.get("step"), "layout": meta.get("layout"), "architecture": None,
-              "parameters": None, "dtypes": None, "bytes": _bytes(tag_dir),
+              "parameters": None, "dtypes": None, "bytes": paths.regular_bytes(tag_dir),
               "checked": manifest.describe_check(meta.get("files") or {}) if meta.get("files") else None}
     if meta.get("hf_config"):  # written by `toolkit convert`, which records the model's config itself
 
@@ -200,7 +207,7 @@ def inspect_megatron_lm(path: Path) -> dict:
             "step": state.get("iteration"), "layout": {"tp": tp, "pp": pp, "vpp": vpp, **({"ep": ep} if ep > 1 else {})},
             "architecture": {**_hf_architecture(config), "vocab_size": _padded(args)},
             "parameters": _parameters(dims),
-            "dtypes": dtypes, "bytes": _bytes(it_dir), "padded_vocab": args.padded_vocab_size}
+            "dtypes": dtypes, "bytes": paths.regular_bytes(it_dir), "padded_vocab": args.padded_vocab_size}
 
 
 def _legacy_dtypes(states: list[dict], vpp: int, files: list[Path], parameters: int) -> dict[str, int]:
@@ -224,7 +231,7 @@ def _inspect_torch_dist(path: Path, it_dir: Path) -> dict:
     except ToolkitError as e:
         return {"path": str(path), "format": "megatron torch_dist", "complete": False, "problems": [str(e)],
                 "step": None, "layout": None, "architecture": None, "parameters": None, "dtypes": None,
-                "bytes": _bytes(it_dir), "padded_vocab": None}
+                "bytes": paths.regular_bytes(it_dir), "padded_vocab": None}
     args = reader.common.get("args")
     if args is None or not hasattr(args, "padded_vocab_size"):
         raise ToolkitError(f"{it_dir / 'common.pt'} holds no Megatron-LM args; the model's shape is unknown")
@@ -245,7 +252,8 @@ def _inspect_torch_dist(path: Path, it_dir: Path) -> dict:
                        **({"ep": megatron_lm.expert_parallel_size(args)} if megatron_lm.expert_parallel_size(args) > 1
                           else {})},
             "architecture": {**_hf_architecture(config), "vocab_size": _padded(args)},
-            "parameters": parameters, "dtypes": dtypes, "bytes": _bytes(it_dir), "padded_vocab": args.padded_vocab_size}
+            "parameters": parameters, "dtypes": dtypes, "bytes": paths.regular_bytes(it_dir),
+            "padded_vocab": args.padded_vocab_size}
 
 
 def _padded(args) -> str:
@@ -301,7 +309,8 @@ def inspect_root(root: Path) -> dict:
         return {"path": str(root), "format": "toolkit", "complete": False,
                 "problems": [f"holds no complete checkpoint ({len(steps)} step_* folders, none complete)"],
                 "step": None, "layout": None, "architecture": None, "parameters": None, "dtypes": None,
-                "bytes": _bytes(root), "checkpoints": {name: "incomplete: " + "; ".join(p) for name, p in steps.items()}}
+                "bytes": paths.regular_bytes(root),
+                "checkpoints": {name: "incomplete: " + "; ".join(p) for name, p in steps.items()}}
     report = _agree(_agree(inspect_toolkit(root / intact[-1]), root / intact[-1]), root)
     report["checkpoints"] = {name: "complete" if not p else "incomplete: " + "; ".join(p) for name, p in steps.items()}
     return report
@@ -314,16 +323,6 @@ def _verify(tag_dir: Path) -> list[str] | None:
         return manifest.verify(tag_dir)
     except FileNotFoundError:
         return None
-
-
-def _bytes(folder: Path) -> int:
-    total = 0
-    for p in folder.rglob("*"):
-        try:
-            total += p.stat().st_size if p.is_file() else 0
-        except FileNotFoundError:  # removed meanwhile (a running save prunes old steps)
-            pass
-    return total
 
 
 def render(report: dict) -> str:
@@ -350,4 +349,5 @@ def render(report: dict) -> str:
         lines.append(f"  manifest: {report['checked']}" + (" match" if report["complete"] else ""))
     for name, state in (report.get("checkpoints") or {}).items():
         lines.append(f"  {name}: {state}")
+    lines += [f"  beside it: {line}" for line in report.get("left_behind", [])]
     return "\n".join(lines)

@@ -382,7 +382,7 @@ def inspect_universal(path: Path) -> dict:
     path = Path(path)
     report = {"path": str(path), "format": "deepspeed universal", "complete": False, "problems": [],
               "step": None, "layout": None, "architecture": None, "parameters": None, "dtypes": None,
-              "bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file())}
+              "bytes": paths.regular_bytes(path)}
     try:
         tag = resolve_universal(path)
         src = UniversalSource(tag)

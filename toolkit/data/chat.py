@@ -107,6 +107,7 @@ def pack(convs: list[tuple[list[int], list[int]]], n: int, pad_id: int, packing:
     position ids from 0; the rest of a row is padding (labels -100, its own position ids from 0)."""
     rows: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
     cur: dict[str, list] = {k: [] for k in rows}
+    rows["conversations"], held = [], [0]  # how many conversations each row holds (build_chat counts the dropped)
 
     def flush():
         if cur["input_ids"]:
@@ -116,6 +117,8 @@ def pack(convs: list[tuple[list[int], list[int]]], n: int, pad_id: int, packing:
             rows["position_ids"].append(cur["position_ids"] + list(range(pad)))
             for k in cur:
                 cur[k] = []
+            rows["conversations"].append(held[0])
+            held[0] = 0
 
     for ids, labels in convs:
         ids, labels = ids[:n], labels[:n]
@@ -124,12 +127,14 @@ def pack(convs: list[tuple[list[int], list[int]]], n: int, pad_id: int, packing:
         cur["input_ids"] += ids
         cur["labels"] += labels
         cur["position_ids"] += list(range(len(ids)))
+        held[0] += 1
     flush()
     return rows
 
 
 def build_chat(raw, tokenizer, cfg: DataConfig):
-    """The tokenized, packed chat dataset (input_ids, labels, position_ids per row of seq_len)."""
+    """(the tokenized, packed chat dataset: input_ids, labels, position_ids per row of seq_len; how many
+    conversations were left out for having no assistant token within seq_len)."""
     if cfg.messages_field not in raw.column_names:
         raise ToolkitError(f"data.messages_field: column {cfg.messages_field!r} not in the dataset (columns: "
                            f"{raw.column_names}); set data.messages_field to the conversation column")
@@ -158,4 +163,5 @@ def build_chat(raw, tokenizer, cfg: DataConfig):
 
     out = raw.map(encode, batched=True, with_indices=True, remove_columns=raw.column_names,
                   desc="rendering chats" if not cfg.packing else "rendering and packing chats")
-    return out.with_format("torch")
+    dropped = len(raw) - sum(out["conversations"])
+    return out.remove_columns("conversations").with_format("torch"), dropped

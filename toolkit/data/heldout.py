@@ -32,7 +32,8 @@ def check_eval_files(r: Recipe) -> list[Problem]:
     return [Problem("eval.paths", p.message, p.fix.replace("data.paths", "eval.paths")) for p in check_files(cfg)]
 
 
-def build_heldout(r: Recipe, tokenizer, train, rank_zero_first=nullcontext, global_batch: int = 1):
+def build_heldout(r: Recipe, tokenizer, train, rank_zero_first=nullcontext, global_batch: int = 1,
+                  notes: list | None = None):
     """(training dataset, held-out dataset or None) from the training sequences `train`. eval.split holds out the
     last fraction of them (the end of the corpus: only the document at the boundary is shared) and removes them
     from training, whether or not evaluation is on, so turning it on does not change what is trained on. What is
@@ -52,7 +53,11 @@ def build_heldout(r: Recipe, tokenizer, train, rank_zero_first=nullcontext, glob
     cfg = eval_data_config(r)
     if cfg is not None and e.interval:
         try:
-            return train, build_dataset(cfg, tokenizer, rank_zero_first)
+            held = []
+            out = build_dataset(cfg, tokenizer, rank_zero_first, held)
+            if notes is not None:
+                notes += [line.replace("data: ", "eval.paths: ", 1) for line in held]
+            return train, out
         except ToolkitError as err:  # its line names the files it read: eval.paths, not data.paths
             line = str(err)
             raise ToolkitError("eval.paths: " + line.removeprefix("data.paths: ").replace("data.paths", "eval.paths")

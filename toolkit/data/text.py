@@ -219,11 +219,20 @@ def pack_blocks(tokenized, n: int):
                          desc="packing")
 
 
-def build_dataset(cfg: DataConfig, tokenizer, rank_zero_first=nullcontext):
-    """The tokenized dataset. `rank_zero_first` lets rank 0 fill the `datasets` cache before the others read it."""
+def build_dataset(cfg: DataConfig, tokenizer, rank_zero_first=nullcontext, notes: list | None = None):
+    """The tokenized dataset. `rank_zero_first` lets rank 0 fill the `datasets` cache before the others read it.
+    A line for the run's log goes to `notes`: how many conversations chat data left out (none was said until
+    2026-12-07)."""
+    dropped = 0
     with rank_zero_first():
         raw = load_raw(cfg)
-        ds = chat.build_chat(raw, tokenizer, cfg) if cfg.kind == "chat" else tokenize_and_pack(raw, tokenizer, cfg)
+        if cfg.kind == "chat":
+            ds, dropped = chat.build_chat(raw, tokenizer, cfg)
+        else:
+            ds = tokenize_and_pack(raw, tokenizer, cfg)
+    if dropped and notes is not None:
+        notes.append(f"data: {dropped:,} of {len(raw):,} conversations left out: no assistant token within "
+                     f"data.seq_len={cfg.seq_len} (raise data.seq_len to train on them)")
     if len(ds) == 0 and cfg.kind == "chat":
         raise ToolkitError(f"data: no conversation with an assistant token within data.seq_len={cfg.seq_len} in "
                            f"{cfg.hub_dataset or cfg.paths}; add data or raise data.seq_len")

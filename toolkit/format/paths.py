@@ -108,3 +108,17 @@ def write_replacing(path: Path, text: str) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def regular_bytes(folder: Path) -> int:
+    """The bytes of the regular files under `folder`, as `inspect` reports them: a symbolic link's target is not
+    counted (it may be anywhere, or another file of the folder; it was until 2026-12-07), nor a file removed while
+    the folder is walked (a running save prunes old steps)."""
+    total = 0
+    for p in Path(folder).rglob("*"):
+        try:
+            info = p.lstat()
+        except FileNotFoundError:
+            continue
+        total += info.st_size if stat.S_ISREG(info.st_mode) else 0
+    return total

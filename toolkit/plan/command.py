@@ -87,7 +87,8 @@ def run(args) -> int:
             print(f"\nwrote {args.write}")
     else:
         print(f"Nothing fits: none of the {len(found.estimates)} valid layouts fits {cluster.gpus} GPUs of "
-              f"{cluster.gpu_memory_gib:g} GiB.")
+              f"{cluster.gpu_memory_gib:g} GiB." if found.estimates else
+              f"Nothing fits: no layout of {cluster.gpus} GPUs is valid for this recipe.")
         print("\n".join(f"  - {x}" for x in missing))
     print("\nAssumed (override with --gpu-memory/--cpu-memory/--nvme/--peak-tflops): "
           + ", ".join(cluster.describe()[1:]))

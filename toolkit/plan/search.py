@@ -195,7 +195,7 @@ def nearest_fit(s: Search, r: Recipe, cluster: Cluster, global_batch: int, backe
     """When nothing fits: what is missing, in terms a user can change (bigger GPUs, more host memory or NVMe,
     more GPUs), each with the layout it would make fit."""
     if not s.estimates:
-        return ["no valid layout: the model's heads/layers do not divide over any layout of these GPUs"]
+        return [_no_layout(r, cluster, global_batch, backends)]
     gib, out = 2**30, []
     host_ok = [e for e in s.estimates if not any(p.startswith(("CPU", "NVMe")) for p in e.problems)]
     if host_ok:
@@ -221,3 +221,20 @@ def nearest_fit(s: Search, r: Recipe, cluster: Cluster, global_batch: int, backe
     if "deepspeed" not in backends:
         out.append("offload: only the deepspeed backend offloads to CPU/NVMe (try --backend any)")
     return out
+
+
+def _no_layout(r: Recipe, cluster: Cluster, global_batch: int, backends) -> str:
+    """Why no layout of these GPUs is valid: the batch (no micro-batch x data-parallel size divides the global
+    batch) or the model (heads, layers or experts divide over none of those that do)."""
+    batched = [c for c in (*(_deepspeed(r, cluster.gpus, global_batch) if "deepspeed" in backends else ()),
+                           *(_megatron(r, cluster, global_batch) if "megatron" in backends else ()))]
+    if not batched:
+        fit = -(-global_batch // cluster.gpus) * cluster.gpus
+        return (f"no valid layout: global batch {global_batch} is not divisible by micro-batch x data-parallel size "
+                f"in any layout of {cluster.gpus} GPUs; a multiple of {cluster.gpus} is "
+                f"(e.g. --set training.global_batch_size={fit})")
+    dps = sorted({c.dp for c in batched})
+    return (f"no valid layout: global batch {global_batch} divides only over data-parallel size "
+            f"{', '.join(map(str, dps))} on {cluster.gpus} GPUs, and the model's heads, layers or experts do not "
+            f"divide over the tensor/pipeline/expert sizes that leaves; a global batch that is a multiple of "
+            f"{cluster.gpus} opens the others (`toolkit validate --world-size {cluster.gpus}` names the problems)")

@@ -5,6 +5,7 @@ Field docstrings double as the text `toolkit show --explain` prints and unknown-
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -331,3 +332,17 @@ class Recipe(_Section):
     @property
     def checkpoint_dir(self) -> str:
         return self.checkpoint.dir or f"{self.out_dir}/checkpoints"
+
+
+def explain(model: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
+    """`toolkit show --explain`: every key with its default and meaning, sections indented."""
+    lines = []
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            lines.append(f"{prefix}{name}:  # {f.description}")
+            lines += explain(ann, prefix + "  ")
+        else:
+            default = f.get_default(call_default_factory=True)
+            lines.append(f"{prefix}{name}: {json.dumps(default, default=str)}  # {f.description}")
+    return lines
