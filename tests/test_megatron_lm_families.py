@@ -57,7 +57,9 @@ def test_args_no_family_converts_are_refused_in_one_line(change, needle):
 
 
 @pytest.mark.parametrize("family,to,layout", [("qwen2", "megatron_lm", dict(tp=2)),
-                                              ("qwen3", "torch_dist", dict(tp=1, pp=2))])
+                                              ("qwen3", "torch_dist", dict(tp=1, pp=2)),
+                                              ("mistral", "megatron_lm", dict(tp=2)),  # came back as Llama
+                                              ("mistral", "torch_dist", dict(tp=1, pp=2))])
 def test_toolkit_megatron_lm_outputs_keep_the_family(family, to, layout, tmp_path):
     model = tiny_model(family)
     model.save_pretrained(tmp_path / "hf")
@@ -71,6 +73,10 @@ def test_toolkit_megatron_lm_outputs_keep_the_family(family, to, layout, tmp_pat
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     config = json.loads((back / "config.json").read_text())
     assert config["model_type"] == family and config["architectures"] == [CONFIGS[family][1]]
+    source = json.loads((tmp_path / "hf" / "config.json").read_text())  # no Megatron-LM argument holds the ids
+    assert [config.get(k) for k in ("bos_token_id", "eos_token_id")] == [source.get(k) for k in ("bos_token_id",
+                                                                                              "eos_token_id")]
+    assert family != "mistral" or source["bos_token_id"] == 1  # (Qwen's transformers 5 configs leave them unset)
     # inspect names the shape alike in the three formats (Qwen3's head_dim 32 included: it was left out)
     shapes = [{k: v for k, v in inspect(p)["architecture"].items() if k != "vocab_size"}
               for p in (tmp_path / "hf", out, back)]

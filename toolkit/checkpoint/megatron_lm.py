@@ -143,11 +143,31 @@ bias or scaling, no shared expert, experts in every layer. Qwen3-MoE's norm_topk
 off (top-k of the logits, then a softmax over those k)."""
 
 
+HF_FIELDS = ("model_type", "bos_token_id", "eos_token_id")
+"""Hugging Face config fields that no Megatron-LM argument holds. The toolkit's own Megatron-LM and torch_dist outputs
+carry them in `args.toolkit_hf_fields`, an argument Megatron-LM neither sets nor reads, so that a Mistral comes back
+as Mistral and the token ids come back (both were lost until 2026-12-07). A run that Megatron-LM continues saves its
+own args without it."""
+
+
+def hf_fields(config: dict) -> dict:
+    """config's HF_FIELDS that are set (a string, or ids: an int or a list of ints)."""
+    def plain(v):
+        return isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)) or (
+            isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v))
+    return {k: config[k] for k in HF_FIELDS if plain(config.get(k))}
+
+
+def _own_fields(args: argparse.Namespace) -> dict:
+    fields = getattr(args, "toolkit_hf_fields", None)
+    return hf_fields(fields) if isinstance(fields, dict) else {}
+
+
 def family_of_args(args: argparse.Namespace, where: Path | str = "the checkpoint's args") -> str:
     """The family Megatron-LM's args describe: qwen2 with add_qkv_bias, qwen3 with qk_layernorm, qwen3_moe with
-    qk_layernorm and num_experts, else mistral when the tokenizer (--tokenizer-model) is Mistral's, else llama.
-    Mistral 7B v0.2/v0.3 has exactly Llama's arguments and weights, so only its tokenizer names it. One line when the
-    args describe a model no family converts exactly."""
+    qk_layernorm and num_experts, else mistral when the tokenizer (--tokenizer-model) is Mistral's or the toolkit's
+    own output says so (HF_FIELDS), else llama. Mistral 7B v0.2/v0.3 has exactly Llama's arguments and weights, so
+    only those name it. One line when the args describe a model no family converts exactly."""
     wrong = [f"{k}={getattr(args, k)!r}" for k, v in LLAMA_ARGS.items() if hasattr(args, k) and getattr(args, k) != v]
     wrong += [f"{k}={getattr(args, k)!r}" for k, v in NO_OP_ARGS.items() if getattr(args, k, None) not in v]
     bias, qk_norm = bool(getattr(args, "add_qkv_bias", False)), bool(getattr(args, "qk_layernorm", False))
@@ -161,8 +181,9 @@ def family_of_args(args: argparse.Namespace, where: Path | str = "the checkpoint
         if not qk_norm or bias:
             wrong.append(f"num_experts={experts} without qk_layernorm (a mixture of experts other than Qwen3-MoE's)")
     tokenizer = str(getattr(args, "tokenizer_model", None) or "")
+    mistral = "mistral" in tokenizer.lower() or _own_fields(args).get("model_type") == "mistral"
     family = ("qwen3_moe" if experts else "qwen2" if bias else "qwen3" if qk_norm else
-              "mistral" if "mistral" in tokenizer.lower() else "llama")
+              "mistral" if mistral else "llama")
     if wrong:
         raise ToolkitError(f"{where}: the model is none of the families ({', '.join(wrong)}); only GPT models "
                            "with RMSNorm, SwiGLU, RoPE and no linear biases (Llama, Mistral; Qwen2 with "
@@ -187,6 +208,7 @@ def hf_config(args: argparse.Namespace, vocab_size: int, where: Path | str = "th
     if getattr(args, "use_rope_scaling", False):  # Megatron-Core's rope_scaling: llama3 with fixed constants
         config["rope_scaling"] = {"rope_type": "llama3", "factor": float(getattr(args, "rope_scaling_factor", 8.0)),
                                   **LLAMA3_ROPE_FIXED}
+    config.update({k: v for k, v in _own_fields(args).items() if k != "model_type"})  # the token ids
     head_dim = getattr(args, "kv_channels", None)
     if head_dim and head_dim * args.num_attention_heads != args.hidden_size:  # Qwen3's own head size
         config["head_dim"] = head_dim

@@ -30,7 +30,7 @@ import re
 from pathlib import Path
 
 from toolkit.checkpoint.byte_ranges import addressing
-from toolkit.checkpoint.megatron_lm import LOCAL_ORDER, rank_dir, registration_order
+from toolkit.checkpoint.megatron_lm import LOCAL_ORDER, hf_fields, rank_dir, registration_order
 from toolkit.families import family_named
 from toolkit.families.entries import holders, iter_entries, raise_problems, rank_key
 from toolkit.families.mapping import check_dims, megatron_rope_args
@@ -103,7 +103,8 @@ def model_args(dims, config: dict, tp: int, pp: int, vpp: int, divisible_by: int
         position_embedding_type="rope", add_bias_linear=False, **(run or RUN_ARGS),
         params_dtype=pt_write.torch_dtype(name) if isinstance(dtype, str) else dtype, bf16=name == "BF16",
         fp16=name == "F16", ckpt_format=ckpt_format, no_save_rng=True, no_save_optim=True,
-        **family_named(dims.family).megatron_fields, **moe_args(dims, config, ep))
+        **family_named(dims.family).megatron_fields, **moe_args(dims, config, ep),
+        toolkit_hf_fields=hf_fields({**config, "model_type": family_named(dims.family).model_types[0]}))
 
 
 def content_metadata(distributed: bool) -> dict:
