@@ -126,3 +126,17 @@ def test_a_row_without_text_past_the_checked_head_names_its_row(tmp_path):
     cfg = DataConfig(paths=[str(path)], tokenizer="recipes/data/demo_tokenizer", seq_len=16)
     with pytest.raises(ToolkitError, match=r"^data.paths: row 301 has no text under 'text'; fix or remove"):
         build_dataset(cfg, AutoTokenizer.from_pretrained(cfg.tokenizer))
+
+
+def test_a_line_past_the_checked_head_that_is_not_json_is_named_by_its_line(tmp_path):
+    """`datasets` says "JSON parse error ... in row 2500", counted from 0 within a block of the file (until
+    2026-12-07 that was the line shown); the line is found once the load has failed."""
+    from toolkit.recipe.schema import DataConfig
+
+    good, path = tmp_path / "good.jsonl", tmp_path / "broken.jsonl"
+    good.write_text('{"text": "a fine story about a cat"}\n' * 50)
+    path.write_text('{"text": "a fine story about a cat"}\n' * 2500 + '{"text": "cut\n' + '{"text": "x"}\n' * 9)
+    cfg = DataConfig(paths=[str(good), str(path)], tokenizer="recipes/data/demo_tokenizer", seq_len=16)
+    with pytest.raises(ToolkitError, match=rf"^data.paths: {path} line 2501 is not JSON \(Invalid control character "
+                                           r"at column 14\); fix or remove that line$"):
+        build_dataset(cfg, AutoTokenizer.from_pretrained(cfg.tokenizer))

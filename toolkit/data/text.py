@@ -141,9 +141,31 @@ def load_raw(cfg: DataConfig):
     try:
         return datasets.load_dataset(builder, data_files=files, split="train")
     except (datasets.exceptions.DatasetGenerationError, StopIteration) as e:  # what check_files cannot see
+        bad = _first_bad_json_line(files) if builder == "json" else None
+        if bad:
+            raise ToolkitError(f"data.paths: {bad}; fix or remove that line") from None
         cause = e.__cause__ or e
         raise ToolkitError(f"data.paths: `datasets` cannot read {files} as {builder}: {type(cause).__name__}: "
                            f"{str(cause)[:200]}; fix or remove the file (or set data.format)") from None
+
+
+def _first_bad_json_line(files: list[str]) -> str | None:
+    """Where the first JSON lines file that `datasets` refused stops parsing: "FILE line N (1-based): why". Its own
+    message counts rows from 0 within a block of the file (a trial of 2026-12-07), so the line is found here, only
+    once the load has failed. None for a file of one JSON document (an array), or when every line parses."""
+    for name in files:
+        with open(name, "rb") as f:
+            if f.read(64).lstrip()[:1] == b"[":
+                continue
+            f.seek(0)
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        json.loads(line)
+                    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                        why = f"{e.msg} column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+                        return f"{name} line {n} is not JSON ({why})"
+    return None
 
 
 def text_column(raw, cfg: DataConfig) -> str:
