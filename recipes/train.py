@@ -38,7 +38,9 @@ def main() -> int:
                     help="override a recipe key (repeatable)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # from launchers
     args = ap.parse_args()
-    from toolkit.train.preempt import Preempted
+    from toolkit.train.preempt import Preempted, watch_early
+
+    watch_early()  # a time-limit warning during start-up is kept for the first step boundary
 
     try:
         from toolkit.run import train

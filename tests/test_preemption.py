@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, free_port, launch, read_metrics, signal_process_tree
+from toolkit.proc import process_tree
 
 STEPS = 8
 RUN = [f"training.steps={STEPS}", "training.schedule.warmup_steps=2", "logging.interval=1", "checkpoint.interval=100",
@@ -100,3 +101,36 @@ def test_signal_checkpoints_exits_and_resumes_exactly(recipe, second_signal, ext
     resumed = read_metrics(out)
     assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in resumed] == straight  # bit-identical on CPU
+
+
+def _catches_usr1(pid: int) -> bool:
+    try:
+        caught = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught.split()[1], 16) >> (signal.SIGUSR1 - 1) & 1)
+
+
+@pytest.mark.slow
+def test_a_signal_during_start_up_is_kept_for_the_first_boundary(tmp_path):
+    """Slurm sends its time-limit warning once. Until 2026-12-07 one that came while the ranks were still starting
+    (imports, model, engine, resume) found SIGUSR1 ignored, as the launcher's children inherit it, and was lost: the
+    job ran into its time limit without a checkpoint or a requeue. Here the signal goes to both ranks as soon as each
+    catches SIGUSR1 (the first thing recipes/train.py does), before any step."""
+    out = tmp_path / "early"
+    proc = _start("tiny_zero2", out, nproc=2)
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        ranks = [p for p in process_tree(proc.pid) if p != proc.pid and _catches_usr1(p)]
+        if len(ranks) == 2:
+            break
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        time.sleep(0.02)
+    assert not (out / "metrics.jsonl").exists()  # no step yet: the signal comes during start-up
+    for pid in ranks:
+        os.kill(pid, signal.SIGUSR1)
+    text, _ = proc.communicate(timeout=300)
+    assert "preempted by SIGUSR1" in text, text[-4000:]
+    marker = json.loads((out / "preempted.json").read_text())
+    assert 1 <= marker["step"] <= 2 and (Path(marker["checkpoint"]) / "toolkit_meta.json").is_file(), marker

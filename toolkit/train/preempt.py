@@ -30,6 +30,23 @@ REQUEUE_EXIT = 75  # EX_TEMPFAIL: "checkpoint written after a preemption signal;
 MARKER = "preempted.json"
 
 
+_EARLY: list[str] = []
+"""SIGUSR1s noted between process start (watch_early) and the PreemptionWatch that takes them over."""
+
+
+def _note_early(signum, frame) -> None:
+    _EARLY.append(signal.Signals(signum).name)
+
+
+def watch_early() -> None:
+    """Note SIGUSR1 from the start of the process, before the model, the engine and a resumed checkpoint are built:
+    Slurm sends the time-limit warning once, and the launcher's workers start with it ignored (`trap '' USR1`), so
+    one that came during start-up was lost and the job ran into its time limit without a checkpoint or a requeue
+    (until 2026-12-07). SIGTERM keeps its default until the watch exists: a job stopped while it starts just ends."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, _note_early)
+
+
 class Preempted(Exception):
     """Raised after the preemption checkpoint is complete."""
 
@@ -45,7 +62,7 @@ class PreemptionWatch:
     """Notes preemption signals; agreed() tells every rank whether any rank got one."""
 
     def __init__(self):
-        self.count, self.name, self._old = 0, None, {}
+        self.count, self.name, self._old = len(_EARLY), (_EARLY[0] if _EARLY else None), {}
         self._group, self._pending = None, None
         if dist.is_initialized() and dist.get_world_size() > 1:  # collective: every rank builds it, in step
             # control messages go over a CPU group of their own: no device synchronisation in the step loop, and
