@@ -149,3 +149,17 @@ def test_convert_has_openmp_threads_wait_passively_unless_the_user_says(tmp_path
                                                                              else {})
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env)
     assert proc.stdout.split() == [preset or "PASSIVE", "False"], proc.stderr
+
+
+def test_validate_refuses_what_megatron_core_cannot_express_on_any_machine(tmp_path):
+    """Until 2026-12-07 `validate` printed these as "launched on this machine, the run would stop at" notes and
+    exited 0; rope_theta 2.9 then trained at 2 (rotary_base is an int)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("base: tiny_tp2\nmodel: {rope_scaling: {type: yarn, factor: 4.0}, rope_theta: 2.9}\n")
+    proc = toolkit("validate", "--recipe", str(recipe))
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert "model.rope_scaling: {'type': 'yarn', 'factor': 4.0} cannot be expressed in Megatron-Core" in proc.stderr
+    assert "model.rope_theta: 2.9 is not a whole number" in proc.stderr
+    ok = toolkit("validate", "--recipe", str(recipe), "--set", "parallel.backend=deepspeed",
+                 "--set", "parallel.tp=1")
+    assert ok.returncode == 0, ok.stderr

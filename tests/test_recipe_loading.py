@@ -112,3 +112,50 @@ def test_nvme_path_must_exist_unless_inside_the_run_folder(tmp_path):
     (tmp_path / "file").write_text("x")
     blocked = load_recipe("tiny_zero3_nvme", [f"output_dir={tmp_path}/file", f"parallel.nvme_path={tmp_path}/file/swap"])
     assert [p.key for p in check_paths(blocked)] == ["parallel.nvme_path", "output_dir", "checkpoint.dir"]
+
+
+def test_a_key_config_json_leaves_out_is_transformers_default_not_the_schemas(tmp_path):
+    """Until 2026-12-07 a missing key took the recipe schema's default: a Qwen3-MoE config without norm_topk_prob
+    trained renormalised top-k weights (transformers: off), and any family without rms_norm_eps 1e-5 (1e-6)."""
+    import transformers
+
+    from toolkit.recipe.presets import HF_DEFAULTS
+
+    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+               "qwen3_moe": "Qwen3MoeConfig"}
+    assert set(HF_DEFAULTS) == set(classes)
+    for family, defaults in HF_DEFAULTS.items():
+        theirs = getattr(transformers, classes[family])(hidden_size=64, num_attention_heads=4)
+        assert {k: getattr(theirs, k) for k in defaults} == defaults, family
+    cfg = {"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = load_recipe("tiny_zero0", ["model.preset=null", f"model.hf_path={tmp_path}"]).model
+    assert (m.norm_topk_prob, m.rms_norm_eps, m.head_dim) == (False, 1e-6, 16)
+
+
+def test_rope_scaling_in_the_older_type_spelling_is_trained_as_transformers_reads_it(tmp_path):
+    """`rope_scaling: {"type": "linear", ...}` (configs before transformers 4.45) was dropped on the way into training
+    until 2026-12-07: the run trained without the scaling, and the exported config named both kinds."""
+    import torch
+    import transformers
+
+    from toolkit.model import to_hf_config
+
+    cfg = {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 100.0,
+           "rope_scaling": {"type": "linear", "factor": 4.0}, "max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = load_recipe("tiny_zero0", ["model.preset=null", f"model.hf_path={tmp_path}"]).model
+    assert m.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(tmp_path))
+    ours = transformers.LlamaForCausalLM(to_hf_config(m))
+    ours.load_state_dict(theirs.state_dict())
+    ids = torch.arange(40).unsqueeze(0)
+    plain = transformers.LlamaForCausalLM(to_hf_config(m.model_copy(update={"rope_scaling": None})))
+    plain.load_state_dict(theirs.state_dict())
+    with torch.no_grad():
+        want, got, unscaled = (x(ids).logits for x in (theirs, ours, plain))
+    assert torch.equal(got, want) and not torch.allclose(unscaled, want)

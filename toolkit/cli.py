@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from toolkit.errors import ToolkitError
+from toolkit.errors import RecipeError, ToolkitError
 from toolkit.repo import REPO_ROOT
 
 if TYPE_CHECKING:
@@ -79,7 +79,12 @@ def _plan(args) -> Plan:
 
 
 def cmd_validate(args) -> int:
+    from toolkit.adapters.megatron import check_megatron_model  # lazy: per command (above)
+
     plan = _plan(args)
+    model_problems = check_megatron_model(plan.recipe) if plan.layout.backend == "megatron" else []
+    if model_problems:  # no machine runs them (until 2026-12-07 a note, with exit 0)
+        raise RecipeError(args.recipe, model_problems)
     print(f"ok: {plan.recipe.name}: {plan.layout.describe()}")
     print(f"    {plan.batch.describe()} sequences of {plan.recipe.data.seq_len} tokens "
           f"= {plan.batch.global_batch * plan.recipe.data.seq_len:,} tokens per step")
@@ -89,7 +94,7 @@ def cmd_validate(args) -> int:
         from toolkit.adapters.megatron import check_megatron  # lazy: per command (above)
         from toolkit.megatron.runtime import te_available  # lazy: pulls in torch; validate stays a light command
 
-        for p in check_megatron(plan.recipe, te_available()):
+        for p in check_megatron(plan.recipe, te_available())[len(model_problems):]:
             print(f"    note: launched on this machine, the run would stop at: {p.key}: {p.message}")
     return 0
 

@@ -12,6 +12,7 @@ from toolkit.errors import ToolkitError
 from toolkit.families import family_named
 from toolkit.format import paths
 from toolkit.format import safetensors_stream as st
+from toolkit.recipe.presets import normal_rope
 from toolkit.recipe.schema import ModelConfig
 
 
@@ -21,10 +22,7 @@ def to_hf_config(m: ModelConfig, tokenizer=None):
 
     family = family_named(m.family)
 
-    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
-    if m.rope_scaling:
-        rope.update(m.rope_scaling)
-        rope["rope_theta"] = m.rope_theta
+    rope = {**normal_rope(m.rope_scaling or {}), "rope_theta": m.rope_theta}  # `type`, the older spelling, too
     own = family.hf_config_from_recipe(m) if family.hf_config_from_recipe else {}
     return getattr(transformers, family.hf_config_class)(
         **family.hf_config_fields, **own, head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,

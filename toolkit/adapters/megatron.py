@@ -12,6 +12,7 @@ from toolkit.errors import Problem
 from toolkit.families import family_named
 from toolkit.families.mapping import LLAMA3_ROPE_FIXED
 from toolkit.layout import Layout, padded_vocab_size
+from toolkit.recipe.presets import normal_rope
 from toolkit.recipe.schema import Recipe
 
 
@@ -79,7 +80,7 @@ def to_transformer_config_kwargs(r: Recipe, layout: Layout, on_gpu: bool) -> dic
 def to_gpt_model_kwargs(r: Recipe, layout: Layout) -> dict:
     """GPTModel arguments other than config, spec and the per-stage pre/post_process flags."""
     m = r.model
-    rope = m.rope_scaling or {}
+    rope = normal_rope(m.rope_scaling or {})
     return {"vocab_size": padded_vocab_size(m.vocab_size, layout.tp, r.parallel.megatron.make_vocab_size_divisible_by),
             "max_sequence_length": r.data.seq_len, "position_embedding_type": "rope", "rotary_base": int(m.rope_theta),
             "rope_scaling": rope.get("rope_type") == "llama3", "rope_scaling_factor": float(rope.get("factor", 8.0)),
@@ -124,15 +125,25 @@ def scheduler_state(r: Recipe, step: int) -> dict | None:
             "wd_incr_style": "constant", "wd_incr_steps": t.steps * batch}
 
 
-def check_megatron(r: Recipe, te_available: bool) -> list[Problem]:
-    """What the Megatron backend needs beyond the shared rules (run before any process starts)."""
-    p, out = r.parallel, []
-    rope = r.model.rope_scaling or {}
-    if rope and (rope.get("rope_type") != "llama3"
-                 or any(float(rope.get(k, v)) != v for k, v in LLAMA3_ROPE_FIXED.items())):
-        out.append(Problem("model.rope_scaling", f"{rope} cannot be expressed in Megatron-Core, which supports Llama "
-                           f"3.1 scaling with {LLAMA3_ROPE_FIXED} and any factor",
+def check_megatron_model(r: Recipe) -> list[Problem]:
+    """What of the model Megatron-Core's GPTModel cannot express, on any machine (`validate` refuses it)."""
+    out, rope = [], normal_rope(r.model.rope_scaling or {})
+    if rope["rope_type"] != "default" and (rope["rope_type"] != "llama3"
+                                           or any(float(rope.get(k, v)) != v for k, v in LLAMA3_ROPE_FIXED.items())):
+        out.append(Problem("model.rope_scaling", f"{r.model.rope_scaling} cannot be expressed in Megatron-Core, which "
+                           f"supports Llama 3.1 scaling with {LLAMA3_ROPE_FIXED} and any factor",
                            "use backend: deepspeed for other RoPE scalings"))
+    if r.model.rope_theta != int(r.model.rope_theta):  # GPTModel's rotary_base is an int (until 2026-12-07: cut)
+        out.append(Problem("model.rope_theta", f"{r.model.rope_theta} is not a whole number, and Megatron-Core's "
+                           f"rotary_base is an integer (it would train {int(r.model.rope_theta)})",
+                           "use backend: deepspeed for this model"))
+    return out
+
+
+def check_megatron(r: Recipe, te_available: bool) -> list[Problem]:
+    """What the Megatron backend needs beyond the shared rules (run before any process starts): the model
+    (check_megatron_model), and what this machine has."""
+    p, out = r.parallel, check_megatron_model(r)
     if not te_available and p.cp > 1:
         out.append(Problem("parallel.cp", "context parallelism needs Transformer Engine's attention on GPUs "
                            "(Megatron-Core's local attention has none), and Transformer Engine is not importable here",

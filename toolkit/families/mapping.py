@@ -246,7 +246,7 @@ def refuse_unhonoured(family: str, config: Any, sliding: bool = False) -> None:
     if get("mlp_bias", False):
         raise ToolkitError(f"{family} config sets mlp_bias; only bias-free MLP weights are mapped: add bias entries to "
                            f"toolkit/families/{family}.py to support them")
-    if get("hidden_act", "silu") != "silu":
+    if get("hidden_act", "silu") not in ("silu", "swish"):  # swish: transformers' other name of silu
         raise ToolkitError(f"{family} config sets hidden_act: {get('hidden_act')}; the map targets SwiGLU (silu): "
                            "convert a model whose MLP uses silu")
     # Qwen configs keep a sliding_window number that is off unless use_sliding_window is true

@@ -63,15 +63,37 @@ HF_TO_RECIPE = {
 }
 
 
+HF_DEFAULTS: dict[str, dict] = {
+    "llama": {"rms_norm_eps": 1e-6}, "mistral": {"rms_norm_eps": 1e-6}, "qwen2": {"rms_norm_eps": 1e-6},
+    "qwen3": {"rms_norm_eps": 1e-6, "head_dim": 128},
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "norm_topk_prob": False},
+}
+"""What transformers' config class of each model_type takes for a key that config.json leaves out, where that changes
+the logits and the recipe schema's default differs (tests/test_families.py checks it against transformers). Until
+2026-12-07 a missing key took the schema's default: a Qwen3-MoE without norm_topk_prob trained renormalised top-k
+weights, and one without rms_norm_eps an epsilon of 1e-5."""
+
+
+def normal_rope(rope: dict) -> dict:
+    """RoPE scaling with its kind under `rope_type`: configs before transformers 4.45 spell it `type` (rope_type wins
+    where both are given). Until 2026-12-07 a `type` was dropped on the way into training, which ran unscaled."""
+    rope = dict(rope)
+    kind = rope.pop("type", None)
+    rope.setdefault("rope_type", kind or "default")
+    return rope
+
+
 def model_keys_from_hf_config(cfg: dict) -> dict:
-    """Recipe `model:` values read from a Hugging Face Llama config.json (old and new RoPE spellings)."""
+    """Recipe `model:` values read from a Hugging Face config.json (old and new RoPE spellings; a key it leaves out
+    as transformers' config class takes it: HF_DEFAULTS)."""
     out = {ours: cfg[theirs] for theirs, ours in HF_TO_RECIPE.items() if cfg.get(theirs) is not None}
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    for key, value in HF_DEFAULTS.get(cfg.get("model_type") or "llama", {}).items():
+        out.setdefault(key, value)
+    rope = normal_rope(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", None) or cfg.get("rope_theta")
     if theta:
         out["rope_theta"] = float(theta)
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
+    if rope["rope_type"] != "default":
         out["rope_scaling"] = rope
     return out
 
@@ -113,9 +135,11 @@ def unsupported_hf_config(cfg: dict, where: str) -> list[Problem]:
         if key == "attention_bias" and kind == "qwen2":
             continue  # Qwen2's q/k/v biases are always there (the family maps them); the key is not Qwen2's
         value = cfg.get(key, plain)
-        if value is not None and value != plain:
+        if value is not None and value != plain and not (key == "hidden_act" and value == "swish"):  # silu's alias
             out.append(Problem("model.hf_path", f"{where} sets {key}: {json.dumps(value)}, which needs {needs}; "
-                               f"the toolkit's {kind} has {key}: {json.dumps(plain)}", fix))
+                               f"the toolkit's {kind} has {key}: {json.dumps(plain)}",
+                               "no family the toolkit maps has it: train or convert this model with a tool that "
+                               "implements it"))
     return out
 
 
