@@ -391,3 +391,25 @@ def test_a_tp_above_the_key_value_heads_is_said(sources, tmp_path, capsys):
     assert cli.main(["convert", "--no-verify", str(sources / "hf"), str(tmp_path / "tp2"), "--to", "megatron", "--tp",
                      "2"]) == 0
     assert "tensor parallelism" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("to", ["hf", "megatron"])
+def test_a_cast_to_fp16_that_overflows_is_refused_not_verified(sources, tmp_path, capsys, to):
+    """A weight of 1e6 in a bf16 or fp32 model is infinity in float16: the output's logits were NaN, and the
+    verification, which compares the output with the cast source, said "verified" (a trial of 2026-12-07)."""
+    from safetensors.torch import save_file
+
+    folder = _copy_hf(sources, tmp_path, "big")
+    tensors = _tensors(folder)
+    tensors["model.layers.0.mlp.down_proj.weight"][0, :3] = torch.tensor([1e6, -7e4, 1.0])
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    before = listing(tmp_path)
+    code, text = run(["convert", "--quiet", str(folder), str(tmp_path / "out"), "--to", to, "--dtype", "fp16"],
+                     capsys)
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]  # found while writing: after the
+    assert code == 2 and len(errors) == 1 and errors[0] == text.splitlines()[-1], text  # "converting" lines
+    assert ("--dtype fp16: 2 values of model.layers.0.mlp.down_proj.weight (up to 9.994e+05, in bfloat16) are beyond "
+            "float16's range (65504)") in errors[0]
+    assert listing(tmp_path) == before
+    assert run(["convert", "--quiet", str(folder), str(tmp_path / "out"), "--to", to, "--dtype", "bf16"],
+               capsys)[0] == 0

@@ -92,8 +92,21 @@ def _check_cast(source: Source, cast: torch.dtype | None, weights_only: bool, sr
                            f"{dtype} copy of the model, or leave out --dtype to keep the run resumable")
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype | None, field: str) -> torch.Tensor:
-    return t.to(dtype) if dtype is not None and field == WEIGHT else t
+def _cast(t: torch.Tensor, dtype: torch.dtype | None, field: str, name: str = "a weight") -> torch.Tensor:
+    """The weight in `dtype`. A cast to float16 that turns finite values into infinities is refused: the output's
+    logits would be NaN, and the verification, which compares the output with the cast source, said "verified" until
+    2026-12-07 (float16's largest value is 65504; bfloat16 has float32's range)."""
+    if dtype is None or field != WEIGHT:
+        return t
+    out = t.to(dtype)
+    if dtype == torch.float16 and t.dtype != dtype and t.is_floating_point():
+        overflow = torch.isinf(out) & torch.isfinite(t)
+        if overflow.any():
+            raise ToolkitError(f"--dtype fp16: {int(overflow.sum()):,} values of {name} (up to "
+                               f"{t[overflow].abs().max().item():.4g}, in {str(t.dtype).removeprefix('torch.')}) are "
+                               "beyond float16's range (65504) and would "
+                               "be written as infinities; use --dtype bf16 (float32's range), or keep the dtype")
+    return out
 
 
 def _known(src: Path) -> bool:
@@ -250,13 +263,13 @@ def _write(source: Source, target, cast, pp: int, vpp: int, progress: bool, log,
                 copies = byte_ranges.plan(source, target, entry, field, cast, WEIGHT)
                 if copies is not None:  # file to file in the kernel; the weights are hashed when verified
                     if digests is not None and entry.reads_back and field != WEIGHT:
-                        digests.add(entry.hf_names, field, [_cast(x, cast, field)
-                                                            for x in source.read(entry.hf_names, field)])
+                        digests.add(entry.hf_names, field, [_cast(x, cast, field, n) for n, x in
+                                                            zip(entry.hf_names, source.read(entry.hf_names, field))])
                     read_s += time.monotonic() - t1
                     behind.submit(copies)
                     del copies
                     continue
-                hf = [_cast(x, cast, field) for x in source.read(entry.hf_names, field)]
+                hf = [_cast(x, cast, field, n) for n, x in zip(entry.hf_names, source.read(entry.hf_names, field))]
                 if digests is not None and entry.reads_back and field != WEIGHT:
                     # the optimizer state, which the logit check does not read (it hashes the weights), is hashed
                     # here (the hash releases the GIL while the writer thread writes), so no queued write keeps
