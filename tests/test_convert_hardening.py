@@ -305,14 +305,29 @@ def test_tokenizer_and_generation_config_survive_a_trip_through_megatron(tmp_pat
     write_llama(src, tokenizer=True)
     (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7], "bos_token_id": 1}))
     (src / "chat_template.jinja").write_text("{{ messages }}")
+    # left out until 2026-12-07: named chat templates (transformers 5 saves them so), the license, the model card
+    carried = ("generation_config.json", "chat_template.jinja", "tokenizer_config.json",
+               "additional_chat_templates/tool_use.jinja", "added_tokens.json", "LICENSE", "README.md")
+    (src / "additional_chat_templates").mkdir()
+    for name in carried[3:]:
+        (src / name).write_text(f"{name}\n")
     steps = [(src, "mg", ["--to", "megatron", "--tp", "2"]), ("mg", "mg2", ["--to", "megatron", "--pp", "2"]),
              ("mg2", "back", ["--to", "hf"])]
     for a, b, how in steps:
         assert cli.main(["convert", "--quiet", str(tmp_path / a), str(tmp_path / b), *how]) == 0
-    for name in ("generation_config.json", "chat_template.jinja", "tokenizer_config.json"):
+    for name in carried:
         assert (tmp_path / "back" / name).read_bytes() == (src / name).read_bytes(), name
     meta = json.loads((tmp_path / "mg2" / "step_00000000" / "toolkit_meta.json").read_text())
     assert "generation_config.json" in meta["files"]  # listed and hashed like the tensors' files
+    # --tokenizer names the tokenizer; the model's own files still come from SRC (it replaced them until 2026-12-07)
+    other = tmp_path / "other_tokenizer"
+    write_llama(other, tokenizer=True)
+    assert cli.main(["convert", "--quiet", str(src), str(tmp_path / "named"), "--to", "hf", "--tokenizer",
+                     str(other)]) == 0
+    for name in ("generation_config.json", "LICENSE", "README.md"):
+        assert (tmp_path / "named" / name).read_bytes() == (src / name).read_bytes(), name
+    assert (tmp_path / "named" / "tokenizer_config.json").read_bytes() == (other / "tokenizer_config.json").read_bytes()
+    assert not (tmp_path / "named" / "additional_chat_templates").exists()  # the named tokenizer has none
 
 
 def test_a_training_runs_tokenizer_is_copied_only_when_named(tmp_path, capsys):

@@ -11,7 +11,6 @@ is built in a hidden folder beside DST and moved into place only when all of tha
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 from toolkit.checkpoint import output
 from toolkit.checkpoint.deepspeed_plain import PlainDeepSpeedSource, resolve_tag
 from toolkit.checkpoint.hf_io import shard_layout, write_index
-from toolkit.checkpoint.safetensors_sources import TOKENIZER_FILES
+from toolkit.checkpoint.safetensors_sources import carried_files, copy_carried
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import iter_entries
 from toolkit.families.registry import FAMILIES, dims_from_hf
@@ -185,10 +184,10 @@ def _write_config(config_file: Path, folder: Path, cast: dict, tokenizer: Path |
     main = max(dtypes, key=lambda d: sum(1 for v in cast.values() if v == d)) if dtypes else torch.float32
     config["dtype" if "dtype" in config else "torch_dtype"] = str(main).replace("torch.", "")
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    where = tokenizer or config_file.parent
-    for name in TOKENIZER_FILES:  # --tokenizer's, else the tokenizer beside the config, when there is one
-        if (where / name).is_file():
-            shutil.copy2(paths.inside(where, name, f"{where} (its tokenizer file)"), folder / name)
+    own = config_file.parent  # --tokenizer's tokenizer, else the one beside the config; the model's files from there
+    if tokenizer is not None:
+        copy_carried(tokenizer, folder, carried_files(tokenizer, model=False), "its tokenizer file")
+    copy_carried(own, folder, carried_files(own, tokenizer=tokenizer is None), "its file")
 
 
 def _verify(source, folder: Path, files: list[str], shards: list[dict], cast: dict, cls, total: int, log) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +26,36 @@ if TYPE_CHECKING:
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
-"""Files carried along into a Hugging Face output (each checked to lie inside its folder, links followed)."""
+"""Files carried along into a Hugging Face output (each checked to lie inside its folder, links followed); any of
+them makes a folder one that holds a tokenizer."""
+TOKENIZER_EXTRA = ("added_tokens.json", "chat_template.json")
+CHAT_TEMPLATES = "additional_chat_templates"
+"""transformers 5 saves a tokenizer's named chat templates as <CHAT_TEMPLATES>/<name>.jinja."""
+MODEL_FILES = ("generation_config.json", "LICENSE", "LICENSE.txt", "LICENSE.md", "NOTICE", "NOTICE.txt",
+               "USE_POLICY.md", "README.md")
+"""Files of the model, not of its tokenizer: carried from SRC even when --tokenizer names another tokenizer folder.
+Until 2026-12-07 the license, the model card, added_tokens.json and named chat templates were left out, and
+--tokenizer replaced the source's generation_config.json."""
+
+
+def carried_files(folder: Path, model: bool = True, tokenizer: bool = True) -> list[str]:
+    """The names (relative to `folder`) of what a conversion carries from it into a Hugging Face output: the model's
+    own files (MODEL_FILES) and the tokenizer's (TOKENIZER_FILES, TOKENIZER_EXTRA, named chat templates)."""
+    names = [*(n for n in TOKENIZER_FILES + TOKENIZER_EXTRA if tokenizer and n not in MODEL_FILES),
+             *(MODEL_FILES if model else ())]
+    out = [n for n in names if (folder / n).is_file() or (folder / n).is_symlink()]
+    templates = folder / CHAT_TEMPLATES
+    if tokenizer and templates.is_dir() and not templates.is_symlink():
+        out += [f"{CHAT_TEMPLATES}/{p.name}" for p in sorted(templates.glob("*.jinja"))]
+    return out
+
+
+def copy_carried(src: Path, dst: Path, names: list[str], what: str) -> None:
+    """Copy `names` from `src` into `dst`, each checked to lie inside `src` (links followed)."""
+    for name in names:
+        target = dst / name
+        target.parent.mkdir(exist_ok=True)
+        shutil.copy2(paths.inside(src, name, f"{src} ({what})"), target)
 
 
 def meta_shards(dims: Dims, tp: int, pp: int, vpp: int, ep: int = 1) -> dict[tuple[int, ...], dict[str, tuple]]:
@@ -56,9 +86,8 @@ class HFSource(Source):
         if not config.is_file():
             raise ToolkitError(f"{folder} has no config.json; a Hugging Face model folder needs one")
         self.config = read_json(config, "a Hugging Face config.json", dict)
-        for name in TOKENIZER_FILES:  # copied into the output: never one from outside the folder
-            if (folder / name).exists() or (folder / name).is_symlink():
-                paths.inside(folder, name, f"{folder} (its tokenizer file)")
+        for name in carried_files(folder):  # copied into the output: never one from outside the folder
+            paths.inside(folder, name, f"{folder} (its tokenizer file)")
         index = paths.inside(folder, "model.safetensors.index.json", str(folder))
         if index.is_file():
             weight_map = read_json(index, "a safetensors index", dict).get("weight_map") or {}

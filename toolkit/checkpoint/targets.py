@@ -5,13 +5,12 @@ torch_dist_write.py and megatron_lm_write.py."""
 from __future__ import annotations
 
 import json
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from toolkit.checkpoint.hf_io import SHARD_BYTES, shard_layout, write_index
-from toolkit.checkpoint.safetensors_sources import TOKENIZER_FILES, meta_shards
+from toolkit.checkpoint.safetensors_sources import carried_files, copy_carried, meta_shards
 from toolkit.checkpoint.source_base import WEIGHT, Source
 from toolkit.errors import ToolkitError
 from toolkit.families.entries import holders, iter_entries, rank_key
@@ -66,20 +65,25 @@ class HFTarget:
 
 
 def _copy_tokenizer(source: Source, folder: Path, given: Path | None = None) -> str | None:
-    """Carry the tokenizer (and generation_config.json, the chat template: TOKENIZER_FILES) along: from `given` (a
+    """Carry the tokenizer (its files, named chat templates) and the model's own files (generation_config.json, the
+    license, the model card: safetensors_sources.carried_files) along: the tokenizer from `given` (a
     folder the user named, or a training run's own data.tokenizer), else from a Hugging Face source folder or a
     toolkit checkpoint's step folder that a conversion put them in. Nothing outside SRC is read unless named: a
     training checkpoint's recipe names its tokenizer, but as a path of the run's machine and working folder (it was
     read until 2026-12-07, relative paths from the toolkit's install). Returns a note when that tokenizer is left
     out."""
-    where = given if given is not None else getattr(source, "folder", None)
+    own = getattr(source, "folder", None)
     tag = getattr(source, "tag_dir", None)
-    if where is None and tag is not None and any((Path(tag) / name).is_file() for name in TOKENIZER_FILES):
-        where = tag
-    if where is not None and Path(where).is_dir():
-        for name in TOKENIZER_FILES:
-            if (Path(where) / name).is_file():
-                shutil.copy2(paths.inside(Path(where), name, f"{where} (its tokenizer file)"), folder / name)
+    if own is None and tag is not None and carried_files(Path(tag)):
+        own = tag
+    own = Path(own) if own is not None and Path(own).is_dir() else None
+    if given is not None and Path(given).is_dir():  # the tokenizer named; the model's own files still from SRC
+        copy_carried(Path(given), folder, carried_files(Path(given), model=own is None), "its tokenizer file")
+        if own is not None:
+            copy_carried(own, folder, carried_files(own, tokenizer=False), "its file")
+        return None
+    if own is not None:
+        copy_carried(own, folder, carried_files(own), "its tokenizer file")
         return None
     named = ((source.meta or {}).get("recipe") or {}).get("data", {}).get("tokenizer")
     if named:
