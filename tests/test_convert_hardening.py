@@ -451,3 +451,19 @@ def test_what_a_killed_conversion_left_beside_dst_is_named_and_kept(sources, tmp
     err = capsys.readouterr().err
     assert f"{old} (0.00 GiB) is an earlier copy of {tmp_path / 'out'}" in err, err
 
+
+
+def test_dst_named_as_the_working_folder_and_empty_paths(sources, tmp_path, capsys, monkeypatch):
+    """`convert SRC . --overwrite` from inside an earlier output ended in a traceback (`PosixPath('.') has an empty
+    name`), and an empty SRC was read as the working folder (a trial of 2026-12-07)."""
+    out = tmp_path / "out"
+    assert cli.main(["convert", "--quiet", "--no-verify", str(sources / "hf"), str(out), "--to", "hf"]) == 0
+    monkeypatch.chdir(out)
+    assert cli.main(["convert", "--quiet", "--no-verify", str(sources / "hf"), ".", "--to", "megatron",
+                     "--overwrite"]) == 0
+    assert (out / "step_00000000").is_dir() and not (out / "model.safetensors").exists()
+    capsys.readouterr()
+    for argv in (["", str(tmp_path / "x")], [str(sources / "hf"), " "]):
+        code, text = run(["convert", *argv, "--to", "hf"], capsys)
+        one_line(code, text, "is empty; give the checkpoint folder's path")
+    assert not (tmp_path / "x").exists()

@@ -225,7 +225,13 @@ def _convert(args) -> int:
 
     if args.verify and args.no_verify:
         raise ToolkitError("--verify and --no-verify contradict each other: pass one (verification is the default)")
+    for name, value in (("SRC", args.src), ("DST", args.dst)):
+        if not value.strip():  # Path("") is "." (the working folder), which the user did not name
+            raise ToolkitError(f"{name} is empty; give the checkpoint folder's path. Nothing was written")
     dst = Path(args.dst)
+    if dst.name in ("", ".", ".."):  # "." or "a/..": a folder named by where it is, which has no name to swap in
+        args.dst = os.path.abspath(dst)  # until 2026-12-07 `DST=. --overwrite` ended in a traceback
+        dst = Path(args.dst)
     if ".." in dst.parts[:-1]:  # `a/new/../out`: mkdir would make a/new (left behind) just to walk back out of it
         args.dst = str(Path(os.path.realpath(dst.parent)) / dst.name)
     for line in left_behind(Path(args.dst)):  # what a killed conversion to DST left beside it (SIGKILL)
