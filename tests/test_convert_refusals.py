@@ -413,3 +413,28 @@ def test_a_cast_to_fp16_that_overflows_is_refused_not_verified(sources, tmp_path
     assert listing(tmp_path) == before
     assert run(["convert", "--quiet", str(folder), str(tmp_path / "out"), "--to", to, "--dtype", "bf16"],
                capsys)[0] == 0
+
+
+@pytest.mark.parametrize("prefix", ["./", "weights/"])
+def test_index_entries_from_pretrained_loads_are_read(sources, tmp_path, capsys, prefix):
+    """`./model-1.safetensors` and shards in a subfolder, which from_pretrained loads, were refused as "not where it
+    says" (a trial of 2026-12-07). A `../` entry is still refused (test_hostile_checkpoints.py)."""
+    from safetensors.torch import save_file
+
+    folder = _copy_hf(sources, tmp_path, "sharded")
+    tensors = _tensors(folder)
+    (folder / "model.safetensors").unlink()
+    (folder / prefix).mkdir(exist_ok=True)
+    names = sorted(tensors)
+    parts = {"model-1.safetensors": names[::2], "model-2.safetensors": names[1::2]}
+    for file, keys in parts.items():
+        save_file({k: tensors[k] for k in keys}, str(folder / prefix / file), metadata={"format": "pt"})
+    weight_map = {k: prefix + file for file, keys in parts.items() for k in keys}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    code, text = run(["convert", "--quiet", str(folder), str(tmp_path / "out"), "--to", "hf"], capsys)
+    assert code == 0, text
+    assert all(torch.equal(_tensors(tmp_path / "out")[k], tensors[k]) for k in tensors)
+    from toolkit.checkpoint.inspect import inspect
+
+    report = inspect(folder)
+    assert report["complete"] and report["parameters"] == sum(t.numel() for t in tensors.values()), report

@@ -7,6 +7,7 @@ checkpoint directory, which is read at its latest complete step), and Megatron-L
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from toolkit.checkpoint import megatron_lm, output, torch_dist
@@ -39,7 +40,8 @@ def inspect(path: str | Path) -> dict:
 
 
 def _inspect(path: Path) -> dict:
-    if (path / "config.json").is_file() and list(path.glob("*.safetensors")):
+    if (path / "config.json").is_file() and (list(path.glob("*.safetensors"))
+                                             or (path / "model.safetensors.index.json").is_file()):
         return _agree(inspect_hf(path), path)
     if is_universal(path):  # DeepSpeed's universal format (universal.py); `convert --to universal` names tags step_*
         report = inspect_universal(path)
@@ -78,12 +80,16 @@ def inspect_hf(folder: Path) -> dict:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = read_json(paths.inside(folder, index.name, str(folder)), "a safetensors index", dict).get("weight_map")
-        wanted = {f for f in weight_map.values() if isinstance(f, str)} if isinstance(weight_map, dict) else set()
+        wanted = {os.path.normpath(f) for f in weight_map.values() if isinstance(f, str)} \
+            if isinstance(weight_map, dict) else set()
         problems += [f"{name} is listed in the index but missing" for name in sorted(wanted)
                      if not (folder / name).is_file()]
-    for file in sorted(folder.glob("*.safetensors")):
+        names = sorted(name for name in wanted if (folder / name).is_file())  # shards in a subfolder too
+    else:
+        names = sorted(file.name for file in folder.glob("*.safetensors"))
+    for name in names:
         try:
-            reader = st.Reader(paths.inside(folder, file.name, str(folder)))  # checks the header against the size
+            reader = st.Reader(paths.inside(folder, name, str(folder)))  # checks the header against the size
         except ToolkitError as e:
             problems.append(str(e))
             continue

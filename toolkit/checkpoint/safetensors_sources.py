@@ -94,9 +94,12 @@ class HFSource(Source):
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise ToolkitError(f"{index} has a weight_map that is not {{tensor name: file name}}; re-save the "
                                    "model with save_pretrained")
+            for f in weight_map.values():
+                paths.inside(folder, f, f"{index}")  # before normpath: `a/../../x` leaves the folder
+            # `./model-00001.safetensors` and `weights/model-00001.safetensors`, which from_pretrained loads too,
+            # name the same files as their normal form (they were refused as "not where it says" until 2026-12-07)
+            weight_map = {k: os.path.normpath(f) for k, f in weight_map.items()}
             files = sorted(set(weight_map.values()))
-            for f in files:
-                paths.inside(folder, f, f"{index}")
             missing = [f for f in files if not (folder / f).is_file()]
             if missing:
                 raise ToolkitError(f"{folder} is incomplete: {', '.join(missing[:4])} listed in {index.name} "
@@ -114,7 +117,8 @@ class HFSource(Source):
         self._readers = [st.Reader(paths.inside(folder, f, str(folder))) for f in files]
         self._where = {k: r for r in self._readers for k in r.keys()}
         if index.is_file():
-            wrong = [k for k, f in weight_map.items() if k not in self._where or self._where[k].path.name != f]
+            by_file = dict(zip(files, self._readers))
+            wrong = [k for k, f in weight_map.items() if k not in self._where or self._where[k] is not by_file[f]]
             if wrong:
                 verb = "is" if len(wrong) == 1 else "are"
                 raise ToolkitError(f"{index} does not match the files: {', '.join(wrong[:4])} {verb} not where it "
