@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import launch, read_metrics, run_ranks
+from conftest import REPO, launch, read_metrics, run_ranks
 from reference import reference_losses
 from safetensors.torch import load_file
 from test_families import tiny_model
@@ -221,14 +221,21 @@ def test_deepspeed_zero3_trains_the_hf_moe_model_and_converts_back(start, tmp_pa
     """The DeepSpeed backend trains transformers' Qwen3MoeForCausalLM itself (fused 3-D expert tensors, partitioned
     by ZeRO-3 on 2 ranks; DeepSpeed's own MoE layer is not used: it replaces a model's MLP with its own, which an HF
     checkpoint does not fit), with the single-process loop's losses; its checkpoint converts to a Hugging Face
-    folder stored per expert, as transformers saves, that transformers loads."""
+    folder stored per expert, as transformers saves, that transformers loads. `checkpoint.export_hf` does the same in
+    the training process: until 2026-12-07 it failed there after ZeRO-3 ("'Qwen3MoeExperts' object has no attribute
+    'config'"), and its config held no token ids."""
     import transformers
 
     hf_in, want = start
     launch("tiny_qwen3_moe", ["model.preset=null", f"model.hf_path={hf_in}", "model.pretrained=true",
                               "parallel.backend=deepspeed", "parallel.ep=1", "parallel.zero_stage=3",
-                              f"training.steps={STEPS}", *SCHEDULE, "logging.interval=1", "checkpoint.interval=1000"],
+                              f"training.steps={STEPS}", *SCHEDULE, "logging.interval=1", "checkpoint.interval=1000",
+                              "checkpoint.export_hf=true"],
            nproc=2, out_dir=tmp_path / "run")
+    exported = json.loads((tmp_path / "run" / "hf" / "config.json").read_text())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(REPO / load_recipe("tiny_qwen3_moe").data.tokenizer)
+    assert exported["eos_token_id"] == tokenizer.eos_token_id is not None
+    assert exported["bos_token_id"] == tokenizer.bos_token_id
     got = [m["loss"] for m in read_metrics(tmp_path / "run")]
     print("qwen3_moe DeepSpeed ZeRO-3:", got, "single process:", want)
     assert got == pytest.approx(want, rel=LOSS_RTOL)

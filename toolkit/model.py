@@ -37,11 +37,19 @@ def to_hf_config(m: ModelConfig, tokenizer=None):
     )
 
 
-def released_config(m: ModelConfig) -> dict:
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+"""The tokenizer's special ids that a training run records in its checkpoints' metadata (`tokens`)."""
+
+
+def released_config(m: ModelConfig, tokens: dict | None = None) -> dict:
     """The config.json a conversion of a training checkpoint writes: to_hf_config's, without the training-time
-    use_cache=False, which would turn generate()'s KV cache off by default in the released model."""
+    use_cache=False, which would turn generate()'s KV cache off by default in the released model, and with the
+    special token ids the run's tokenizer had (`tokens`, from its metadata; null until 2026-12-07, so generate() of
+    an exported model never stopped at the end-of-sequence token)."""
     config = to_hf_config(m).to_dict()
     config.pop("use_cache", None)
+    config.update({k: v for k, v in (tokens or {}).items()
+                   if k in TOKEN_IDS and (isinstance(v, int) and not isinstance(v, bool))})
     return config
 
 
@@ -64,10 +72,15 @@ def build_model(m: ModelConfig, seed: int, tokenizer=None, zero3_config: dict | 
 
         # keeps RoPE's integer arange buffers integer under zero.Init's dtype casting
         contexts += [prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=zero3_config)]
+    # The class is looked up (its module imported) before zero.Init: a module class defined inside it gets DeepSpeed's
+    # __init__ hook under transformers' own wrapper, and leaving zero.Init put back the __init__ from before that
+    # wrapper, so a Qwen3-MoE model built later in the process (checkpoint.export_hf's verification) had experts
+    # without `config` and failed (a trial of 2026-12-07).
+    architecture = getattr(transformers, family_named(m.family).hf_architecture)
     with ExitStack() as stack:
         for c in contexts:
             stack.enter_context(c)
-        model = getattr(transformers, family_named(m.family).hf_architecture)(cfg)
+        model = architecture(cfg)
     if m.pretrained:
         load_hf_weights(model, Path(m.hf_path), zero3=zero3_config is not None)
     else:

@@ -23,6 +23,7 @@ from toolkit.format.names import refuse_foreign
 from toolkit.megatron.backend import MegatronBackend
 from toolkit.megatron.runtime import te_available, uses_transformer_engine
 from toolkit.metrics import RunLog, detect_peak_tflops, flops_per_token
+from toolkit.model import TOKEN_IDS
 from toolkit.proc import abandoned_build_locks, extensions_in_use, use_own_extensions_cache
 from toolkit.recipe import Plan, Recipe, check_paths, resolve
 from toolkit.train import checkpoint as ckpt
@@ -179,7 +180,8 @@ def train(recipe: Recipe) -> list[dict]:
             log.info(line)
         log.resumed(start)
     meta = {"layout": backend.layout_meta, "recipe": r.model_dump(mode="json"), "backend": backend.name,
-            "checkpoint_format": r.checkpoint.format, "micro_batch": batch.micro_batch}
+            "checkpoint_format": r.checkpoint.format, "micro_batch": batch.micro_batch,
+            "tokens": {k: getattr(tokenizer, k, None) for k in TOKEN_IDS}}
     if info.rank == 0:
         earlier = preempt.clear_marker(Path(r.out_dir))
         if earlier is not None:

@@ -200,7 +200,7 @@ class DeepSpeedSource:
         self.stage, self.dp = int(self.meta["layout"]["zero_stage"]), int(self.meta["layout"]["dp"])
         self.dtype = DTYPES[self.recipe.training.precision]
         hf_config = to_hf_config(self.recipe.model)
-        self.config, self._hf_config = released_config(self.recipe.model), hf_config
+        self.config, self._hf_config = released_config(self.recipe.model, self.meta.get("tokens")), hf_config
         self._expected = _expected_params(hf_config)
         self._where: dict[str, object] = {}  # name -> zero-argument function returning the full tensor
         self._pieces: dict[object, object] = {}  # a ZeRO-3 getter -> its pieces (views of the files), uncast

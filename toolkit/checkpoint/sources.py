@@ -118,7 +118,7 @@ def model_config(meta: dict) -> tuple[dict, int]:
         return stored
 
     recipe = Recipe.model_validate(meta["recipe"])
-    return released_config(recipe.model), recipe.parallel.megatron.make_vocab_size_divisible_by
+    return released_config(recipe.model, meta.get("tokens")), recipe.parallel.megatron.make_vocab_size_divisible_by
 
 
 def recorded_model(from_args: dict, meta: dict, src: Path) -> dict:

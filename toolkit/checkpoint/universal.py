@@ -218,9 +218,9 @@ def _carry_config(src: Path, tag: Path, out: Path) -> None:
     """The model's config.json into the universal tag folder, where `--to hf` finds it with no --config: a
     toolkit run's, made from its recipe, or the one beside a plain checkpoint (DeepSpeed's loader ignores it)."""
     if (tag / META).is_file():
-        recipe = manifest.read_meta(tag).get("recipe")
-        if recipe:
-            config = released_config(Recipe.model_validate(recipe).model)
+        meta = manifest.read_meta(tag)
+        if meta.get("recipe"):
+            config = released_config(Recipe.model_validate(meta["recipe"]).model, meta.get("tokens"))
             (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
         return
     for folder in (tag, src):
