@@ -133,6 +133,8 @@ def test_write_saves_a_recipe_that_validates_and_replans_to_itself(tmp_path):
     assert proc.returncode == 0, proc.stderr
     r = load_recipe(str(path))
     assert (r.parallel.zero_stage, r.parallel.offload_optimizer, r.training.steps) == (2, "cpu", 30000)
+    # its own run folder: until 2026-12-07 it kept llama7b_zero3's and resumed (or refused) that run's checkpoints
+    assert (r.name, r.out_dir, r.checkpoint_dir) == ("planned", "runs/planned", "runs/planned/checkpoints")
     c, _ = plan(str(path), [], gpus=1, gpus_per_node=1, gpu_memory_gib=24, cpu_memory_gib=128)
     assert (c.zero, c.offload_optimizer, c.recompute) == (r.parallel.zero_stage, "cpu", "full")
     again = cli("--recipe", "llama7b_zero3", "--gpus", "8", "--write", str(path))

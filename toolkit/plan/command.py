@@ -99,7 +99,8 @@ def _write(path: Path, args, best, cluster, why) -> None:
     check_write_path(path, args.overwrite, "--write")
     base = str(find_recipe(args.recipe).resolve())
     tmp = path.with_name(path.name + ".tmp")
-    report.write_recipe(tmp, base, parse_overrides(args.overrides, args.recipe), best, cluster, why)
+    report.write_recipe(tmp, base, parse_overrides(args.overrides, args.recipe), best, cluster, why,
+                        name=path.name.removesuffix(".yaml").removesuffix(".yml"))
     try:
         resolve(load_recipe(str(tmp)), cluster.gpus)  # what we write must validate for these GPUs
     except Exception:

@@ -95,9 +95,14 @@ def header(r, cluster: Cluster, global_batch: int) -> str:
             f"({cluster.nodes} node(s) x {cluster.gpus_per_node}, {cluster.gpu_memory_gib:g} GiB each)")
 
 
-def write_recipe(path: Path, base: str, overrides: dict, e: Estimate, cluster: Cluster, reasons: list[str]) -> None:
-    """A recipe that is the planned one: `base:` the original, the --set values, then the chosen layout."""
+def write_recipe(path: Path, base: str, overrides: dict, e: Estimate, cluster: Cluster, reasons: list[str],
+                 name: str | None = None) -> None:
+    """A recipe that is the planned one: `base:` the original, its own `name` and output folder (runs/<name>, so
+    that it never resumes the base recipe's checkpoints: it did until 2026-12-07, and a run of another ZeRO stage
+    stopped at the resume), the --set values, then the chosen layout."""
     data: dict = {"base": base}
+    if name:
+        data.update(name=name, output_dir=f"runs/{name}")
     for section, values in overrides.items():
         data[section] = values
     for dotted, value in e.choice.recipe_keys().items():
