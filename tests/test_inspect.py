@@ -62,7 +62,13 @@ def test_training_checkpoint_and_damage(tmp_path):
     assert proc.returncode == 1
     damaged = json.loads(proc.stdout)
     assert not damaged["complete"] and f"{victim.name} has 100 bytes" in damaged["problems"][0]
-    assert inspect(root)["step"] == 1  # the directory's latest intact checkpoint is the older one
+    older = inspect(root)
+    assert older["step"] == 1  # the directory's latest intact checkpoint is the older one
+    # the report is the directory's, with the step shown named and why convert refuses it (until 2026-12-07 the
+    # headline named step 1 as INCOMPLETE, with step 2's problem under it)
+    assert older["path"] == str(root) and older["shown"] == "step_00000001" and not older["complete"]
+    assert any("convert reads step_00000002, the step latest_complete names" in p and
+               str(root / "step_00000001") in p for p in older["problems"]), older["problems"]
     (root / "latest_complete").unlink()  # convert of the directory names the complete step to pass (it listed formats)
     with pytest.raises(ToolkitError, match=f"holds step_\\* folders but no latest_complete naming the newest complete "
                                            f"one: pass that folder itself, e.g. {root / 'step_00000001'}"):

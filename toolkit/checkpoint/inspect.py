@@ -319,6 +319,17 @@ def inspect_root(root: Path) -> dict:
                 "checkpoints": {name: "incomplete: " + "; ".join(p) for name, p in steps.items()}}
     report = _agree(_agree(inspect_toolkit(root / intact[-1]), root / intact[-1]), root)
     report["checkpoints"] = {name: "complete" if not p else "incomplete: " + "; ".join(p) for name, p in steps.items()}
+    # the directory is the report's subject (until 2026-12-07 its headline named the step shown, with another
+    # step's problem under it)
+    report["path"], report["shown"] = str(root), intact[-1]
+    try:
+        named = paths.pointer(root / POINTER) if (root / POINTER).is_file() else None
+    except ToolkitError:
+        named = None
+    if not report["complete"] and named and named != intact[-1]:
+        report["problems"].append(f"convert reads {named}, the step {POINTER} names, and never an older one; the "
+                                  f"newest intact step, {intact[-1]}, is shown here: convert it by its path "
+                                  f"({root / intact[-1]}); training's checkpoint.resume: auto resumes from it")
     return report
 
 
@@ -337,7 +348,8 @@ def render(report: dict) -> str:
              + ("complete" if report["complete"] else "INCOMPLETE")]
     lines += [f"  problem: {p}" for p in report["problems"]]
     if report["step"] is not None:
-        lines.append(f"  step: {report['step']}")
+        lines.append(f"  step: {report['step']}" + (f" ({report['shown']}, the newest intact step)"
+                                                      if report.get("shown") else ""))
     for key in ("tag", "written_by", "optimizer_state", "vocab_padding"):  # plain DeepSpeed, Megatron-LM, Megatron
         if report.get(key):
             lines.append(f"  {key.replace('_', ' ')}: {report[key]}")
