@@ -74,7 +74,34 @@ def test_disk_too_small_for_the_recipes_checkpoints(monkeypatch):
     assert f.status == doctor.FAIL and "one checkpoint is 87.9 GiB" in f.detail
     monkeypatch.setattr(doctor.shutil, "disk_usage", lambda _: usage(0, 0, one * 2))
     (f,) = doctor.check_disk(recipe)
-    assert f.status == doctor.WARN and "checkpoint.keep" in f.fix  # keep=2 needs 3 checkpoints while saving
+    # keep=3 holds 4 checkpoints while saving: the run stops at its third save (a WARN until 2026-12-07)
+    assert f.status == doctor.FAIL and "checkpoint.keep" in f.fix and "holds up to 4 at once" in f.detail
+    assert doctor.check_disk(load_recipe("llama7b_zero3", ["training.steps=1000", "checkpoint.interval=1000"])
+                             )[0].status == doctor.OK  # one save: one checkpoint is all it ever holds
+    small = load_recipe("tiny_zero0")  # sizes below a GiB in MiB (they printed as 0.0 GiB)
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda _: usage(0, 0, 5 * 2**20))
+    (f,) = doctor.check_disk(small)
+    assert f.status == doctor.FAIL and "5.0 MiB free; one checkpoint is 10.0 MiB" in f.detail, f.detail
+    ready = {x.check: x for x in doctor.readiness([f], small)}
+    assert ready["ready: deepspeed backend, CPU rehearsal (gloo)"].detail.startswith("no, missing:")
+    assert "checkpoint disk" in ready["ready: deepspeed backend, CPU rehearsal (gloo)"].detail
+
+
+def test_what_deepspeed_builds_its_ops_in_and_the_nvme_folder_count_for_readiness(tmp_path, monkeypatch):
+    """doctor said ready while the torch extensions cache was read-only (training then failed with a traceback) and
+    while its own nvme_path check had failed (a trial of 2026-12-07)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ro / "ext"))
+    monkeypatch.setattr(doctor.os, "access", lambda p, mode: not str(p).startswith(str(ro)))  # root writes anyway
+    monkeypatch.setattr("toolkit.proc.os.access", lambda p, mode: not str(p).startswith(str(ro)))
+    (cache,) = [f for f in doctor.check_deepspeed_ops() if f.check == "extensions cache"]
+    assert cache.status == doctor.FAIL and "TORCH_EXTENSIONS_DIR" in cache.fix
+    nvme = doctor.Finding("nvme_path", doctor.FAIL, "cannot be created", "fix")
+    ready = {x.check: x for x in doctor.readiness([cache, nvme], load_recipe("tiny_zero3_nvme"))}
+    assert "extensions cache" in ready["ready: deepspeed backend, CPU rehearsal (gloo)"].detail
+    assert "nvme_path" in ready["ready: deepspeed ZeRO-Infinity (nvme)"].detail
 
 
 def test_the_checkpoint_disk_is_the_one_training_uses(tmp_path, monkeypatch):

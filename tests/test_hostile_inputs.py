@@ -18,7 +18,7 @@ import pytest
 from conftest import REPO
 
 from toolkit import cli, doctor
-from toolkit.errors import RecipeError
+from toolkit.errors import RecipeError, ToolkitError
 from toolkit.recipe import load_recipe
 
 # ------------------------------------------------------------------ helpers
@@ -330,6 +330,15 @@ def test_unusable_output_folders_stop_the_run_before_anything_starts(tmp_path, c
     check_before_start(load_recipe("tiny_zero0", [f"output_dir={user}"]))
     (user / "metrics.jsonl").write_text("my own notes\n")
     assert snapshot(tmp_path) == before
+    # a torch extensions cache that cannot be written: DeepSpeed builds its ops there as it starts (a traceback from
+    # init_distributed until 2026-12-07). Root writes a mode-555 folder, so the check's os.access is what says no
+    ro = tmp_path / "ro"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ro / "ext"))
+    ro.mkdir()
+    monkeypatch.setattr("toolkit.proc.os.access", lambda p, mode: not str(p).startswith(str(ro)))
+    with pytest.raises(ToolkitError, match=rf"^the torch extensions cache {ro}/ext cannot be written: {ro} is not "
+                                           r"writable by this user .*set TORCH_EXTENSIONS_DIR to a folder you can"):
+        check_before_start(load_recipe("tiny_zero0", [f"output_dir={tmp_path / 'ok'}"]))
 
 
 def test_fp16_with_deepspeed_on_cpu_is_one_line_before_anything_starts(tmp_path, monkeypatch):

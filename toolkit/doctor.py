@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from toolkit.metrics import count_params
-from toolkit.proc import abandoned_build_locks, extensions_in_use
+from toolkit.proc import abandoned_build_locks, cannot_write, extensions_in_use
 from toolkit.recipe.checks import check_nvme_path
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
@@ -122,6 +122,10 @@ def check_deepspeed_ops() -> list[Finding]:
         out.append(Finding(f"deepspeed op {op}", OK if ok else WARN,
                            f"{'compatible' if ok else 'not compatible'} ({used_for})", "" if ok else fix))
     cache = extensions_in_use()
+    why = cannot_write(cache)  # DeepSpeed builds its ops there as a run starts (doctor said ready until 2026-12-07)
+    out.append(Finding("extensions cache", FAIL, f"{cache} cannot be written: {why}",
+                       "set TORCH_EXTENSIONS_DIR to a folder you can write") if why else
+               Finding("extensions cache", OK, f"{cache} is writable"))
     locks = abandoned_build_locks(cache)
     out.append(Finding("op build locks", FAIL, f"{', '.join(map(str, locks))} left by a killed build: DeepSpeed would "
                        "wait for it forever", "delete " + " ".join(map(str, locks))) if locks else
@@ -247,29 +251,42 @@ def check_disk(recipe) -> list[Finding]:
                         "point checkpoint.dir (or output_dir) at a folder you can write")]
     free = shutil.disk_usage(probe).free
     one = checkpoint_bytes(recipe)
-    keep = recipe.checkpoint.keep
-    need = one * (keep + 1)  # the newest is written before the oldest is pruned
-    gib = 2**30
-    detail = (f"{folder}: {free / gib:,.1f} GiB free; one checkpoint is {one / gib:,.1f} GiB, keep={keep} needs "
-              f"{need / gib:,.1f} GiB (keep + 1 while saving)")
-    if free < one:
-        return [Finding("checkpoint disk", FAIL, detail, "point checkpoint.dir at a larger file system")]
-    if free < need:
-        return [Finding("checkpoint disk", WARN, detail, f"lower checkpoint.keep or free {(need - free) / gib:,.1f} GiB")]
+    keep, steps, interval = recipe.checkpoint.keep, recipe.training.steps, recipe.checkpoint.interval
+    saves = steps // interval + (steps % interval != 0)  # and one at the last step
+    held = min(keep + 1, saves)  # the newest is written before the oldest is pruned
+    need = one * held
+    detail = (f"{folder}: {_size(free)} free; one checkpoint is {_size(one)}, and the run holds up to {held} at once "
+              f"({_size(need)}: keep={keep}, plus the one being saved, of {saves} saves)")
+    if free < need:  # the run stops at a save (a WARN until 2026-12-07, with every size printed as 0.0 GiB)
+        return [Finding("checkpoint disk", FAIL, detail, f"free {_size(need - free)}, lower checkpoint.keep, or point "
+                        "checkpoint.dir at a larger file system")]
     return [Finding("checkpoint disk", OK, detail)]
+
+
+def _size(n: int) -> str:
+    """Bytes in the largest binary unit that keeps them above 1 (GiB, MiB, KiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,} bytes"
 
 
 # What each backend needs, by the checks above that must be ok: (backend and use, required checks, optional
 # checks whose absence only costs features).
 NEEDS = [
-    ("deepspeed backend, CPU rehearsal (gloo)", ["torch", "deepspeed", "transformers"], []),
-    ("deepspeed backend, GPU training", ["torch", "deepspeed", "transformers", "GPUs", "NCCL"],
+    ("deepspeed backend, CPU rehearsal (gloo)", ["torch", "deepspeed", "transformers", "extensions cache"], []),
+    ("deepspeed backend, GPU training", ["torch", "deepspeed", "transformers", "GPUs", "NCCL", "extensions cache"],
      ["deepspeed op fused_adam"]),
-    ("deepspeed ZeRO-Offload (cpu)", ["deepspeed op cpu_adam", "C++ compiler", "ninja binary"], []),
-    ("deepspeed ZeRO-Infinity (nvme)", ["deepspeed op async_io", "libaio", "C++ compiler", "ninja binary"], []),
+    ("deepspeed ZeRO-Offload (cpu)", ["deepspeed op cpu_adam", "C++ compiler", "ninja binary", "extensions cache"], []),
+    ("deepspeed ZeRO-Infinity (nvme)", ["deepspeed op async_io", "libaio", "C++ compiler", "ninja binary",
+                                        "extensions cache", "nvme_path"], []),
     ("megatron backend, CPU rehearsal (local spec)", ["torch", "megatron-core"], []),
     ("megatron backend, GPU training", ["torch", "megatron-core", "GPUs", "NCCL"], ["transformer-engine"]),
 ]
+
+
+RECIPE_CHECKS = ("nvme_path", "checkpoint disk")
+"""Checks made only with --recipe: a use needs them when they were made."""
 
 
 def uses(recipe) -> set[str]:
@@ -293,7 +310,10 @@ def readiness(findings: list[Finding], recipe=None) -> list[Finding]:
     wanted = uses(recipe) if recipe is not None else None
     out = []
     for use, required, optional in NEEDS:
-        missing = [c for c in required if status.get(c) != OK]
+        # a recipe's own checks (its NVMe folder, its checkpoint disk) count where they were made (until 2026-12-07
+        # ZeRO-Infinity was "ready" under a failed nvme_path, and every use under a disk too small)
+        missing = [c for c in required if status.get(c) != OK and not (c in RECIPE_CHECKS and c not in status)]
+        missing += [c for c in RECIPE_CHECKS if status.get(c) == FAIL and c not in missing and use in (wanted or ())]
         lacking = [c for c in optional if status.get(c) not in (OK, None)]
         if missing and wanted is not None and use not in wanted:
             out.append(Finding(f"ready: {use}", INFO, f"no, missing: {', '.join(missing)} (recipe {recipe.name} does "

@@ -67,6 +67,17 @@ def extensions_in_use() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or extensions_dir())
 
 
+def cannot_write(folder: Path) -> str | None:
+    """Why `folder` (or the folders it would be made in) cannot be written by this user, or None."""
+    folder = Path(folder).absolute()
+    existing = next((p for p in [folder, *folder.parents] if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        return f"{existing} is a file" if existing is not None else "no folder above it exists"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user (or is on a read-only file system)"
+    return None
+
+
 def open_by_any_process(path: Path) -> bool:
     """Whether some process (that this user may inspect) holds `path` open, from /proc/*/fd."""
     target = os.path.realpath(path)

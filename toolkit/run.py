@@ -24,7 +24,7 @@ from toolkit.megatron.backend import MegatronBackend
 from toolkit.megatron.runtime import te_available, uses_transformer_engine
 from toolkit.metrics import RunLog, detect_peak_tflops, flops_per_token
 from toolkit.model import TOKEN_IDS
-from toolkit.proc import abandoned_build_locks, extensions_in_use, use_own_extensions_cache
+from toolkit.proc import abandoned_build_locks, cannot_write, extensions_in_use, use_own_extensions_cache
 from toolkit.recipe import Plan, Recipe, check_paths, resolve
 from toolkit.train import checkpoint as ckpt
 from toolkit.train import faults, preempt
@@ -38,6 +38,10 @@ def check_before_start(recipe: Recipe) -> None:
     a checkpoint directory holding step_* entries the toolkit did not write (refused before anything is created)."""
     refuse_foreign(Path(recipe.checkpoint_dir))
     if recipe.parallel.backend == "deepspeed":  # a build lock a killed op build left makes DeepSpeed wait forever
+        why = cannot_write(extensions_in_use())
+        if why:  # DeepSpeed builds its ops there as it starts (a traceback from init_distributed until 2026-12-07)
+            raise ToolkitError(f"the torch extensions cache {extensions_in_use()} cannot be written: {why}; DeepSpeed "
+                               "builds its ops there: set TORCH_EXTENSIONS_DIR to a folder you can write")
         for lock in abandoned_build_locks(extensions_in_use()):
             raise ToolkitError(f"{lock} was left by a DeepSpeed op build that was killed (no process holds it), and "
                                f"DeepSpeed would wait for it forever: delete it (rm {lock}) and start again")
