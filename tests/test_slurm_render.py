@@ -118,6 +118,8 @@ def test_cpu_script_asks_for_no_gpus_and_optional_lines_stay_out():
     (["--recipe", "tiny_zero3", "--nodes", "1", "--gpus-per-node", "2", "--time", "5", "--signal-seconds", "600"],
      ["--signal-seconds: 600 s before the end is not within the time limit 5 (300 s)"]),
     (["--recipe", "tiny_zero3", "--nodes", "1"], ["needs --recipe NAME --nodes N --gpus-per-node G"]),
+    (["--recipe", "llama70b_tp8_pp4", "--nodes", "16", "--gpus-per-node", "4"],  # rendered until 2026-12-07
+     ["parallel.tp: tp=8 does not divide the 4 ranks per node, so tensor-parallel groups would span nodes"]),
 ])
 def test_render_refuses_with_a_clear_message_and_writes_nothing(tmp_path, args, needles):
     out = tmp_path / "job.sbatch"
@@ -201,11 +203,12 @@ def test_shipped_header_agrees_with_independent_arithmetic(name):
     assert sbatch["ntasks-per-node"] == "1"
     assert sbatch.get("gpus-per-node") == (None if cpu else str(per_node))
     assert sbatch["cpus-per-task"] == str(per_node * (1 if cpu else CPUS_PER_GPU))
-    assert sbatch["signal"] == "USR1@120" and "requeue" in sbatch and sbatch["open-mode"] == "append"
+    signal_s = entry.get("signal_seconds", 120)
+    assert sbatch["signal"] == f"USR1@{signal_s}" and "requeue" in sbatch and sbatch["open-mode"] == "append"
     assert sbatch.get("time") == entry.get("time")
     if "time" in entry:  # the signal comes within the time limit, with room for the run before it
         h, m, sec = (int(x) for x in entry["time"].split(":"))
-        assert 120 < (h * 60 + m) * 60 + sec
+        assert signal_s < (h * 60 + m) * 60 + sec
     assert var["RECIPE"] == entry["recipe"] and var["RANKS_PER_NODE"] == str(per_node)
     assert var["DEVICE"] == ("cpu" if cpu else "cuda") and var["OVERRIDES"] == "()"
 
@@ -440,3 +443,18 @@ def test_job_script_stops_at_the_preflight_when_a_node_never_joins(tmp_path, fak
     assert "toolkit doctor" in log
     assert "NCCL_SOCKET_IFNAME=<unset>" in log and not out.exists()
     assert sum(x.startswith("srun") for x in Path(fake_slurm["FAKE_LOG"]).read_text().splitlines()) == 1
+
+
+def test_render_says_when_the_signal_leaves_too_little_for_two_steps_and_a_save(tmp_path):
+    """The shipped 70B, 13B and 8B scripts signalled at 120 s, less than two of the 70B's estimated 75 s steps: the
+    job would have reached its time limit without a checkpoint (a trial of 2026-12-07)."""
+    short = toolkit("slurm", "render", "--recipe", "llama70b_tp8_pp4", "--nodes", "8", "--gpus-per-node", "8")
+    assert short.returncode == 0 and short.stdout.startswith("#!/bin/bash")
+    assert "note: --signal-seconds 120 may be too short: two steps of about 75 s" in short.stderr, short.stderr
+    assert "render with --signal-seconds 420" in short.stderr
+    enough = toolkit("slurm", "render", "--recipe", "llama70b_tp8_pp4", "--nodes", "8", "--gpus-per-node", "8",
+                     "--signal-seconds", "420")
+    assert enough.returncode == 0 and enough.stderr == "" and "#SBATCH --signal=USR1@420" in enough.stdout
+    assert "#SBATCH --signal=USR1@420" in (REPO / "slurm" / "llama70b_tp8_pp4.sbatch").read_text()
+    small = toolkit("slurm", "render", "--recipe", "llama7b_zero3", "--nodes", "4", "--gpus-per-node", "8")
+    assert small.returncode == 0 and small.stderr == ""

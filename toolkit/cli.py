@@ -99,17 +99,6 @@ def cmd_validate(args) -> int:
     return 0
 
 
-def resolved_dict(plan: Plan) -> dict:
-    """The recipe with every derived value written in: what the run will actually use."""
-    d = plan.recipe.model_dump(mode="json")
-    d["training"].update(global_batch_size=plan.batch.global_batch, micro_batch_size=plan.batch.micro_batch,
-                         grad_accum_steps=plan.batch.grad_accum)
-    d["parallel"].update(world_size=plan.layout.world_size, dp=plan.layout.dp)
-    d["output_dir"] = plan.recipe.out_dir
-    d["checkpoint"]["dir"] = plan.recipe.checkpoint_dir
-    return d
-
-
 def cmd_show(args) -> int:
     import yaml  # lazy: per command (above)
 
@@ -134,7 +123,7 @@ def cmd_show(args) -> int:
     print(f"# {plan.layout.describe()}")
     for note in plan.notes:
         print(f"# {note}")
-    print(yaml.safe_dump(resolved_dict(plan), sort_keys=False), end="")
+    print(yaml.safe_dump(plan.resolved(), sort_keys=False), end="")
     return 0
 
 
@@ -296,6 +285,11 @@ def cmd_slurm_render(args) -> int:
         print(f"wrote {write_job(script, args.out, overwrite=args.overwrite)}")
     else:
         print(script, end="")
+    if not args.cpu:
+        from toolkit.plan import signal_note  # lazy: per command (above)
+
+        for note in signal_note(args.recipe, args.overrides, args.nodes, args.gpus_per_node, args.signal_seconds):
+            print(note, file=sys.stderr)
     return 0
 
 
@@ -450,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time", help="#SBATCH --time, e.g. 24:00:00 (default: the partition's limit)")
     p.add_argument("--account", help="#SBATCH --account")
     p.add_argument("--job-name", help="#SBATCH --job-name (default: the recipe's name)")
-    p.add_argument("--signal-seconds", type=count("seconds, e.g. 120", 7 * 86_400), default=120,
+    p.add_argument("--signal-seconds", type=count("seconds, e.g. 120", 65_535), default=120,  # Slurm's own limit
                    help="send SIGUSR1 this long before the time limit, to checkpoint and requeue (default 120)")
     p.add_argument("--cpus-per-task", type=count("cores per node, e.g. 64", 100_000), default=None,
                    help="cores per node for its torchrun (default 8 per GPU, or 1 per rank with --cpu)")

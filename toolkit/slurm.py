@@ -36,9 +36,11 @@ CPUS_PER_GPU = 8
 
 SHIPPED: dict[str, dict] = {
     "llama7b_zero3": {"recipe": "llama7b_zero3", "nodes": 4, "gpus_per_node": 8},
-    "llama13b_tp4_pp2": {"recipe": "llama13b_tp4_pp2", "nodes": 2, "gpus_per_node": 8},
-    "llama3_8b_zero3": {"recipe": "llama3_8b_zero3", "nodes": 2, "gpus_per_node": 8},
-    "llama70b_tp8_pp4": {"recipe": "llama70b_tp8_pp4", "nodes": 8, "gpus_per_node": 8},
+    # --signal-seconds as `toolkit slurm render` advises for each (toolkit/plan/signal.py): 120 s was less than two
+    # steps and a save of the 70B, 8B and 13B layouts (a trial of 2026-12-07)
+    "llama13b_tp4_pp2": {"recipe": "llama13b_tp4_pp2", "nodes": 2, "gpus_per_node": 8, "signal_seconds": 240},
+    "llama3_8b_zero3": {"recipe": "llama3_8b_zero3", "nodes": 2, "gpus_per_node": 8, "signal_seconds": 240},
+    "llama70b_tp8_pp4": {"recipe": "llama70b_tp8_pp4", "nodes": 8, "gpus_per_node": 8, "signal_seconds": 420},
     "tiny_zero3_cpu": {"recipe": "tiny_zero3", "nodes": 1, "gpus_per_node": 2, "cpu": True, "time": "00:20:00"},
     "tiny_tp2_cpu": {"recipe": "tiny_tp2", "nodes": 1, "gpus_per_node": 2, "cpu": True, "time": "00:20:00"},
 }
@@ -64,6 +66,8 @@ def render_job(recipe_name_or_path: str, nodes: int, gpus_per_node: int, overrid
         plan = resolve(recipe, world, source=recipe_name_or_path) if world > 0 else None
     except RecipeError as e:
         problems += e.problems
+    if plan is not None:
+        problems += check_tp_in_node(plan.layout, gpus_per_node)
     if problems:
         raise RecipeError(recipe_name_or_path, problems)
     command = _command_line(recipe_name_or_path, nodes, gpus_per_node, overrides, partition=partition, time=time,
@@ -155,6 +159,17 @@ def check_world_size(recipe_world: int | None, nodes: int, per_node: int, cpu: b
                     f"--gpus-per-node {per_node} ({what}) = {world}",
                     f"{fix}run it at {world} ranks with --set parallel.world_size={world} (dp and the batch "
                     "arithmetic are then derived and checked for that size)")]
+
+
+def check_tp_in_node(layout, per_node: int) -> list[Problem]:
+    """Tensor parallelism inside a node: its all-reduces run every layer, and across nodes they take most of the step
+    (`toolkit plan` shows it); rendered without a word until 2026-12-07. Ranks are numbered node by node, so a tp
+    that divides the ranks per node keeps every group on one node."""
+    if layout.tp <= 1 or per_node % layout.tp == 0:
+        return []
+    return [Problem("parallel.tp", f"tp={layout.tp} does not divide the {per_node} ranks per node, so tensor-parallel "
+                    "groups would span nodes (their all-reduces run every layer, over the network)",
+                    f"render with --gpus-per-node a multiple of {layout.tp}, or lower parallel.tp and raise pp")]
 
 
 def time_limit_seconds(limit: str) -> int | None:

@@ -21,6 +21,16 @@ class Plan:
     batch: Batch
     notes: list[str] = field(default_factory=list)
 
+    def resolved(self) -> dict:
+        """The recipe with every derived value written in: what the run will actually use (`toolkit show`)."""
+        d = self.recipe.model_dump(mode="json")
+        d["training"].update(global_batch_size=self.batch.global_batch, micro_batch_size=self.batch.micro_batch,
+                             grad_accum_steps=self.batch.grad_accum)
+        d["parallel"].update(world_size=self.layout.world_size, dp=self.layout.dp)
+        d["output_dir"] = self.recipe.out_dir
+        d["checkpoint"]["dir"] = self.recipe.checkpoint_dir
+        return d
+
 
 def check_model(r: Recipe) -> list[Problem]:
     m, out = r.model, []
