@@ -34,9 +34,10 @@ master_addr() {
     echo "$addr"
 }
 
-# One port per job id, so jobs sharing a node do not collide; an exported MASTER_PORT wins.
+# One port per job id, so jobs sharing a node do not collide (ids 12000 apart share one), below Linux's default
+# ephemeral ports (32768-60999), which other connections may hold; an exported MASTER_PORT wins.
 master_port() {
-    echo "${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
+    echo "${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 12000))}"
 }
 
 # Network and threading settings, in one place. Export any of them before sbatch to override the default.

@@ -68,6 +68,8 @@ def test_render_megatron_config_prints_every_argument():
     (["validate", "--recipe", "tiny_zero0", "--world-size", "3"], "16 is not divisible by micro_batch_size x dp"),
     (["validate", "--recipe", "tiny_zero0", "--set", "training"], "expected KEY.PATH=VALUE"),
     (["show"], "needs --recipe"),
+    (["validate", "--recipe", "tiny_zero0", "--set", "training.stop_at_step=500"],  # accepted until 2026-12-07
+     "training.stop_at_step: 500 is past training.steps 200, so the run would never stop there"),
 ])
 def test_bad_command_lines_exit_2_without_traceback(args, needle):
     proc = toolkit(*args)

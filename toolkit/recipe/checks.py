@@ -167,6 +167,9 @@ def check_training(r: Recipe) -> list[Problem]:
     if t.schedule.warmup_steps > t.steps:
         out.append(Problem("training.schedule.warmup_steps", f"{t.schedule.warmup_steps} exceeds training.steps "
                            f"{t.steps}", "shorten the warm-up or train longer"))
+    if t.stop_at_step is not None and t.stop_at_step > t.steps:  # it never stops there (accepted until 2026-12-07)
+        out.append(Problem("training.stop_at_step", f"{t.stop_at_step} is past training.steps {t.steps}, so the run "
+                           "would never stop there", "give a step within training.steps, or leave it out"))
     if t.schedule.min_lr > t.optimizer.lr:
         out.append(Problem("training.schedule.min_lr", f"{t.schedule.min_lr} is above the peak lr "
                            f"{t.optimizer.lr}", "set min_lr below training.optimizer.lr (often lr / 10)"))
