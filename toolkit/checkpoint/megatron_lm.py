@@ -143,11 +143,11 @@ bias or scaling, no shared expert, experts in every layer. Qwen3-MoE's norm_topk
 off (top-k of the logits, then a softmax over those k)."""
 
 
-HF_FIELDS = ("model_type", "bos_token_id", "eos_token_id")
+HF_FIELDS = ("model_type", "bos_token_id", "eos_token_id", "vocab_size")
 """Hugging Face config fields that no Megatron-LM argument holds. The toolkit's own Megatron-LM and torch_dist outputs
 carry them in `args.toolkit_hf_fields`, an argument Megatron-LM neither sets nor reads, so that a Mistral comes back
-as Mistral and the token ids come back (both were lost until 2026-12-07). A run that Megatron-LM continues saves its
-own args without it."""
+as Mistral, the token ids come back, and the true vocabulary size needs no --vocab-size (all were lost until
+2026-12-07). A run that Megatron-LM continues saves its own args without it."""
 
 
 def hf_fields(config: dict) -> dict:
@@ -161,6 +161,13 @@ def hf_fields(config: dict) -> dict:
 def _own_fields(args: argparse.Namespace) -> dict:
     fields = getattr(args, "toolkit_hf_fields", None)
     return hf_fields(fields) if isinstance(fields, dict) else {}
+
+
+def recorded_vocab(args: argparse.Namespace) -> int | None:
+    """The true vocabulary size the toolkit's own output recorded (HF_FIELDS), when it fits the padded rows."""
+    vocab = _own_fields(args).get("vocab_size")
+    padded = getattr(args, "padded_vocab_size", None)
+    return vocab if isinstance(vocab, int) and isinstance(padded, int) and 0 < vocab <= padded else None
 
 
 def family_of_args(args: argparse.Namespace, where: Path | str = "the checkpoint's args") -> str:
@@ -208,7 +215,7 @@ def hf_config(args: argparse.Namespace, vocab_size: int, where: Path | str = "th
     if getattr(args, "use_rope_scaling", False):  # Megatron-Core's rope_scaling: llama3 with fixed constants
         config["rope_scaling"] = {"rope_type": "llama3", "factor": float(getattr(args, "rope_scaling_factor", 8.0)),
                                   **LLAMA3_ROPE_FIXED}
-    config.update({k: v for k, v in _own_fields(args).items() if k != "model_type"})  # the token ids
+    config.update({k: v for k, v in _own_fields(args).items() if k not in ("model_type", "vocab_size")})  # token ids
     head_dim = getattr(args, "kv_channels", None)
     if head_dim and head_dim * args.num_attention_heads != args.hidden_size:  # Qwen3's own head size
         config["head_dim"] = head_dim

@@ -51,6 +51,7 @@ class MegatronLMSource(_ShardedSource):
         optimizers = {k: v["optimizer"] for k, v in states.items()}
         self.scheduler = next(iter(states.values()))["opt_param_scheduler"]  # Megatron-LM's, layout-independent
         megatron_lm.family_of_args(args, path)
+        vocab_size = vocab_size or megatron_lm.recorded_vocab(args)
         if vocab_size is None:
             raise ToolkitError(vocab_needed(path, args))
         self.config = megatron_lm.hf_config(args, vocab_size)
@@ -193,6 +194,7 @@ class TorchDistSource(Source):
         if args is None or not hasattr(args, "padded_vocab_size"):
             raise ToolkitError(f"{it_dir / 'common.pt'} holds no Megatron-LM args (with padded_vocab_size), so the "
                                "model's shape is unknown; convert a checkpoint saved by Megatron-LM's save_checkpoint")
+        vocab_size = vocab_size or megatron_lm.recorded_vocab(args)
         if vocab_size is None:
             raise ToolkitError(vocab_needed(it_dir, args))
         megatron_lm.family_of_args(args, it_dir / "common.pt")

@@ -74,11 +74,14 @@ class LegacyWeights(_ShardedSource):
 
     kind = "Megatron-LM"
 
-    def __init__(self, path: Path, vocab_size: int, rows: int | None = None):
+    def __init__(self, path: Path, vocab_size: int | None, rows: int | None = None):
         self.rows = rows
         args, shards, self.step, states = megatron_lm.read(path, pt_zip.load)
         it_dir = megatron_lm.iteration_dir(path)
         megatron_lm.family_of_args(args, path)
+        vocab_size = vocab_size or megatron_lm.recorded_vocab(args)
+        if vocab_size is None:
+            raise _Declined("no vocabulary size")  # the full path asks for it
         self.args, self.config = args, megatron_lm.hf_config(args, vocab_size)
         self.scheduler = next(iter(states.values()))["opt_param_scheduler"]
         self.divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
@@ -147,7 +150,7 @@ class TorchDistWeights(Source):
 
     kind = "Megatron torch_dist"
 
-    def __init__(self, it_dir: Path, vocab_size: int, rows: int | None = None):
+    def __init__(self, it_dir: Path, vocab_size: int | None, rows: int | None = None):
         self.dir, where, self.rows = it_dir, str(it_dir), rows
         meta = json.loads(paths.inside(it_dir, "metadata.json", where).read_text())
         if meta.get("sharded_backend") != "torch_dist" or not known_backend(meta):
@@ -170,6 +173,9 @@ class TorchDistWeights(Source):
         names = {local_spec_name(fqn): fqn for fqn in self._tensors if not fqn.endswith("_extra_state")}
         args = common["args"]
         megatron_lm.family_of_args(args, it_dir / "common.pt")
+        vocab_size = vocab_size or megatron_lm.recorded_vocab(args)
+        if vocab_size is None:
+            raise _Declined("no vocabulary size")  # the full path asks for it
         self.args, self.step, self.scheduler = args, common.get("iteration"), common.get("opt_param_scheduler")
         self.config = megatron_lm.hf_config(args, vocab_size)
         self.divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
@@ -277,8 +283,6 @@ class _Slices:
 def open_megatron(src: Path, vocab_size: int | None, weights_only: bool, rows: int | None = None) -> Source | None:
     """The torch-free source of a Megatron-LM legacy or torch_dist checkpoint, or None for the full path to open it:
     one whose files pt_zip does not take, one that fails a check, or one with optimizer state to carry."""
-    if vocab_size is None:
-        return None  # the full path asks for it
     try:
         it_dir = megatron_lm.iteration_dir(src)
         torch_dist = megatron_lm.is_torch_dist(it_dir)
