@@ -239,3 +239,19 @@ def test_deepspeed_zero3_run_of_the_family_trains_and_converts_back_to_hf(family
     got, want = load_file(str(hf / "model.safetensors")), _zero_to_fp32(tag)
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert type(transformers.AutoModelForCausalLM.from_pretrained(hf)).__name__ == CONFIGS[family][1]
+
+
+def test_megatron_padding_of_a_pretrained_vocabulary_is_said_with_a_divisor_that_avoids_it():
+    """Megatron's loss is a softmax over its padding rows too, so a pretrained 600-token model at tp=2 (padded to
+    768) starts at another loss than transformers' (7.70 against 7.63 in a trial of 2026-12-07, said nowhere)."""
+    from toolkit.recipe import resolve
+    from toolkit.run import vocab_padding_notes
+
+    r = load_recipe("tiny_tp2", ["model.pretrained=true", "model.hf_path=/x", "model.vocab_size=600"])
+    (note,) = vocab_padding_notes(r, resolve(r).layout)
+    assert note.startswith("vocabulary padding: 600 rows pad to 768 at tp=2 (by 128); Megatron's loss is a softmax "
+                           "over the 168 zero padding rows too") and "make_vocab_size_divisible_by: 100 pads none" in note
+    fixed = load_recipe("tiny_tp2", ["model.pretrained=true", "model.hf_path=/x", "model.vocab_size=600",
+                                     "parallel.megatron.make_vocab_size_divisible_by=100"])
+    assert vocab_padding_notes(fixed, resolve(fixed).layout) == []
+    assert vocab_padding_notes(load_recipe("tiny_tp2"), resolve(load_recipe("tiny_tp2")).layout) == []  # random init

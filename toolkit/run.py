@@ -18,6 +18,7 @@ from toolkit.data.blend import build_blend
 from toolkit.data.heldout import build_heldout, check_eval_files, eval_micro_batches, eval_sequences
 from toolkit.data.indexed import check_prepared
 from toolkit.errors import Problem, RecipeError, ToolkitError
+from toolkit.layout import padded_vocab_size
 from toolkit.format import manifest
 from toolkit.format.names import refuse_foreign
 from toolkit.megatron.backend import MegatronBackend
@@ -63,6 +64,25 @@ def check_before_start(recipe: Recipe) -> None:
                                     "would be refused", "move it away, or choose another output_dir"))
     if problems:
         raise RecipeError(recipe.name, problems)
+
+
+def vocab_padding_notes(r: Recipe, layout) -> list[str]:
+    """A line when Megatron pads a pretrained model's vocabulary: its loss is a softmax over the padding rows too
+    (zero at the start, trained after), so it is not the loss transformers or the DeepSpeed backend compute from the
+    same weights (a trial of 2026-12-07 measured 7.70 against 7.63 at the first step). Said nowhere until then."""
+    m, mc = r.model, r.parallel.megatron
+    if layout.backend != "megatron" or not m.pretrained:
+        return []
+    padded = padded_vocab_size(m.vocab_size, layout.tp, mc.make_vocab_size_divisible_by)
+    if padded == m.vocab_size:
+        return []
+    keep = [d for d in range(min(mc.make_vocab_size_divisible_by, m.vocab_size), 0, -1)
+            if m.vocab_size % (d * layout.tp) == 0]
+    fix = (f"parallel.megatron.make_vocab_size_divisible_by: {keep[0]} pads none at tp={layout.tp}" if keep else
+           f"no divisor pads none at tp={layout.tp}")
+    return [f"vocabulary padding: {m.vocab_size} rows pad to {padded} at tp={layout.tp} (by "
+            f"{mc.make_vocab_size_divisible_by}); Megatron's loss is a softmax over the {padded - m.vocab_size} zero "
+            f"padding rows too, so it starts above what transformers computes from these weights ({fix})"]
 
 
 def prepare(recipe: Recipe) -> tuple[Plan, DistInfo]:
@@ -146,6 +166,7 @@ def train(recipe: Recipe) -> list[dict]:
         notices.append("data.packing: chat conversations are padded one per sequence, not packed: Megatron with "
                        "Transformer Engine layers cannot keep packed conversations apart here (docs/sft.md)")
         r = r.model_copy(update={"data": r.data.model_copy(update={"packing": False})})
+    notices += vocab_padding_notes(r, layout)
     dataset, heldout = build_data(r, batch.global_batch, tokenizer, notices)
     check_fills_a_step(len(dataset), batch.micro_batch, batch.grad_accum, layout.dp)
     evaluating = heldout is not None and bool(r.eval.interval)
