@@ -50,7 +50,8 @@ def main() -> int:
         print(f"error: {e}", file=sys.stderr)
         return _leave(e.exit_code)
     except Preempted as e:  # checkpoint complete; <output_dir>/preempted.json tells the job script to requeue
-        print(f"[toolkit] {e}", file=sys.stderr)
+        # every rank stops with it at the same step and rank 0's log has it: one line per job, not one per rank
+        # (3 lines for 2 ranks until 2026-12-07)
         return e.exit_code
     return 0
 

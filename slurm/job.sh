@@ -124,6 +124,18 @@ finish() {
     exit "$rc"
 }
 
+# The GPUs per node the job got (sbatch --gpus-per-node=N at submission, e.g. "4" or "h100:4") must be the ranks per
+# node the script starts: one rank per GPU (an override at submission was not checked until 2026-12-07).
+check_gpus_per_node() {
+    local got=${SLURM_GPUS_PER_NODE:-}
+    got=${got##*:}
+    if [[ ${DEVICE:-cuda} == cuda && -n $got && $got != "$RANKS_PER_NODE" ]]; then
+        echo "error: this script starts RANKS_PER_NODE=$RANKS_PER_NODE ranks per node, one per GPU, but the job has" \
+             "$got GPUs per node (sbatch --gpus-per-node); re-render it with --gpus-per-node $got" >&2
+        exit 2
+    fi
+}
+
 # Overrides given at submission, after the rendered ones (later wins): sbatch THIS_FILE --set training.steps=100
 add_overrides() {
     while (($#)); do
@@ -144,6 +156,7 @@ main() {
         exit 2
     fi
     add_overrides "$@"
+    check_gpus_per_node
     cd "$SLURM_SUBMIT_DIR"
     if [[ ! -f recipes/train.py ]]; then
         echo "error: submit from the repository root: $PWD has no recipes/train.py" >&2

@@ -323,6 +323,16 @@ def test_overrides_given_at_submission_follow_the_rendered_ones(fake_slurm):
     assert bad.returncode == 2 and "takes only --set KEY=VALUE" in bad.stderr
 
 
+def test_gpus_per_node_given_at_submission_must_be_the_ranks_per_node(fake_slurm):
+    for got, ok in (("2", True), ("h100:2", True), ("4", False), ("a100:4", False), ("", True)):
+        proc = source_and_run("DEVICE=cuda; check_gpus_per_node && echo fine", {**fake_slurm,
+                                                                                 "SLURM_GPUS_PER_NODE": got})
+        assert (proc.returncode == 0 and proc.stdout.strip() == "fine") == ok, (got, proc.stderr)
+        assert ok or "starts RANKS_PER_NODE=2 ranks per node, one per GPU, but the job has 4 GPUs" in proc.stderr
+    cpu = source_and_run("DEVICE=cpu; check_gpus_per_node && echo fine", {**fake_slurm, "SLURM_GPUS_PER_NODE": "4"})
+    assert cpu.stdout.strip() == "fine"
+
+
 def test_a_bare_run_outside_slurm_refuses(fake_slurm):
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env = {k: v for k, v in fake_slurm.items() if k != "SLURM_JOB_ID"}
