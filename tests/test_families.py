@@ -255,3 +255,16 @@ def test_megatron_padding_of_a_pretrained_vocabulary_is_said_with_a_divisor_that
                                      "parallel.megatron.make_vocab_size_divisible_by=100"])
     assert vocab_padding_notes(fixed, resolve(fixed).layout) == []
     assert vocab_padding_notes(load_recipe("tiny_tp2"), resolve(load_recipe("tiny_tp2")).layout) == []  # random init
+
+
+def test_a_dropout_in_the_pretrained_config_is_said(tmp_path):
+    """attention_dropout 0.1 was trained as 0.0 and exported as 0.0 without a word (a trial of 2026-12-07)."""
+    from toolkit.run import dropout_notes
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "attention_dropout": 0.1,
+                                                      "hidden_dropout": 0.0}))
+    r = load_recipe("tiny_zero0", [f"model.hf_path={tmp_path}"])
+    assert dropout_notes(r) == ["model.hf_path: its config sets attention_dropout: 0.1; the toolkit trains without "
+                                "dropout, and a Hugging Face export of this run writes 0.0"]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "attention_dropout": 0.0}))
+    assert dropout_notes(r) == []

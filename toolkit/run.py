@@ -1,6 +1,7 @@
 """One training run from a recipe, on either backend: set up in order, resume, then loop over steps."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -85,6 +86,22 @@ def vocab_padding_notes(r: Recipe, layout) -> list[str]:
             f"padding rows too, so it starts above what transformers computes from these weights ({fix})"]
 
 
+def dropout_notes(r: Recipe) -> list[str]:
+    """A line when model.hf_path's config.json sets a dropout: the toolkit's families train without one, and an
+    export writes 0.0 (both without a word until 2026-12-07)."""
+    if not r.model.hf_path or not (Path(r.model.hf_path) / "config.json").is_file():
+        return []
+    try:
+        config = json.loads((Path(r.model.hf_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return []  # check_paths has said what is wrong with it
+    set_ = {k: v for k, v in config.items() if k.endswith("dropout") and isinstance(v, (int, float)) and v}
+    if not set_:
+        return []
+    return [f"model.hf_path: its config sets {', '.join(f'{k}: {v}' for k, v in set_.items())}; the toolkit trains "
+            "without dropout, and a Hugging Face export of this run writes 0.0"]
+
+
 def prepare(recipe: Recipe) -> tuple[Plan, DistInfo]:
     """Check the files, join the process group, then check the recipe against the real world size and backend."""
     check_before_start(recipe)
@@ -166,7 +183,7 @@ def train(recipe: Recipe) -> list[dict]:
         notices.append("data.packing: chat conversations are padded one per sequence, not packed: Megatron with "
                        "Transformer Engine layers cannot keep packed conversations apart here (docs/sft.md)")
         r = r.model_copy(update={"data": r.data.model_copy(update={"packing": False})})
-    notices += vocab_padding_notes(r, layout)
+    notices += vocab_padding_notes(r, layout) + dropout_notes(r)
     dataset, heldout = build_data(r, batch.global_batch, tokenizer, notices)
     check_fills_a_step(len(dataset), batch.micro_batch, batch.grad_accum, layout.dp)
     evaluating = heldout is not None and bool(r.eval.interval)
