@@ -211,7 +211,7 @@ def test_inspect_names_the_file_that_fails(world_of_one, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "toolkit", "inspect", str(root)], capture_output=True, text=True,
                           cwd=REPO)
     # step 1 is the newest intact one; it is not called complete, as convert would not read its stand-in backend
-    assert proc.returncode == 1 and "  step: 1" in proc.stdout.splitlines()
+    assert proc.returncode == 1 and "  step: 1 (step_00000001, the newest intact step)" in proc.stdout.splitlines()
     assert (f"  problem: {root}/step_00000001/toolkit_meta.json names backend 'x'; expected megatron or deepspeed"
             in proc.stdout.splitlines())
     assert ("  step_00000002: incomplete: weights.bin does not match its xxh3_128 in the manifest (the file or the "

@@ -458,7 +458,8 @@ def test_cluster_nvme_recipes_still_validate_and_render(capsys):
 
 def _findings_without_aio() -> list:
     ok = [doctor.Finding(c, doctor.OK, "") for c in ("torch", "deepspeed", "transformers", "megatron-core",
-                                                    "deepspeed op cpu_adam", "C++ compiler", "ninja binary")]
+                                                    "deepspeed op cpu_adam", "C++ compiler", "ninja binary",
+                                                    "extensions cache")]
     return ok + [doctor.Finding("deepspeed op async_io", doctor.WARN, "not compatible", "apt-get install libaio-dev"),
                  doctor.Finding("libaio", doctor.WARN, "missing", "apt-get install libaio-dev")]
 
