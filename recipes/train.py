@@ -31,6 +31,15 @@ def _leave(code: int) -> int:
     return code
 
 
+def _says() -> bool:
+    """Whether this rank prints its refusal. Before the process group exists, the ranks of a node check the same
+    recipe and files and refuse alike: the node's first rank says it for all (every rank printed it until 2026-12-07,
+    eight copies per node on GPUs). Once they have joined, each rank says its own."""
+    dist = sys.modules.get("torch.distributed")
+    joined = dist is not None and dist.is_available() and dist.is_initialized()
+    return joined or os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", required=True, help="shipped recipe name or path to a YAML recipe")
@@ -47,7 +56,8 @@ def main() -> int:
 
         train(load_recipe(args.recipe, args.overrides))
     except ToolkitError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if _says():
+            print(f"error: {e}", file=sys.stderr)
         return _leave(e.exit_code)
     except Preempted as e:  # checkpoint complete; <output_dir>/preempted.json tells the job script to requeue
         # every rank stops with it at the same step and rank 0's log has it: one line per job, not one per rank

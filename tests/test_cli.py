@@ -92,6 +92,17 @@ def test_train_with_missing_data_writes_nothing(tmp_path):
     assert proc.returncode == 2 and "matches no file" in proc.stderr and not out.exists()
 
 
+def test_a_refusal_before_the_ranks_join_is_said_once_per_node(tmp_path):
+    """Every rank printed the same refusal (eight copies per node on GPUs) until 2026-12-07; the node's first rank
+    says it now, for the others."""
+    out = tmp_path / "run"
+    proc = launch("tiny_zero0", [f"data.paths=[{tmp_path}/none/*.jsonl]"], nproc=2, out_dir=out, check=False)
+    text = proc.stdout + proc.stderr
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 1 and text.count("matches no file") == 1, text
+    assert not out.exists()
+
+
 def test_context_parallel_without_transformer_engine_is_refused_before_training(tmp_path):
     out = tmp_path / "run"
     proc = launch("tiny_dp2_distopt", ["parallel.cp=2", "parallel.zero_stage=0", "training.global_batch_size=8"],

@@ -62,6 +62,10 @@ def test_launch_variables_that_no_rank_could_use_fail():
     assert f.check == "RANK" and "is not below WORLD_SIZE 4" in f.detail
     assert [f for f in doctor.check_launch_env({"MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "2"})
             if f.status == doctor.FAIL] == []
+    (f,) = [f for f in doctor.check_launch_env({"MASTER_ADDR": "nohost.invalid"}) if f.status == doctor.FAIL]
+    assert f.check == "MASTER_ADDR" and f.detail.startswith("'nohost.invalid' does not resolve on this host")
+    assert [f for f in doctor.check_launch_env({"MASTER_ADDR": "127.0.0.1", "RANK": "1", "WORLD_SIZE": "2"})
+            if f.status == doctor.FAIL] == []
 
 
 def test_disk_too_small_for_the_recipes_checkpoints(monkeypatch):

@@ -182,6 +182,13 @@ def check_launch_env(env: dict | None = None) -> list[Finding]:
             int(env["RANK"]) >= int(env["WORLD_SIZE"]):
         out.append(Finding("RANK", FAIL, f"{env['RANK']} is not below WORLD_SIZE {env['WORLD_SIZE']}",
                            "unset RANK and WORLD_SIZE (launchers set them) or fix them"))
+    addr = env.get("MASTER_ADDR")
+    if addr:  # every rank connects to it: a name that does not resolve fails each one's init (info until 2026-12-07)
+        try:
+            socket.getaddrinfo(addr, None)
+        except (OSError, UnicodeError) as e:
+            out.append(Finding("MASTER_ADDR", FAIL, f"{addr!r} does not resolve on this host ({e})",
+                               "set MASTER_ADDR to the first node's name or address (the slurm/ scripts do)"))
     port = env.get("MASTER_PORT")
     if port and port.isdigit() and 1 <= int(port) <= 65535 and env.get("RANK", "0") == "0" and \
             env.get("MASTER_ADDR", "localhost") in ("localhost", "127.0.0.1", socket.gethostname()):
