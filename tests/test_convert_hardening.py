@@ -298,7 +298,7 @@ def test_vpp_without_pipeline_parallelism_is_refused(sources, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def test_tokenizer_and_generation_config_survive_a_trip_through_megatron(tmp_path):
+def test_tokenizer_and_generation_config_survive_a_trip_through_megatron(tmp_path, capsys):
     """HF -> toolkit Megatron -> another layout -> HF lost tokenizer files and generation_config.json (a Llama-3
     Instruct's eos_token_id list: generate() then ran past the end of a turn)."""
     src = tmp_path / "hf"
@@ -328,6 +328,16 @@ def test_tokenizer_and_generation_config_survive_a_trip_through_megatron(tmp_pat
         assert (tmp_path / "named" / name).read_bytes() == (src / name).read_bytes(), name
     assert (tmp_path / "named" / "tokenizer_config.json").read_bytes() == (other / "tokenizer_config.json").read_bytes()
     assert not (tmp_path / "named" / "additional_chat_templates").exists()  # the named tokenizer has none
+    big = tmp_path / "big_tokenizer"  # ids past the model's rows: accepted without a word until 2026-12-07
+    big.mkdir()
+    (big / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}},
+                                                    "added_tokens": [{"id": 99_999, "content": "<x>"}]}))
+    before = listing(tmp_path)
+    capsys.readouterr()
+    code, text = run(["convert", "--quiet", str(src), str(tmp_path / "too_big"), "--to", "hf", "--tokenizer",
+                      str(big)], capsys)
+    one_line(code, text, "big_tokenizer: its token ids go up to 99,999, but the model has 500 vocabulary rows")
+    assert listing(tmp_path) == before
 
 
 def test_a_training_runs_tokenizer_is_copied_only_when_named(tmp_path, capsys):

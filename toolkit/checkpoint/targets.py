@@ -78,6 +78,11 @@ def _copy_tokenizer(source: Source, folder: Path, given: Path | None = None) -> 
         own = tag
     own = Path(own) if own is not None and Path(own).is_dir() else None
     if given is not None and Path(given).is_dir():  # the tokenizer named; the model's own files still from SRC
+        top, rows = largest_token_id(Path(given)), source.config.get("vocab_size")
+        if top is not None and isinstance(rows, int) and top >= rows:  # accepted without a word until 2026-12-07
+            raise ToolkitError(f"--tokenizer {given}: its token ids go up to {top:,}, but the model has {rows:,} "
+                               f"vocabulary rows: any id from {rows:,} on would index past the embeddings; give the "
+                               "tokenizer this model was trained with. Nothing was written")
         copy_carried(Path(given), folder, carried_files(Path(given), model=own is None), "its tokenizer file")
         if own is not None:
             copy_carried(own, folder, carried_files(own, tokenizer=False), "its file")
@@ -90,6 +95,27 @@ def _copy_tokenizer(source: Source, folder: Path, given: Path | None = None) -> 
         return (f"tokenizer: not copied: the checkpoint holds none, and its run's data.tokenizer ({named}) is outside "
                 f"SRC; add --tokenizer {named} (from the folder the run started in) to copy its files")
     return None
+
+
+def largest_token_id(folder: Path) -> int | None:
+    """The largest id a tokenizer folder's tokenizer.json (its vocabulary and added tokens) or added_tokens.json
+    gives, or None where neither says (a SentencePiece model alone)."""
+    ids: list[int] = []
+    for name, pick in (("tokenizer.json", _tokenizer_json_ids), ("added_tokens.json", lambda d: list(d.values()))):
+        file = folder / name
+        if file.is_file():
+            try:
+                ids += [i for i in pick(json.loads(paths.inside(folder, name, str(folder)).read_text()))
+                        if isinstance(i, int)]
+            except (ValueError, AttributeError, TypeError):
+                continue  # not the JSON transformers writes: its own loader would say so
+    return max(ids) if ids else None
+
+
+def _tokenizer_json_ids(data: dict) -> list[int]:
+    vocab = (data.get("model") or {}).get("vocab")
+    ids = list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1] if isinstance(vocab, list) else []
+    return ids + [t.get("id") for t in data.get("added_tokens") or [] if isinstance(t, dict)]
 
 
 class MegatronTarget:

@@ -132,6 +132,10 @@ def pack(convs: list[tuple[list[int], list[int]]], n: int, pad_id: int, packing:
     return rows
 
 
+ROWS_FORMAT = 2
+"""The format of the rows pack() makes: 2 added the `conversations` count. Change it with the format."""
+
+
 def build_chat(raw, tokenizer, cfg: DataConfig):
     """(the tokenized, packed chat dataset: input_ids, labels, position_ids per row of seq_len; how many
     conversations were left out for having no assistant token within seq_len)."""
@@ -145,7 +149,7 @@ def build_chat(raw, tokenizer, cfg: DataConfig):
     if pad_id is None:
         raise ToolkitError(f"data.tokenizer: {cfg.tokenizer} has neither a pad nor an eos token to pad with")
 
-    def encode(batch, idx):
+    def encode(batch, idx, rows_format):  # rows_format: in the `datasets` cache key (below)
         convs = []
         for i, msgs in zip(idx, batch[cfg.messages_field]):
             why = check_row({cfg.messages_field: msgs}, cfg)
@@ -161,7 +165,10 @@ def build_chat(raw, tokenizer, cfg: DataConfig):
             convs.append((ids, labels))
         return pack(convs, cfg.seq_len, pad_id, cfg.packing)
 
+    # `datasets` keys its cache on encode's own code and arguments, not on the functions it calls (pack): the rows'
+    # format is an argument, so a cache of another format is not taken (the "conversations" column, 2026-12-07)
     out = raw.map(encode, batched=True, with_indices=True, remove_columns=raw.column_names,
+                  fn_kwargs={"rows_format": ROWS_FORMAT},
                   desc="rendering chats" if not cfg.packing else "rendering and packing chats")
     dropped = len(raw) - sum(out["conversations"])
     return out.remove_columns("conversations").with_format("torch"), dropped
