@@ -98,8 +98,7 @@ def test_what_deepspeed_builds_its_ops_in_and_the_nvme_folder_count_for_readines
     ro.mkdir()
     ro.chmod(0o555)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ro / "ext"))
-    monkeypatch.setattr(doctor.os, "access", lambda p, mode: not str(p).startswith(str(ro)))  # root writes anyway
-    monkeypatch.setattr("toolkit.proc.os.access", lambda p, mode: not str(p).startswith(str(ro)))
+    monkeypatch.setattr("toolkit.proc.os.access", lambda p, mode: not str(p).startswith(str(ro)))  # root writes anyway
     (cache,) = [f for f in doctor.check_deepspeed_ops() if f.check == "extensions cache"]
     assert cache.status == doctor.FAIL and "TORCH_EXTENSIONS_DIR" in cache.fix
     nvme = doctor.Finding("nvme_path", doctor.FAIL, "cannot be created", "fix")

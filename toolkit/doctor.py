@@ -19,8 +19,8 @@ from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from toolkit.metrics import count_params
-from toolkit.proc import abandoned_build_locks, cannot_write, extensions_in_use
+from toolkit import metrics
+from toolkit.proc import abandoned_build_locks, cannot_write, extensions_in_use, nearest_existing
 from toolkit.recipe.checks import check_nvme_path
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
@@ -237,26 +237,19 @@ def check_network(env: dict | None = None, nodes: int | None = None) -> list[Fin
 
 
 def checkpoint_bytes(recipe) -> int:
-    """Bytes one checkpoint of the recipe takes: weights in the training dtype, plus the fp32 master weights
-    (16-bit training) and Adam's two fp32 moments, whatever the sharding (it only spreads them over files)."""
-
-    params = count_params(recipe.model)["total"]
-    per_param = 4 + 8 if recipe.training.precision == "fp32" else 2 + 12
-    return params * per_param
+    """Bytes one checkpoint of the recipe takes (toolkit.metrics.checkpoint_bytes)."""
+    return metrics.checkpoint_bytes(recipe.model, recipe.training.precision)
 
 
 def check_disk(recipe) -> list[Finding]:
     """The checkpoint folder's disk, resolved as training resolves it: from the working folder (it was resolved
     from the toolkit's install folder until 2026-12-07, another disk when the run starts elsewhere)."""
     folder = Path(recipe.checkpoint_dir).absolute()
-    probe = folder
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        why = "is a file" if not probe.is_dir() else "is not writable by this user (or is read-only)"
-        return [Finding("checkpoint disk", FAIL, f"{folder}: {probe} {why}",
+    why = cannot_write(folder)
+    if why:
+        return [Finding("checkpoint disk", FAIL, f"{folder}: {why}",
                         "point checkpoint.dir (or output_dir) at a folder you can write")]
-    free = shutil.disk_usage(probe).free
+    free = shutil.disk_usage(nearest_existing(folder)).free
     one = checkpoint_bytes(recipe)
     keep, steps, interval = recipe.checkpoint.keep, recipe.training.steps, recipe.checkpoint.interval
     saves = steps // interval + (steps % interval != 0)  # and one at the last step

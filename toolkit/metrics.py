@@ -20,6 +20,12 @@ def count_params(m: ModelConfig) -> dict:
     return param_count(family_named(m.family), recipe_dims(m))
 
 
+def checkpoint_bytes(m: ModelConfig, precision: str) -> int:
+    """Bytes one checkpoint of the model takes: weights in the training dtype, plus the fp32 master weights
+    (16-bit training) and Adam's two fp32 moments, whatever the sharding (it only spreads them over files)."""
+    return count_params(m)["total"] * (4 + 8 if precision == "fp32" else 2 + 12)
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Model FLOPs per trained token (forward + backward = 3 x forward): 6 x the matmul parameters plus attention
     scores 12 x layers x hidden x seq_len (PaLM appendix B). Recomputation is not counted: this is MFU's numerator.

@@ -67,10 +67,15 @@ def extensions_in_use() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or extensions_dir())
 
 
+def nearest_existing(path: Path) -> Path | None:
+    """`path` made absolute, or the nearest folder above it that exists: where it would be made."""
+    path = Path(path).absolute()
+    return next((p for p in [path, *path.parents] if p.exists()), None)
+
+
 def cannot_write(folder: Path) -> str | None:
     """Why `folder` (or the folders it would be made in) cannot be written by this user, or None."""
-    folder = Path(folder).absolute()
-    existing = next((p for p in [folder, *folder.parents] if p.exists()), None)
+    existing = nearest_existing(folder)
     if existing is None or not existing.is_dir():
         return f"{existing} is a file" if existing is not None else "no folder above it exists"
     if not os.access(existing, os.W_OK | os.X_OK):

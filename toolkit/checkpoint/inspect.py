@@ -31,11 +31,12 @@ def inspect(path: str | Path) -> dict:
     """A report as plain data (printed by the CLI, or as JSON with --json)."""
     path = Path(path)
     paths.resolve(path)  # a link that loops: one line, not a traceback
+    left = output.left_behind(path)
     if not path.exists():
-        raise ToolkitError("; ".join([f"{path} does not exist", *output.left_behind(path)]))
+        raise ToolkitError("; ".join([f"{path} does not exist", *left]))
     report = _inspect(path)
-    if output.left_behind(path):
-        report["left_behind"] = output.left_behind(path)
+    if left:
+        report["left_behind"] = left
     return report
 
 

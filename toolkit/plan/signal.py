@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from toolkit.errors import ToolkitError
-from toolkit.metrics import count_params
+from toolkit.metrics import checkpoint_bytes
 from toolkit.plan.choice import from_recipe
 from toolkit.plan.estimate import estimate
 from toolkit.plan.hardware import Cluster
@@ -29,8 +29,7 @@ def signal_seconds_needed(r: Recipe, nodes: int, gpus_per_node: int) -> tuple[fl
                                                                            gpus_per_node=gpus_per_node)).step_s
     except ToolkitError:
         return None
-    per_param = 4 + 8 if r.training.precision == "fp32" else 2 + 12  # weights, fp32 masters, Adam's two moments
-    save = count_params(r.model)["total"] * per_param / nodes / (SAVE_GBPS_PER_NODE * 1e9)
+    save = checkpoint_bytes(r.model, r.training.precision) / nodes / (SAVE_GBPS_PER_NODE * 1e9)
     return step, save, 60 * math.ceil(1.5 * (2 * step + save) / 60)
 
 
