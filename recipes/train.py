@@ -47,7 +47,7 @@ def main() -> int:
                     help="override a recipe key (repeatable)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # from launchers
     args = ap.parse_args()
-    from toolkit.train.preempt import Preempted, watch_early
+    from toolkit.train.preempt import Preempted, finished, watch_early
 
     watch_early()  # a time-limit warning during start-up is kept for the first step boundary
 
@@ -55,6 +55,7 @@ def main() -> int:
         from toolkit.run import train
 
         train(load_recipe(args.recipe, args.overrides))
+        finished()
     except ToolkitError as e:
         if _says():
             print(f"error: {e}", file=sys.stderr)
@@ -62,6 +63,7 @@ def main() -> int:
     except Preempted as e:  # checkpoint complete; <output_dir>/preempted.json tells the job script to requeue
         # every rank stops with it at the same step and rank 0's log has it: one line per job, not one per rank
         # (3 lines for 2 ranks until 2026-12-07)
+        finished()
         return e.exit_code
     return 0
 

@@ -63,3 +63,37 @@ def test_a_boundary_does_not_wait_for_a_slower_rank_and_settle_finishes_the_last
     # rank 0's first boundary only posts its flag; the wait for rank 1 moves to its second boundary
     assert ranks[0]["seconds"][0] < 1.0 and ranks[0]["seconds"][1] > 1.5, ranks[0]["seconds"]
     assert all(r["pending_before_settle"] and not r["pending_after_settle"] for r in ranks)
+
+
+# A library that waits in a system call while the signal lands: read() on a pipe through ctypes, as a C or C++
+# reader calls it (Python's own calls retry EINTR; most libraries' do not). The signal goes to the reading thread.
+_READ_THROUGH_A_SIGNAL = """
+import ctypes, os, signal, sys, threading, time
+from toolkit.train import preempt
+watch = preempt.watch_early() if sys.argv[1] == "early" else preempt.PreemptionWatch()
+r, w = os.pipe()
+reader = threading.get_ident()
+def later():
+    time.sleep(0.3)
+    signal.pthread_kill(reader, signal.SIGUSR1)
+    time.sleep(0.3)
+    os.write(w, b"x")
+threading.Thread(target=later).start()
+libc = ctypes.CDLL(None, use_errno=True)
+got = libc.read(r, ctypes.create_string_buffer(1), 1)
+noted = len(preempt._EARLY) if watch is None else watch.count
+print(got, ctypes.get_errno(), noted)
+"""
+
+
+def test_a_noted_signal_does_not_fail_a_librarys_system_call():
+    """The handlers are installed with SA_RESTART: the read finishes with its byte (Python's default handler makes
+    it fail with EINTR, errno 4) and the signal is still noted."""
+    import subprocess
+    import sys
+
+    for which in ("early", "watch"):
+        out = subprocess.run([sys.executable, "-c", _READ_THROUGH_A_SIGNAL, which], capture_output=True, text=True,
+                             timeout=120, cwd=Path(__file__).resolve().parents[1])
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split() == ["1", "0", "1"], (which, out.stdout)

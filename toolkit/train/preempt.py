@@ -38,13 +38,33 @@ def _note_early(signum, frame) -> None:
     _EARLY.append(signal.Signals(signum).name)
 
 
+def _catch(sig: int, handler):
+    """Install `handler` for `sig` with SA_RESTART; returns the handler it replaces. Python installs its handlers
+    without it, so a signal that lands while a library (a shared object's loader, a C++ reader, a file system
+    that honours interrupts) waits in a system call makes that call fail with EINTR, which few of them retry. A
+    rank died during start-up, just after such a signal, on the CI machine of 2026-12-07 (its message was not
+    kept; it never happened here). The handlers here only take a note: nothing needs the call cut short."""
+    old = signal.signal(sig, handler)
+    if callable(handler):
+        signal.siginterrupt(sig, False)
+    return old
+
+
 def watch_early() -> None:
     """Note SIGUSR1 from the start of the process, before the model, the engine and a resumed checkpoint are built:
     Slurm sends the time-limit warning once, and the launcher's workers start with it ignored (`trap '' USR1`), so
     one that came during start-up was lost and the job ran into its time limit without a checkpoint or a requeue
     (until 2026-12-07). SIGTERM keeps its default until the watch exists: a job stopped while it starts just ends."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGUSR1, _note_early)
+        _catch(signal.SIGUSR1, _note_early)
+
+
+def finished() -> None:
+    """The run is over (done, or its preemption checkpoint complete): a time-limit warning now has nothing to save.
+    Ignore it: Python gives a caught signal back its default action while the interpreter shuts down, so a SIGUSR1
+    in the last second of a finished run killed the rank (exit -10) and the launcher reported the job failed."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 class Preempted(Exception):
@@ -70,7 +90,7 @@ class PreemptionWatch:
             self._group = dist.new_group(backend="gloo")
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
-                self._old[sig] = signal.signal(sig, self._note)
+                self._old[sig] = _catch(sig, self._note)
 
     def _note(self, signum, frame) -> None:  # runs between bytecodes: never interrupts a save halfway
         self.count += 1
@@ -104,7 +124,7 @@ class PreemptionWatch:
 
     def close(self) -> None:
         for sig, old in self._old.items():
-            signal.signal(sig, old)
+            _catch(sig, old)
         self._old = {}
 
 
