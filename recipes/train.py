@@ -31,13 +31,15 @@ def _leave(code: int) -> int:
     return code
 
 
-def _says() -> bool:
+def _says(error: ToolkitError) -> bool:
     """Whether this rank prints its refusal. Before the process group exists, the ranks of a node check the same
     recipe and files and refuse alike: the node's first rank says it for all (every rank printed it until 2026-12-07,
-    eight copies per node on GPUs). Once they have joined, each rank says its own."""
+    eight copies per node on GPUs). Once they have joined, rank 0 says a refusal that every rank makes alike (the
+    recipe against the world size), and each rank its own."""
     dist = sys.modules.get("torch.distributed")
-    joined = dist is not None and dist.is_available() and dist.is_initialized()
-    return joined or os.environ.get("LOCAL_RANK", "0") == "0"
+    if not (dist is not None and dist.is_available() and dist.is_initialized()):
+        return os.environ.get("LOCAL_RANK", "0") == "0"
+    return not getattr(error, "alike_on_every_rank", False) or dist.get_rank() == 0
 
 
 def main() -> int:
@@ -57,7 +59,7 @@ def main() -> int:
         train(load_recipe(args.recipe, args.overrides))
         finished()
     except ToolkitError as e:
-        if _says():
+        if _says(e):
             print(f"error: {e}", file=sys.stderr)
         return _leave(e.exit_code)
     except Preempted as e:  # checkpoint complete; <output_dir>/preempted.json tells the job script to requeue

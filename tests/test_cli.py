@@ -109,6 +109,8 @@ def test_context_parallel_without_transformer_engine_is_refused_before_training(
                   nproc=2, out_dir=out, check=False)
     assert proc.returncode != 0
     assert "parallel.cp: context parallelism needs Transformer Engine's attention on GPUs" in proc.stderr
+    # checked after the ranks join, alike on each: rank 0 says it (every rank did until 2026-12-07)
+    assert proc.stderr.count("context parallelism needs") == 1, proc.stderr
     # torchrun reports the failed children with its own traceback; the ranks themselves print none
     assert "[rank0]: Traceback" not in proc.stderr and not out.exists()
 

@@ -307,7 +307,8 @@ def test_tokenizer_and_generation_config_survive_a_trip_through_megatron(tmp_pat
     (src / "chat_template.jinja").write_text("{{ messages }}")
     # left out until 2026-12-07: named chat templates (transformers 5 saves them so), the license, the model card
     carried = ("generation_config.json", "chat_template.jinja", "tokenizer_config.json",
-               "additional_chat_templates/tool_use.jinja", "added_tokens.json", "LICENSE", "README.md")
+               "additional_chat_templates/tool_use.jinja", "added_tokens.json", "LICENSE", "README.md",
+               "configuration_custom.py")  # custom code that config.json's auto_map names: dropped until then too
     (src / "additional_chat_templates").mkdir()
     for name in carried[3:]:
         (src / name).write_text(f"{name}\n")
@@ -324,7 +325,7 @@ def test_tokenizer_and_generation_config_survive_a_trip_through_megatron(tmp_pat
     write_llama(other, tokenizer=True)
     assert cli.main(["convert", "--quiet", str(src), str(tmp_path / "named"), "--to", "hf", "--tokenizer",
                      str(other)]) == 0
-    for name in ("generation_config.json", "LICENSE", "README.md"):
+    for name in ("generation_config.json", "LICENSE", "README.md", "configuration_custom.py"):
         assert (tmp_path / "named" / name).read_bytes() == (src / name).read_bytes(), name
     assert (tmp_path / "named" / "tokenizer_config.json").read_bytes() == (other / "tokenizer_config.json").read_bytes()
     assert not (tmp_path / "named" / "additional_chat_templates").exists()  # the named tokenizer has none
@@ -477,3 +478,29 @@ def test_dst_named_as_the_working_folder_and_empty_paths(sources, tmp_path, caps
         code, text = run(["convert", *argv, "--to", "hf"], capsys)
         one_line(code, text, "is empty; give the checkpoint folder's path")
     assert not (tmp_path / "x").exists()
+
+
+def test_tensors_stored_without_the_model_prefix_convert_as_transformers_loads_them(tmp_path, capsys):
+    """A folder whose tensors are named `layers.0...`, `embed_tokens.weight` (a base model's save_pretrained; some
+    exporters): from_pretrained adds the prefix, and so does the converter (all missing, refused until 2026-12-07).
+    Both paths (file to file, and a dtype cast) give the prefixed folder's tensors."""
+    from safetensors.torch import load_file, save_file
+
+    full, bare = tmp_path / "full", tmp_path / "bare"
+    write_llama(full)
+    bare.mkdir()
+    (bare / "config.json").write_bytes((full / "config.json").read_bytes())
+    weights = load_file(str(full / "model.safetensors"))
+    save_file({n.removeprefix("model."): t for n, t in weights.items()}, str(bare / "model.safetensors"),
+              {"format": "pt"})
+    for out, extra, dtype in (("out", [], torch.bfloat16), ("fp32", ["--dtype", "fp32"], torch.float32)):
+        assert cli.main(["convert", str(bare), str(tmp_path / out), "--to", "hf", *extra]) == 0
+        assert "tensors stored without the model. prefix" in capsys.readouterr().out
+        got = load_file(str(tmp_path / out / "model.safetensors"))
+        assert got.keys() == weights.keys() and all(torch.equal(got[n], weights[n].to(dtype)) for n in weights)
+    # an untied model saved without its output layer: transformers would make one up; refused, naming it
+    save_file({n.removeprefix("model."): t for n, t in weights.items() if n != "lm_head.weight"},
+              str(bare / "model.safetensors"), {"format": "pt"})
+    before = listing(tmp_path)
+    assert cli.main(["convert", "--quiet", str(bare), str(tmp_path / "headless"), "--to", "hf"]) == 2
+    assert "lm_head.weight: is missing" in capsys.readouterr().err and listing(tmp_path) == before

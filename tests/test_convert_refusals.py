@@ -85,6 +85,10 @@ def test_weights_of_two_dtypes_need_dtype(sources, tmp_path, capsys):
         code, text = run(["convert", "--quiet", str(src), str(tmp_path / "out"), "--to", to], capsys)
         one_line(code, text, "holds weights of more than one dtype (20 BF16, 1 F32); pass --dtype bf16, fp16 or fp32")
     assert listing(tmp_path) == before
+    # inspect calls it complete (it is) and says what convert needs (it said nothing until 2026-12-07)
+    assert cli.main(["inspect", str(src)]) == 0
+    assert "note: weights of more than one dtype: toolkit convert writes them in one, with --dtype" in \
+        capsys.readouterr().out
     assert cli.main(["convert", "--quiet", str(src), str(tmp_path / "out"), "--to", "hf", "--dtype", "bf16"]) == 0
     assert {t.dtype for t in _tensors(tmp_path / "out").values()} == {torch.bfloat16}
 

@@ -188,6 +188,10 @@ def test_what_megatron_cannot_honour_is_refused(family, change, needle, tmp_path
 
     problems = unsupported_hf_config(config, "config.json")
     assert problems and needle.split(":")[0] in problems[0].render(), [p.render() for p in problems]
+    # a Hugging Face target keeps what transformers' model does (Mistral v0.1 was refused here until 2026-12-07)
+    convert(tmp_path / "hf", tmp_path / "bf16", "hf", dtype="bf16", progress=False, log=lambda *_: None)
+    written = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert all(written[k] == v for k, v in change.items()), written
 
 
 @pytest.mark.slow

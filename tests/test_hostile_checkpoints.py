@@ -88,6 +88,14 @@ def st_overlap(src: Path) -> None:
     _write(src / "model.safetensors", header, body)
 
 
+def st_named_twice(src: Path) -> None:
+    header, body = _header(src / "model.safetensors")
+    a, b = _same_shape_pair(header)
+    raw = json.dumps(header, separators=(",", ":")).replace(f'"{b}":', f'"{a}":').encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    (src / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + body)
+
+
 def st_gap(src: Path) -> None:
     header, body = _header(src / "model.safetensors")
     for _, info in _tensors(header):
@@ -255,6 +263,8 @@ CONVERT_CASES = [
      ["sets hidden_act: gelu", "convert a model whose MLP uses silu"]),
     ("overlapping byte ranges", "hf", st_overlap, [], ["overlaps", "two tensors would share bytes",
                                                        "re-copy or re-save this file"]),
+    ("a tensor named twice", "hf", st_named_twice, [], ["names the tensor ", "twice in its header",
+                                                        "re-copy or re-save this file"]),
     ("a gap between tensors", "hf", st_gap, [], ["leaves bytes [0, 8) before", "unclaimed by any tensor",
                                                  "re-copy or re-save this file"]),
     ("a range past the end", "hf", st_out_of_range, [], ["but its header describes", "the file is truncated",

@@ -32,6 +32,18 @@ def test_hugging_face_folder(tiny_hf_checkpoint):
      {"num_experts": 4, "head_dim": 32}),
     ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16, "num_experts": None},
      {}),  # the default head size and a null field: nothing to show
+    # RoPE and the norm's epsilon (not shown until 2026-12-07), from either spelling of RoPE
+    ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "rms_norm_eps": 1e-5,
+      "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0}},
+     {"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}),
+    ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "rope_theta": 10000.0,
+      "rope_scaling": {"type": "linear", "factor": 2.0}},
+     {"rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}),
+    ({"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4, "sliding_window": 4096,
+      "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}},
+     {"sliding_window": 4096, "rope_theta": 1e6}),  # an active window; plain RoPE has no scaling to show
+    ({"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4, "sliding_window": 4096,
+      "use_sliding_window": False}, {}),  # Qwen's window size that is off
 ])
 def test_architecture_names_experts_and_head_size_one_way(config, shown):
     from toolkit.checkpoint.inspect import _hf_architecture

@@ -36,6 +36,18 @@ def test_set_parses_yaml_values_and_nested_keys():
         "a": {"b": 3, "c": True}, "d": [1, 2], "e": None, "f": "x=y"}
 
 
+def test_a_leading_zero_is_refused_not_read_as_octal():
+    """YAML 1.1 reads 010 as 8 (until 2026-12-07 `--set training.steps=010` trained 8 steps); 0, 0x10, 10 and a
+    quoted '010' are what they look like."""
+    with pytest.raises(RecipeError) as err:
+        parse_overrides(["training.steps=010"], "t")
+    (p,) = err.value.problems
+    assert "has 010 with a leading zero, which YAML reads as an octal number: 8" in p.message
+    assert "write 10 for the number, or quote it ('010') for text" in p.fix
+    assert parse_overrides(["a=0", "b=0x10", "c=10", "d='010'", "e=-0"], "t") == {"a": 0, "b": 16, "c": 10,
+                                                                                 "d": "010", "e": 0}
+
+
 @pytest.mark.parametrize("bad", ["nodot", "=3", "a..b=1"])
 def test_set_rejects_malformed_items(bad):
     with pytest.raises(RecipeError, match="expected KEY.PATH=VALUE"):

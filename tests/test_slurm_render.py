@@ -18,6 +18,7 @@ import pytest
 import yaml
 from conftest import REPO, free_port, signal_process_tree
 
+from toolkit.errors import RecipeError
 from toolkit.slurm import (
     CPUS_PER_GPU,
     JOB_SH,
@@ -93,6 +94,12 @@ def test_the_script_has_every_piece():
                   "-m toolkit.preflight", "recipes/train.py", "python -m toolkit validate", "getent hosts",
                   "NCCL_DEBUG=${NCCL_DEBUG:-WARN}", "TOOLKIT_NCCL_IFNAME", "OMP_NUM_THREADS", "main() {"]:
         assert piece in body, piece
+    # all of each node's memory unless told (a cluster's per-CPU default applied until 2026-12-07); a CPU rehearsal
+    # shares its node and asks for none; a size is checked
+    assert "\n#SBATCH --mem=0\n" in text and "--mem" not in render_job("tiny_zero3", 1, 2, [], cpu=True)
+    assert "\n#SBATCH --mem=500G\n" in render_job("llama13b_tp4_pp2", 2, 8, [], mem="500G")
+    with pytest.raises(RecipeError, match="'5x' is not a Slurm memory size"):
+        render_job("llama13b_tp4_pp2", 2, 8, [], mem="5x")
     # #SBATCH lines are read only up to the first command: all of them come before it
     header = text.split("\nRECIPE=")[0]
     assert header.count("#SBATCH") == text.count("#SBATCH") and "#SBATCH" not in body

@@ -272,7 +272,8 @@ def cmd_slurm_render(args) -> int:
 
     if args.all:
         _all_alone(args, "toolkit slurm render", "scripts", ("recipe", "nodes", "gpus_per_node", "out", "overrides",
-                                                             "partition", "time", "account", "job_name", "cpu"))
+                                                             "partition", "time", "account", "job_name", "cpu",
+                                                             "mem"))
         for path in write_shipped():
             print(f"wrote {path}")
         return 0
@@ -280,7 +281,8 @@ def cmd_slurm_render(args) -> int:
         raise ToolkitError("toolkit slurm render needs --recipe NAME --nodes N --gpus-per-node G (or --all)")
     script = render_job(args.recipe, args.nodes, args.gpus_per_node, args.overrides, partition=args.partition,
                         time=args.time, account=args.account, job_name=args.job_name,
-                        signal_seconds=args.signal_seconds, cpu=args.cpu, cpus_per_task=args.cpus_per_task)
+                        signal_seconds=args.signal_seconds, cpu=args.cpu, cpus_per_task=args.cpus_per_task,
+                        mem=args.mem)
     if args.out:
         print(f"wrote {write_job(script, args.out, overwrite=args.overwrite)}")
     else:
@@ -448,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send SIGUSR1 this long before the time limit, to checkpoint and requeue (default 120)")
     p.add_argument("--cpus-per-task", type=count("cores per node, e.g. 64", 100_000), default=None,
                    help="cores per node for its torchrun (default 8 per GPU, or 1 per rank with --cpu)")
+    p.add_argument("--mem", help="#SBATCH --mem per node, e.g. 500G (default 0: all of it; none with --cpu)")
     p.add_argument("--cpu", action="store_true", help="CPU nodes: no GPUs requested, gloo instead of NCCL")
     p.add_argument("--out", help="write the script to this file instead of printing it")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")

@@ -106,11 +106,15 @@ def prepare(recipe: Recipe) -> tuple[Plan, DistInfo]:
     """Check the files, join the process group, then check the recipe against the real world size and backend."""
     check_before_start(recipe)
     info = init_distributed(with_deepspeed=recipe.parallel.backend == "deepspeed")
-    plan = resolve(recipe, info.world_size)
-    if plan.layout.backend == "megatron":
-        problems = check_megatron(recipe, te_available())
-        if problems:
-            raise RecipeError(recipe.name, problems)
+    try:
+        plan = resolve(recipe, info.world_size)
+        if plan.layout.backend == "megatron":
+            problems = check_megatron(recipe, te_available())
+            if problems:
+                raise RecipeError(recipe.name, problems)
+    except RecipeError as e:  # from the recipe, the world size and the installed packages: alike on every rank
+        e.alike_on_every_rank = True  # rank 0 says it (every rank did until 2026-12-07)
+        raise
     return plan, info
 
 

@@ -50,11 +50,15 @@ SHIPPED: dict[str, dict] = {
 def render_job(recipe_name_or_path: str, nodes: int, gpus_per_node: int, overrides: list[str] | None = None,
                partition: str | None = None, time: str | None = None, account: str | None = None,
                job_name: str | None = None, signal_seconds: int = 120, cpu: bool = False,
-               cpus_per_task: int | None = None) -> str:
+               cpus_per_task: int | None = None, mem: str | None = None) -> str:
     """The sbatch script that trains `recipe_name_or_path` on nodes x gpus_per_node ranks (CPU ranks with `cpu`).
-    Raises RecipeError with every problem (arguments, recipe, layout for that world size) before anything else."""
+    Raises RecipeError with every problem (arguments, recipe, layout for that world size) before anything else.
+    `mem`: #SBATCH --mem; a GPU job asks for all of each node's memory (0) unless told otherwise."""
     overrides = list(overrides or [])
     problems = check_job_args(nodes, gpus_per_node, partition, time, account, job_name, signal_seconds, cpus_per_task)
+    if mem is not None and not re.fullmatch(r"\d+[KMGT]?", mem):
+        problems.append(Problem("--mem", f"{mem!r} is not a Slurm memory size",
+                                "use a number with an optional unit K, M, G or T, e.g. 500G, or 0 (all of it)"))
     try:
         recipe = load_recipe(recipe_name_or_path, overrides)
     except RecipeError as e:
@@ -72,7 +76,13 @@ def render_job(recipe_name_or_path: str, nodes: int, gpus_per_node: int, overrid
         raise RecipeError(recipe_name_or_path, problems)
     command = _command_line(recipe_name_or_path, nodes, gpus_per_node, overrides, partition=partition, time=time,
                             account=account, job_name=job_name, signal_seconds=signal_seconds, cpu=cpu,
-                            cpus_per_task=cpus_per_task)
+                            cpus_per_task=cpus_per_task, mem=mem)
+    # without --mem a cluster's per-CPU default applies, which can be too little for a checkpoint save's or an
+    # offload's host memory (no --mem was rendered until 2026-12-07); a CPU rehearsal shares its node
+    node_mem = mem if mem is not None or cpu else "0"
+    mem_lines = [] if node_mem is None else [f"#SBATCH --mem={node_mem}"]
+    if node_mem == "0":
+        mem_lines.insert(0, "# --mem=0: all of each node's memory (render with --mem SIZE to ask for less)")
     header = [
         "#!/bin/bash",
         (f"# Slurm job for recipe {recipe_name_or_path}: {nodes} node{'s' * (nodes > 1)} x {gpus_per_node} "
@@ -86,6 +96,7 @@ def render_job(recipe_name_or_path: str, nodes: int, gpus_per_node: int, overrid
         "#SBATCH --ntasks-per-node=1",
         *([] if cpu else [f"#SBATCH --gpus-per-node={gpus_per_node}"]),
         f"#SBATCH --cpus-per-task={cpus_per_task or gpus_per_node * (1 if cpu else CPUS_PER_GPU)}",
+        *mem_lines,
         *(f"#SBATCH --{k}={v}" for k, v in (("time", time), ("partition", partition), ("account", account)) if v),
         "#SBATCH --output=logs/%x-%j.out",
         f"#SBATCH --signal=USR1@{signal_seconds}",

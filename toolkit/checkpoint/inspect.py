@@ -99,9 +99,12 @@ def inspect_hf(folder: Path) -> dict:
                 n, name = _numel(reader.shape(key)), st.dtype_name(reader.dtype(key))
                 params += n
                 dtypes[name] = dtypes.get(name, 0) + n
-    return {"path": str(folder), "format": "hf", "complete": not problems, "problems": problems, "step": None,
-            "layout": None, "architecture": _hf_architecture(config), "parameters": params, "dtypes": dtypes,
-            "bytes": paths.regular_bytes(folder)}
+    report = {"path": str(folder), "format": "hf", "complete": not problems, "problems": problems, "step": None,
+              "layout": None, "architecture": _hf_architecture(config), "parameters": params, "dtypes": dtypes,
+              "bytes": paths.regular_bytes(folder)}
+    if len(dtypes) > 1:  # complete, but convert writes one dtype per file (said nowhere here until 2026-12-07)
+        report["note"] = "weights of more than one dtype: toolkit convert writes them in one, with --dtype"
+    return report
 
 
 def _hf_architecture(config: dict) -> dict:
@@ -110,12 +113,29 @@ def _hf_architecture(config: dict) -> dict:
     hidden_size / num_attention_heads (Qwen3)."""
     keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
-            "num_experts", "num_experts_per_tok", "moe_intermediate_size")
-    config = {"num_experts": config.get("num_local_experts"), **{k: v for k, v in config.items() if v is not None}}
+            "num_experts", "num_experts_per_tok", "moe_intermediate_size", "rope_theta", "rope_scaling",
+            "rms_norm_eps", "sliding_window")
+    config = {"num_experts": config.get("num_local_experts"), **{k: v for k, v in config.items() if v is not None},
+              **_rope(config)}
+    if config.get("use_sliding_window") is False:  # Qwen keeps a window size that is off
+        config.pop("sliding_window", None)
     if config.get("head_dim") and config.get("num_attention_heads") and (
             config["head_dim"] * config["num_attention_heads"] == config.get("hidden_size")):
         del config["head_dim"]  # the default: not worth a field
     return {k: config[k] for k in keys if config.get(k) is not None}
+
+
+def _rope(config: dict) -> dict:
+    """rope_theta and, unless it is plain RoPE, the scaling, from either spelling: transformers 5's rope_parameters
+    (theta inside) or the older rope_theta and rope_scaling (whose kind was once `type`). Not shown until
+    2026-12-07, though they decide the model's positions as much as its shape does."""
+    params = config.get("rope_parameters") or {}
+    scaling = {k: v for k, v in (config.get("rope_scaling") or params).items() if k != "rope_theta"}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    out = {"rope_theta": config.get("rope_theta", params.get("rope_theta"))}
+    if kind != "default":
+        out["rope_scaling"] = scaling
+    return out
 
 
 def inspect_toolkit(tag_dir: Path) -> dict:
@@ -351,7 +371,7 @@ def render(report: dict) -> str:
     if report["step"] is not None:
         lines.append(f"  step: {report['step']}" + (f" ({report['shown']}, the newest intact step)"
                                                       if report.get("shown") else ""))
-    for key in ("tag", "written_by", "optimizer_state", "vocab_padding"):  # plain DeepSpeed, Megatron-LM, Megatron
+    for key in ("tag", "written_by", "optimizer_state", "vocab_padding", "note"):  # DeepSpeed, Megatron-LM, HF...
         if report.get(key):
             lines.append(f"  {key.replace('_', ' ')}: {report[key]}")
     if report["layout"]:

@@ -40,10 +40,13 @@ Until 2026-12-07 the license, the model card, added_tokens.json and named chat t
 
 def carried_files(folder: Path, model: bool = True, tokenizer: bool = True) -> list[str]:
     """The names (relative to `folder`) of what a conversion carries from it into a Hugging Face output: the model's
-    own files (MODEL_FILES) and the tokenizer's (TOKENIZER_FILES, TOKENIZER_EXTRA, named chat templates)."""
+    own files (MODEL_FILES, and its *.py code) and the tokenizer's (TOKENIZER_FILES, TOKENIZER_EXTRA, named chat
+    templates)."""
     names = [*(n for n in TOKENIZER_FILES + TOKENIZER_EXTRA if tokenizer and n not in MODEL_FILES),
              *(MODEL_FILES if model else ())]
     out = [n for n in names if (folder / n).is_file() or (folder / n).is_symlink()]
+    if model:  # the code config.json's auto_map names for trust_remote_code (dropped until 2026-12-07)
+        out += sorted(p.name for p in folder.glob("*.py") if p.is_file() or p.is_symlink())
     templates = folder / CHAT_TEMPLATES
     if tokenizer and templates.is_dir() and not templates.is_symlink():
         out += [f"{CHAT_TEMPLATES}/{p.name}" for p in sorted(templates.glob("*.jinja"))]
@@ -124,6 +127,7 @@ class HFSource(Source):
                 raise ToolkitError(f"{index} does not match the files: {', '.join(wrong[:4])} {verb} not where it "
                                    "says (it names each shard by its file name in this folder)")
         dims = self.dims()
+        self.unprefixed = self._read_with_prefix(dims)
         problems = []
         for e in iter_entries(dims, 1, 1):
             for name, shape in zip(e.hf_names, e.hf_shapes):
@@ -146,6 +150,21 @@ class HFSource(Source):
         raise_problems(f"{folder} does not match its config.json", problems)
         # weight dtype (its safetensors name) -> how many of the tensors converted have it
         self.dtypes = Counter(self._where[name].dtype_name(name) for name in known & set(self._where))
+
+    def _read_with_prefix(self, dims: Dims) -> bool:
+        """transformers loads a folder whose tensors are stored without the `model.` prefix (a base model saved by
+        LlamaModel.save_pretrained, some exporters' output): its tensors are read under the map's names then (such
+        a folder was refused as missing every tensor until 2026-12-07). Whether it is one."""
+        wanted = {n for e in iter_entries(dims, 1, 1) for n in e.hf_names if n.startswith("model.")}
+        if not wanted or wanted & self._where.keys() or not all(n[len("model."):] in self._where for n in wanted):
+            return False
+        for reader in self._readers:
+            reader.rename({k: f"model.{k}" for k in reader.keys() if f"model.{k}" in wanted})
+        self._where = {k: r for r in self._readers for k in r.keys()}
+        return True
+
+    def describe(self) -> str:
+        return self.kind + (" (tensors stored without the model. prefix)" if self.unprefixed else "")
 
     def _same_bytes(self, a: str, b: str) -> bool:
         """Whether two tensors hold the same shape, dtype and bytes (read a bounded piece at a time)."""

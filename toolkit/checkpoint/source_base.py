@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from toolkit.families.entries import iter_entries
-from toolkit.families.mapping import Dims
+from toolkit.families.mapping import Dims, refuse_for_megatron
 from toolkit.families.registry import dims_from_hf
 from toolkit.layout import keeping_divisor
 from toolkit.format.names import OUTPUT_MARK, chunk_key
@@ -117,7 +117,14 @@ def carried_rows(source: Source, to: str, tp: int) -> int | None:
 def read_for(source: Source, to: str, tp: int, divisible_by: int | None, reopen) -> Source | None:
     """`source` as a conversion --to `to` at `tp` reads it: with its target's divisor (None: the source's), and,
     where it carries padding rows (carried_rows), opened again by `reopen(rows)` to read them (what a source derives
-    from its dims is made when it opens). The source returned may be None where `reopen` gives none."""
+    from its dims is made when it opens). The source returned may be None where `reopen` gives none. A Megatron
+    target is refused (the source closed) for a model whose maths its layers do not follow (refuse_for_megatron)."""
+    if to in MEGATRON_TARGETS:
+        try:
+            refuse_for_megatron(source.config)
+        except Exception:
+            source.close()
+            raise
     source.out_divisible_by = divisible_by
     rows = carried_rows(source, to, tp)
     if rows is None:

@@ -28,8 +28,9 @@ def dims(config: Any, tp: int = 1, divisible_by: int = 128) -> Dims:
     if biased:
         raise ToolkitError(f"Llama config sets {', '.join(biased)}; only bias-free Llama weights are mapped: "
                            "add bias entries to toolkit/families/llama.py to support them")
-    # fields the Megatron-Core layers this map targets cannot honour: refused, not silently dropped
-    refuse_unhonoured("Llama", config, sliding=True)
+    # weights the map does not hold: refused, not silently dropped (what only Megatron cannot honour is refused
+    # for a Megatron target: mapping.refuse_for_megatron)
+    refuse_unhonoured("Llama", config)
     # LlamaConfig defaults to untied weights; a config.json that omits the key means the same
     return read_dims("llama", config, tp, divisible_by, tied_default=False)
 

@@ -239,21 +239,30 @@ class Family:
         return bool(self.megatron_fields.get("qk_layernorm"))
 
 
-def refuse_unhonoured(family: str, config: Any, sliding: bool = False) -> None:
-    """Raise on HF config fields that change the maths in ways the Megatron-Core layers we target do not follow:
-    an MLP bias or another activation than SwiGLU's silu, and (`sliding`) an active sliding attention window."""
+def refuse_unhonoured(family: str, config: Any) -> None:
+    """Raise on HF config fields that add weights the family's map does not hold (an MLP bias): no conversion can
+    carry them."""
     get = config_getter(config)
     if get("mlp_bias", False):
         raise ToolkitError(f"{family} config sets mlp_bias; only bias-free MLP weights are mapped: add bias entries to "
                            f"toolkit/families/{family}.py to support them")
+
+
+def refuse_for_megatron(config: Any) -> None:
+    """Raise on HF config fields that change the maths in ways the Megatron-Core layers we target do not follow:
+    another activation than SwiGLU's silu, an active sliding attention window. Only a Megatron model is affected: a
+    Hugging Face or DeepSpeed target keeps them, as transformers' model does (Mistral v0.1's sliding_window: 4096
+    was refused for --to hf too until 2026-12-07)."""
+    get = config_getter(config)
+    family = get("model_type", "Llama")
     if get("hidden_act", "silu") not in ("silu", "swish"):  # swish: transformers' other name of silu
         raise ToolkitError(f"{family} config sets hidden_act: {get('hidden_act')}; the map targets SwiGLU (silu): "
                            "convert a model whose MLP uses silu")
     # Qwen configs keep a sliding_window number that is off unless use_sliding_window is true
-    if sliding and get("sliding_window") and get("use_sliding_window", True):
+    if get("sliding_window") and get("use_sliding_window", True):
         raise ToolkitError(f"{family} config sets sliding_window: {get('sliding_window')}; the Megatron-Core layers "
                            "this map targets attend to the whole sequence: convert a model without sliding-window "
-                           "attention (sliding_window: null, or use_sliding_window: false)")
+                           "attention (sliding_window: null, or use_sliding_window: false), or convert --to hf")
 
 
 def recipe_dims(m: Any, tp: int = 1, divisible_by: int = 128) -> Dims:

@@ -1,7 +1,8 @@
 """The Qwen2 family (Qwen2 and Qwen2.5, model_type qwen2): Llama's layout plus biases on q, k and v, which
 Megatron-Core holds as `linear_qkv.bias` (add_qkv_bias), grouped per query group exactly like the weight. Small
 sizes tie the embeddings (tie_word_embeddings in config.json). Sliding-window attention is off in every released
-Qwen2/2.5 (use_sliding_window: false); a config that turns it on is refused."""
+Qwen2/2.5 (use_sliding_window: false); a config that turns it on is refused for a Megatron target and for training
+(a Hugging Face target keeps it)."""
 from __future__ import annotations
 
 from typing import Any
@@ -20,7 +21,7 @@ from toolkit.families.mapping import (
 
 
 def dims(config: Any, tp: int = 1, divisible_by: int = 128) -> Dims:
-    refuse_unhonoured("qwen2", config, sliding=True)
+    refuse_unhonoured("qwen2", config)
     return read_dims("qwen2", config, tp, divisible_by, tied_default=False)
 
 

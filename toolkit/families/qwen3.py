@@ -25,7 +25,7 @@ def dims(config: Any, tp: int = 1, divisible_by: int = 128) -> Dims:
     if config_getter(config)("attention_bias", False):
         raise ToolkitError("qwen3 config sets attention_bias; released Qwen3 models have none and the map has no "
                            "entries for it: add them to toolkit/families/qwen3.py to support it")
-    refuse_unhonoured("qwen3", config, sliding=True)
+    refuse_unhonoured("qwen3", config)
     return read_dims("qwen3", config, tp, divisible_by, tied_default=False)
 
 

@@ -42,7 +42,7 @@ def dims(config: Any, tp: int = 1, divisible_by: int = 128) -> Dims:
         raise ToolkitError(f"qwen3_moe config has dense layers (decoder_sparse_step: {get('decoder_sparse_step', 1)}, "
                            f"mlp_only_layers: {get('mlp_only_layers')}); the map has every layer a mixture of experts "
                            "as in the released models: set decoder_sparse_step 1 and mlp_only_layers []")
-    refuse_unhonoured("qwen3_moe", config, sliding=True)
+    refuse_unhonoured("qwen3_moe", config)
     # the published config.json files say num_experts; transformers 5 writes num_local_experts (its attribute_map)
     experts = get("num_experts") or get("num_local_experts")
     missing = [k for k, v in (("num_experts", experts), ("num_experts_per_tok", get("num_experts_per_tok")),

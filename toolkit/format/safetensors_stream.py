@@ -94,6 +94,16 @@ def nbytes(shape: Iterable[int], dtype: torch.dtype | str) -> int:
     return n * _SIZES[dtype_name(dtype)]
 
 
+def _repeated_key(raw: bytes) -> str | None:
+    """The first key a header's top-level object repeats, or None."""
+    seen: set[str] = set()
+    for key, _ in json.loads(raw, object_pairs_hook=list):  # every object as its list of pairs, repeats kept
+        if key in seen:
+            return key
+        seen.add(key)
+    return None
+
+
 class Reader:
     """One safetensors file, checked against its own header when opened (a truncated or padded file is refused)."""
 
@@ -121,6 +131,10 @@ class Reader:
             self._fail(f"has a header that is not valid JSON ({e})")
         if not isinstance(header, dict):
             self._fail(f"has a header that is a JSON {type(header).__name__}, not an object of tensors")
+        if count > len(header) - ("__metadata__" in header):  # JSON keeps the last of two equal keys
+            twice = _repeated_key(raw)
+            if twice is not None:  # read as "longer than its header says" until 2026-12-07
+                self._fail(f"names the tensor {twice} twice in its header")
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self._base, self._info = 8 + length, header
         self._check_ranges(size - self._base)
@@ -166,6 +180,10 @@ class Reader:
 
     def keys(self) -> list[str]:
         return list(self._info)
+
+    def rename(self, names: dict[str, str]) -> None:
+        """Read the tensor stored under each key of `names` by its value instead."""
+        self._info = {names.get(k, k): v for k, v in self._info.items()}
 
     def __contains__(self, name: str) -> bool:
         return name in self._info

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 from pathlib import Path
 
 import yaml
@@ -54,6 +55,7 @@ class _BoundedLoader(yaml.SafeLoader):
 
     _depth = 0
     _composed = 0
+    lines = False  # whether a refusal names the line: a recipe file's does; a --set value is one line
 
     def compose_node(self, parent, index):
         self._depth += 1
@@ -70,8 +72,25 @@ class _BoundedLoader(yaml.SafeLoader):
             self._depth -= 1
 
 
+def _no_octal(loader: _BoundedLoader, node: yaml.ScalarNode) -> int:
+    """An integer, except one written with a leading zero: YAML 1.1, which PyYAML reads, takes `010` as octal 8
+    (`steps: 010` trained 8 steps without a word until 2026-12-07)."""
+    text = str(node.value).replace("_", "")
+    if re.fullmatch(r"[-+]?0[0-7]+", text):
+        sign, digits = ("-" if text[0] == "-" else ""), text.lstrip("+-").lstrip("0")
+        line = f" (line {node.start_mark.line + 1})" if loader.lines else ""
+        raise _TooBig(f"has {node.value}{line} with a leading zero, which YAML reads as an octal number: "
+                      f"{int(text, 8)}", f"write {sign}{digits} for the number, or quote it ('{node.value}') for text")
+    return loader.construct_yaml_int(node)
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _no_octal)
+
+
 class _UniqueKeyLoader(_BoundedLoader):
     """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one, silently)."""
+
+    lines = True
 
     def construct_mapping(self, node, deep=False):
         seen = set()
