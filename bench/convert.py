@@ -21,7 +21,8 @@ the throughput ratio to cp, the GiB copied file to file (os.copy_file_range, and
 of many small ranges), the GiB written past the page cache (O_DIRECT, --direct-io), peak RSS (wait4's ru_maxrss),
 peak anonymous memory (RssAnon from /proc, sampled every 10 ms) and the converter's phases (read, split, write, hash,
 close/fsync/manifest, verify; seconds).
-Wall time includes Python start-up and imports (about 3 s here).
+Wall time includes Python start-up and imports: about 3 s here for a verified conversion (torch and transformers),
+and a fraction of a second for a --no-verify one that takes the file-to-file path (no torch import).
 The machine is shared and noisy: compare ratios within one run, not absolute numbers across runs. On a VM that
 hands freed memory back to its host (virtio-balloon free page reporting, as the development VM does), a page the
 kernel has not reused recently costs a host fault: a run writing into memory just freed by the previous one is

@@ -107,6 +107,30 @@ def test_what_deepspeed_builds_its_ops_in_and_the_nvme_folder_count_for_readines
     assert "nvme_path" in ready["ready: deepspeed ZeRO-Infinity (nvme)"].detail
 
 
+def test_host_memory_against_what_the_recipe_offloads():
+    """doctor printed no host memory figure: a ZeRO-Offload recipe that toolkit plan says needs 114 GiB per node was
+    "ready" on a 24 GiB machine (a trial of 2026-12-07). The need is toolkit plan's estimate, one fact in one place."""
+    from toolkit.plan import offload_host_bytes
+    from toolkit.plan.choice import from_recipe
+    from toolkit.plan.estimate import estimate
+    from toolkit.plan.hardware import Cluster
+
+    r = load_recipe("llama7b_zero2_offload")
+    need, per_node = offload_host_bytes(r, 8)
+    assert (need, per_node) == (estimate(r, from_recipe(r, 8), Cluster(gpus=8, gpus_per_node=8)).memory.cpu_per_node, 8)
+    (f,) = doctor.check_host_memory(r, need, per_node, (24 * 2**30, 23 * 2**30))
+    assert f.status == doctor.FAIL and "23.0 GiB available of 24.0 GiB on this node" in f.detail
+    assert "holds about 113.8 GiB per node with 8 ranks per node" in f.detail
+    ready = {x.check: x for x in doctor.readiness([f], r)}
+    assert "host memory" in ready["ready: deepspeed ZeRO-Offload (cpu)"].detail
+    assert doctor.check_host_memory(r, need, 8, (512 * 2**30, 100 * 2**30))[0].status == doctor.WARN  # others hold it
+    assert doctor.check_host_memory(r, need, 8, (512 * 2**30, 500 * 2**30))[0].status == doctor.OK
+    assert doctor.check_host_memory(r, None, 8, (512 * 2**30, 500 * 2**30))[0].status == doctor.INFO
+    assert doctor.check_host_memory(load_recipe("tiny_zero0"), 0, 2, (1, 1)) == []  # no offload: nothing to check
+    total, available = doctor.host_memory()  # this machine's, from /proc/meminfo
+    assert 0 < available <= total
+
+
 def test_the_checkpoint_disk_is_the_one_training_uses(tmp_path, monkeypatch):
     """A relative checkpoint folder was resolved from the toolkit's install folder, not from where the run starts
     (another disk); a folder that cannot be written was called too small (a trial of 2026-12-07)."""

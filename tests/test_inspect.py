@@ -67,6 +67,14 @@ def test_training_checkpoint_and_damage(tmp_path):
     assert report["architecture"]["num_hidden_layers"] == 4 and report["architecture"]["model_type"] == "llama"
     assert not {"num_layers", "family", "norm_topk_prob", "router_aux_loss_coef"} & set(report["architecture"])
     assert report["checkpoints"] == {"step_00000001": "complete", "step_00000002": "complete"}
+    # doctor's and the Slurm signal note's estimate of one save, against DeepSpeed's own files: ZeRO-2 keeps an fp32
+    # copy of the weights even in fp32 training (the estimate was 25% low until 2026-12-07)
+    from toolkit.metrics import checkpoint_bytes
+    from toolkit.recipe import load_recipe
+
+    on_disk = sum(f.stat().st_size for f in (root / "step_00000002").rglob("*") if f.is_file())
+    estimate = checkpoint_bytes(load_recipe("tiny_zero2"))
+    assert abs(on_disk - estimate) < 0.03 * on_disk, (on_disk, estimate)
     victim = next((root / "step_00000002").glob("*optim_states.pt"))
     victim.write_bytes(victim.read_bytes()[:100])  # truncated, as by a full disk
     proc = subprocess.run([sys.executable, "-m", "toolkit", "inspect", str(root / "step_00000002"), "--json"],
@@ -79,6 +87,13 @@ def test_training_checkpoint_and_damage(tmp_path):
     # the report is the directory's, with the step shown named and why convert refuses it (until 2026-12-07 the
     # headline named step 1 as INCOMPLETE, with step 2's problem under it)
     assert older["path"] == str(root) and older["shown"] == "step_00000001" and not older["complete"]
+    # its bytes are the step's, said so, with the directory's beside them (the step's were the folder's until then)
+    step_bytes = sum(f.stat().st_size for f in (root / "step_00000001").rglob("*") if f.is_file())
+    all_bytes = sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink())
+    assert older["bytes"] == step_bytes and older["directory_bytes"] == all_bytes > step_bytes
+    from toolkit.checkpoint.inspect import render
+
+    assert f"bytes on disk: {step_bytes:,} (step_00000001; the directory holds {all_bytes:,})" in render(older)
     assert any("convert reads step_00000002, the step latest_complete names" in p and
                str(root / "step_00000001") in p for p in older["problems"]), older["problems"]
     (root / "latest_complete").unlink()  # convert of the directory names the complete step to pass (it listed formats)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import REPO
-from toolkit.plan.choice import Choice
+from toolkit.plan.choice import Choice, from_recipe
 from toolkit.plan.estimate import bubble, estimate, in_flight
 from toolkit.plan.hardware import Cluster
 from toolkit.plan.search import reasons, search
@@ -211,3 +211,23 @@ def test_expert_parallel_all_to_all_is_costed_per_moe_layer_on_the_critical_path
     assert not [x for x in estimate(r, c.with_(ep=1), cluster).comms if x.dim == "ep"]
     dense = load_recipe("llama7b_zero3")
     assert not [x for x in estimate(dense, c.with_(ep=1, backend="megatron"), cluster).comms if x.dim == "ep"]
+
+
+def test_model_flops_count_the_output_layer_tied_or_not():
+    """The logits matmul costs the same whether the output layer shares the embeddings' weights: a tied one was left
+    out until 2026-12-07 (7.5% of tiny_qwen2's FLOPs, about 25% of a Qwen2.5-0.5B's)."""
+    from toolkit.metrics import flops_per_token
+
+    tied = load_recipe("tiny_qwen2").model
+    assert tied.tie_word_embeddings
+    untied = tied.model_copy(update={"tie_word_embeddings": False})
+    assert flops_per_token(tied, 128) == flops_per_token(untied, 128)
+
+
+def test_an_fp32_recipe_gets_no_mfu():
+    """Training prints no MFU for fp32 (no 16-bit peak to compare with); plan rated it against the bf16 peak."""
+    r = load_recipe("tiny_zero2")
+    assert r.training.precision == "fp32"
+    assert estimate(r, from_recipe(r, 2), Cluster(gpus=2, gpus_per_node=2)).mfu is None
+    bf16 = load_recipe("tiny_zero2", ["training.precision=bf16"])
+    assert estimate(bf16, from_recipe(bf16, 2), Cluster(gpus=2, gpus_per_node=2)).mfu > 0

@@ -50,3 +50,15 @@ def _tensorboard_scalars(folder) -> dict[str, dict[int, float]]:
     acc = EventAccumulator(str(folder))
     acc.Reload()
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.slow
+def test_a_save_between_logged_steps_leaves_tokens_per_s_alone(tmp_path):
+    """A checkpoint at step 39 of a 20-step logging interval: the interval's clock left the save out by restarting,
+    while its step count did not, so step 40 reported 20 steps' tokens over one step's time (a trial saw tokens/s
+    and TFLOP/s nearly double with a save mid-interval) until 2026-12-07. Now the save's seconds are taken out."""
+    out = tmp_path / "run"
+    launch("tiny_zero0", ["training.steps=40", "training.schedule.warmup_steps=5", "logging.interval=20",
+                          "checkpoint.interval=39", "logging.sample_prompt="], nproc=1, out_dir=out, launcher="python")
+    first, second = (m["tokens_per_s"] for m in read_metrics(out))
+    assert second < 3 * first, (first, second)  # the same steps: about equal; 10-20x with the old clock

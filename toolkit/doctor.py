@@ -83,6 +83,16 @@ def check_torch() -> list[Finding]:
     return out
 
 
+DEFAULT_GPUS_PER_NODE = 8
+"""The GPUs per node a recipe's host-memory need is estimated for where this machine shows none (a login node)."""
+
+
+def gpus_here() -> int:
+    import torch  # lazy: as check_torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def check_build_tools() -> list[Finding]:
     out = []
     cxx = shutil.which("c++") or shutil.which("g++")
@@ -238,7 +248,7 @@ def check_network(env: dict | None = None, nodes: int | None = None) -> list[Fin
 
 def checkpoint_bytes(recipe) -> int:
     """Bytes one checkpoint of the recipe takes (toolkit.metrics.checkpoint_bytes)."""
-    return metrics.checkpoint_bytes(recipe.model, recipe.training.precision)
+    return metrics.checkpoint_bytes(recipe)
 
 
 def check_disk(recipe) -> list[Finding]:
@@ -285,7 +295,7 @@ NEEDS = [
 ]
 
 
-RECIPE_CHECKS = ("nvme_path", "checkpoint disk")
+RECIPE_CHECKS = ("nvme_path", "checkpoint disk", "host memory")
 """Checks made only with --recipe: a use needs them when they were made."""
 
 
@@ -330,6 +340,38 @@ def readiness(findings: list[Finding], recipe=None) -> list[Finding]:
     return out
 
 
+def host_memory() -> tuple[int, int] | None:
+    """(MemTotal, MemAvailable) of this machine in bytes, from /proc/meminfo; None where it cannot be read."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return int(fields["MemTotal"].split()[0]) * 1024, int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_host_memory(recipe, need: int | None, per_node: int, memory: tuple[int, int] | None) -> list[Finding]:
+    """This node's memory against what the recipe offloads to it per node (`need`: toolkit plan's estimate at
+    per_node ranks per node; None: no estimate). Only recipes that offload to CPU or NVMe are checked."""
+    p = recipe.parallel
+    if not {"cpu", "nvme"} & {p.offload_optimizer, p.offload_params}:
+        return []
+    if memory is None:
+        return [Finding("host memory", INFO, "/proc/meminfo cannot be read here: not checked")]
+    total, available = memory
+    here = f"{_size(available)} available of {_size(total)} on this node"
+    if need is None:
+        return [Finding("host memory", INFO, f"{here}; the recipe's layout has no estimate at {per_node} ranks "
+                        "per node (toolkit plan)")]
+    detail = (f"{here}; the recipe's offload holds about {_size(need)} per node with {per_node} ranks per node "
+              "(toolkit plan's estimate)")
+    if need > total:
+        return [Finding("host memory", FAIL, detail, "spread the offloaded states over more nodes, offload less, or "
+                        "use nodes with more memory (toolkit plan --cpu-memory GIB ranks layouts that fit)")]
+    if need > available:
+        return [Finding("host memory", WARN, detail, "other processes hold the rest: free memory on this node")]
+    return [Finding("host memory", OK, detail)]
+
+
 def check_nvme(recipe) -> list[Finding]:
     """The recipe's NVMe offload folder on this machine (the check a run makes before it starts)."""
     problems = check_nvme_path(recipe)
@@ -340,11 +382,16 @@ def check_nvme(recipe) -> list[Finding]:
     return []
 
 
-def run(recipe=None, nodes: int | None = None) -> list[Finding]:
+def run(recipe=None, nodes: int | None = None, offload_need=None) -> list[Finding]:
+    """Every check; with a recipe, its own. `offload_need(gpus_per_node)`: what the recipe offloads to each node's
+    host memory, and for how many ranks per node (toolkit.plan.offload_host_bytes, which this layer does not
+    import)."""
     findings = [*check_packages(), *check_torch(), *check_build_tools(), *check_deepspeed_ops(), *check_megatron(),
                 *check_launch_env(), *check_network(nodes=nodes)]
     if recipe is not None:
         findings += check_disk(recipe) + check_nvme(recipe)
+        if offload_need is not None:
+            findings += check_host_memory(recipe, *offload_need(gpus_here() or DEFAULT_GPUS_PER_NODE), host_memory())
     return findings + readiness(findings, recipe)
 
 

@@ -343,6 +343,9 @@ def inspect_root(root: Path) -> dict:
     # the directory is the report's subject (until 2026-12-07 its headline named the step shown, with another
     # step's problem under it)
     report["path"], report["shown"] = str(root), intact[-1]
+    # `bytes` stays the step's (what convert reads); the directory's own total beside it (the step's was labelled
+    # as the folder's until 2026-12-07)
+    report["directory_bytes"] = paths.regular_bytes(root)
     try:
         named = paths.pointer(root / POINTER) if (root / POINTER).is_file() else None
     except ToolkitError:
@@ -383,7 +386,8 @@ def render(report: dict) -> str:
     arch = {k: v for k, v in (report["architecture"] or {}).items() if v is not None}
     if arch:
         lines.append("  architecture: " + ", ".join(f"{k}={v}" for k, v in arch.items()))
-    lines.append(f"  bytes on disk: {report['bytes']:,}")
+    lines.append(f"  bytes on disk: {report['bytes']:,}" + (
+        f" ({report['shown']}; the directory holds {report['directory_bytes']:,})" if report.get("shown") else ""))
     if report.get("checked"):
         lines.append(f"  manifest: {report['checked']}" + (" match" if report["complete"] else ""))
     for name, state in (report.get("checkpoints") or {}).items():

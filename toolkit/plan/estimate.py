@@ -66,7 +66,7 @@ class Estimate:
     times: dict[str, float]
     step_s: float
     tokens: int
-    mfu: float
+    mfu: float | None
     problems: list[str] = field(default_factory=list)
     """Why it does not fit (empty when it does)."""
 
@@ -354,8 +354,10 @@ def estimate(r: Recipe, c: Choice, cluster: Cluster, cache: dict | None = None) 
         times["param offload"] = 2 * c.accum * partition / (cluster.pcie_gbps * 1e9)
     step = sum(times.values())
     tokens = c.micro * c.accum * c.dp * r.data.seq_len
-    est = Estimate(c, mem, model_f, hw_f, cs, bub, times, step, tokens,
-                   model_f / (step * c.world * cluster.peak_tflops * 1e12))
+    # MFU is against the 16-bit peak: an fp32 run has none to compare with, as training says (it printed one against
+    # the bf16 peak until 2026-12-07)
+    mfu = None if r.training.precision == "fp32" else model_f / (step * c.world * cluster.peak_tflops * 1e12)
+    est = Estimate(c, mem, model_f, hw_f, cs, bub, times, step, tokens, mfu)
     est.problems = fit_problems(mem, cluster)
     return est
 

@@ -61,8 +61,14 @@ def breakdown(e: Estimate, cluster: Cluster) -> list[str]:
         lines.append(f"    pipeline bubble: {e.bubble:.1%} = (pp-1)/(vpp x m + pp-1) with pp={e.choice.pp}, "
                      f"vpp={e.choice.vpp}, m={e.choice.accum} micro-batches")
     parts = ", ".join(f"{k} {_num(v)}" for k, v in e.times.items() if v >= 0.005 * e.step_s)
-    lines.append(f"    est. step time {_num(e.step_s)} s ({parts}): {_num(e.tokens_per_s)} tokens/s, MFU {e.mfu:.0%}")
+    mfu = f"MFU {e.mfu:.0%}" if e.mfu is not None else (
+        "no MFU (fp32 has no 16-bit peak to compare with; the time assumes that peak, so an fp32 run is slower)")
+    lines.append(f"    est. step time {_num(e.step_s)} s ({parts}): {_num(e.tokens_per_s)} tokens/s, {mfu}")
     return lines
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
 
 
 def _num(x: float) -> str:
@@ -78,7 +84,7 @@ def ranked_table(ests: list[Estimate], top: int) -> list[str]:
     for i, e in enumerate(ests[:top], 1):
         per_gpu = e.tokens_per_s / e.choice.world
         lines.append(f"  {i:>2}  {e.choice.label():<70} {e.memory.gpu / GiB:>8.1f} {_num(e.step_s):>8} "
-                     f"{_num(per_gpu):>9} {e.mfu:>4.0%}")
+                     f"{_num(per_gpu):>9} {_percent(e.mfu):>4}")
     return lines
 
 
@@ -110,6 +116,6 @@ def write_recipe(path: Path, base: str, overrides: dict, e: Estimate, cluster: C
         data.setdefault(section, {})[key] = value
     head = [f"# Written by `toolkit plan` for {cluster.gpus} GPUs ({cluster.gpus_per_node} per node, "
             f"{cluster.gpu_memory_gib:g} GiB): {e.choice.label()}",
-            f"# est. {e.memory.gpu / GiB:,.1f} GiB per GPU, step {e.step_s:.2f} s, MFU {e.mfu:.0%}. Why:"]
+            f"# est. {e.memory.gpu / GiB:,.1f} GiB per GPU, step {e.step_s:.2f} s, MFU {_percent(e.mfu)}. Why:"]
     head += [f"#   {line}" for x in reasons for line in x.splitlines()]
     path.write_text("\n".join(head) + "\n" + yaml.safe_dump(data, sort_keys=False))

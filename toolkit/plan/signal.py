@@ -29,7 +29,7 @@ def signal_seconds_needed(r: Recipe, nodes: int, gpus_per_node: int) -> tuple[fl
                                                                            gpus_per_node=gpus_per_node)).step_s
     except ToolkitError:
         return None
-    save = checkpoint_bytes(r.model, r.training.precision) / nodes / (SAVE_GBPS_PER_NODE * 1e9)
+    save = checkpoint_bytes(r) / nodes / (SAVE_GBPS_PER_NODE * 1e9)
     return step, save, 60 * math.ceil(1.5 * (2 * step + save) / 60)
 
 
