@@ -129,7 +129,7 @@ def measure(cmd: list[str], env: dict | None = None) -> dict:
         text = out.read()
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{text[-3000:]}")
-    stream = re.search(r"wrote [\d.]+ GiB in ([\d.]+) s", text)
+    stream = re.search(r"wrote [\d.,]+ (?:GiB|MiB|KiB|bytes) in ([\d.]+) s", text)
     copied = re.search(r"copied file to file: ([\d.]+) MiB by copy_file_range, ([\d.]+) MiB by gathering", text)
     direct = re.search(r"([\d.]+) MiB of them written past the page", text)
     names = r"(manifest-hash|import-wait|read|split|write|hash|verify|close/fsync/manifest)"
@@ -195,7 +195,10 @@ def bench_size(name: str, work: Path, dtype: str, reps: int, only: list[str] | N
         shutil.rmtree(root)
         raise SystemExit(f"bench/convert.py: {name} needs about {need / 2**30:.0f} GiB free under {work}, and "
                          f"{free / 2**30:.0f} GiB are: free some, or choose another --workdir")
-    print(f"\n{name}: {params / 1e9:.2f}B parameters, {folder_bytes(root / 'hf') / 2**30:.2f} GiB "
+    count = f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.2f}M"  # tiny printed "0.00B"
+    size = folder_bytes(root / "hf")
+    size = f"{size / 2**30:.2f} GiB" if size >= 2**30 / 100 else f"{size / 2**20:.1f} MiB"
+    print(f"\n{name}: {count} parameters, {size} "
           f"({dtype}), generated in {time.perf_counter() - t0:.0f} s; medians of {reps}", flush=True)
     cp = f"cp -r {root / 'hf'} {{out}} && sync {{out}}/*"
     convert = [sys.executable, "-m", "toolkit", "convert", "--quiet", "--verbose"]

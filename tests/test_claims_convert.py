@@ -161,7 +161,7 @@ def test_progress_line_on_a_terminal(models, tmp_path):
     assert text.count("\nconverting: ") == 0 and re.search(r"\rconverting: [^\r\n]*ETA 0 s\n", text), text
     written = _tensor_bytes(dst)
     _check_numbers(lines, None, written)
-    took = float(re.search(r"wrote [\d.]+ GiB in ([\d.]+) s", text).group(1))
+    took = float(re.search(r"wrote [\d.,]+ (?:GiB|MiB|KiB|bytes) in ([\d.]+) s", text).group(1))
     assert (lines[-1][2] + 0.5) * MIB >= written / (took + 0.05), (lines[-1], took)  # bytes over at most `took`
     assert "verified:" in text
 

@@ -451,7 +451,7 @@ def test_what_a_killed_conversion_left_beside_dst_is_named_and_kept(sources, tmp
     assert len(notes) == 3, err
     assert any(f"{tmp_path / 'out'} is missing and {old} is its earlier copy" in n and f"`mv {old} " in n
                for n in notes), err
-    assert any(f"{partial} (0.00 GiB) is the unfinished output of a conversion to" in n and f"process {gone}" in n
+    assert any(f"{partial} (1.0 MiB) is the unfinished output of a conversion to" in n and f"process {gone}" in n
                and f"`rm -r {partial}`" in n for n in notes), err
     assert any(f"{running} is being written by process {alive.pid}" in n for n in notes), err
     assert [p for p in listing(tmp_path) if not p[0].startswith("out")] == before  # all three kept as they were
@@ -460,7 +460,7 @@ def test_what_a_killed_conversion_left_beside_dst_is_named_and_kept(sources, tmp
     assert cli.main(["convert", "--quiet", "--no-verify", "--overwrite", str(sources / "hf"), str(tmp_path / "out"),
                      "--to", "megatron"]) == 0
     err = capsys.readouterr().err
-    assert f"{old} (0.00 GiB) is an earlier copy of {tmp_path / 'out'}" in err, err
+    assert f"{old} (1.0 MiB) is an earlier copy of {tmp_path / 'out'}" in err, err
 
 
 

@@ -209,7 +209,7 @@ def convert(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: int = 1,
             if not announced:
                 log(f"converting {source.describe()} at {src} -> {to}"
                     + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
-                    + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write)")
+                    + f" ({', '.join(target.fields)}; {output.size_text(target.total)} to write)")
                 for note in layout_notes(source, to, tp) + [getattr(target, "tokenizer_note", None)]:
                     if note:
                         log(note)

@@ -88,7 +88,7 @@ def convert_by_copy(src: str | Path, dst: str | Path, to: str, tp: int = 1, pp: 
                                    "the tensors to write")
             log(f"converting {source.describe()} at {src} -> {to}"
                 + (f" tp={tp} pp={pp} vpp={vpp}" if to != "hf" else "") + (f" ep={ep}" if ep > 1 else "")
-                + f" ({', '.join(target.fields)}; {target.total / 2**30:.2f} GiB to write; file to file, "
+                + f" ({', '.join(target.fields)}; {output.size_text(target.total)} to write; file to file, "
                 + ("verified after" if verify else "torch-free") + ")")
             for note in layout_notes(source, to, tp) + [getattr(target, "tokenizer_note", None)]:
                 if note:

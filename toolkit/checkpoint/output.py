@@ -234,6 +234,20 @@ def _running(pid: int) -> bool:
     return True
 
 
+def size_text(n: float, unit_of: float | None = None) -> str:
+    """Bytes as conversions print them: GiB with two decimals from 10 MiB (a model's familiar figure), MiB or KiB
+    below, where "0.00 GiB" said nothing (until 2026-12-07). `unit_of`: choose the unit for this size instead (a
+    progress line prints its count in its total's unit)."""
+    scale_of = n if unit_of is None else unit_of
+    if scale_of >= 2**30 / 100:
+        return f"{n / 2**30:.2f} GiB"
+    if scale_of >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    if scale_of >= 2**10:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{n:,.0f} bytes"
+
+
 def _gib(folder: Path) -> str:
     total = 0
     for top, _dirs, files in os.walk(folder):
@@ -242,7 +256,7 @@ def _gib(folder: Path) -> str:
                 total += os.lstat(os.path.join(top, name)).st_size
             except OSError:
                 pass
-    return f"{total / 2**30:.2f} GiB"
+    return size_text(total)
 
 
 def _outermost_new(path: Path) -> Path:

@@ -152,7 +152,7 @@ def convert_plain_to_hf(src: str | Path, dst: str | Path, config: str | Path | N
             what = ("fp32 master" if fp32 else "fp32 masters cast to the training dtype" if kind == "universal"
                     else "model states")
             what_src = f"DeepSpeed ZeRO-{source.stage} dp={source.dp} step {source.step} ({what})"
-            log(f"converting {kind} {what_src} at {tag} -> hf ({len(names)} tensors; {total / 2**30:.2f} GiB to write)")
+            log(f"converting {kind} {what_src} at {tag} -> hf ({len(names)} tensors; {output.size_text(total)} to write)")
             t0 = time.monotonic()
             for file, spec in zip(files, shards):
                 writer = st.Writer(tmp / file, spec, {"format": "pt"})
@@ -169,7 +169,7 @@ def convert_plain_to_hf(src: str | Path, dst: str | Path, config: str | Path | N
                 writer.close()
             write_index(tmp, files, shards, total)
             _write_config(config_file, tmp, cast, tokenizer)
-            log(f"wrote {total / 2**30:.2f} GiB in {time.monotonic() - t0:.1f} s")
+            log(f"wrote {output.size_text(total)} in {time.monotonic() - t0:.1f} s")
             if verify:
                 _verify(source, tmp, files, shards, cast, cls, total, log)
             output.replace(tmp, dst, overwrite)

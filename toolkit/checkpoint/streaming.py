@@ -10,6 +10,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from toolkit.checkpoint.output import size_text
 from toolkit.errors import ToolkitError
 from toolkit.format import file_copy, manifest
 
@@ -31,7 +32,8 @@ class Progress:
             self.last, self.ended = now, self.done >= self.total
             rate = self.done / max(now - self.start, 1e-9)
             eta = max(self.total - self.done, 0) / rate if rate else 0  # serialized bytes may exceed the tensors
-            line = (f"converting: {self.done / 2**30:.2f} / {self.total / 2**30:.2f} GiB, "
+            done, total = size_text(self.done, self.total).split(" ")[0], size_text(self.total)
+            line = (f"converting: {done} / {total}, "
                     f"{rate / 2**20:.0f} MiB/s, ETA {eta:.0f} s")
             print(("\r" + line) if self.tty else line, end="" if self.tty and self.done < self.total else "\n",
                   file=sys.stderr, flush=True)
@@ -172,7 +174,7 @@ def report(target, behind: WriteBehind, t0: float, read_s: float, split_s: float
     kernel, gathered, user, read = (sum(getattr(w, attr, 0) for w in writers)
                                     for attr in ("kernel_bytes", "gathered_bytes", "user_bytes", "read_bytes"))
     target.close()
-    log(f"wrote {target.total / 2**30:.2f} GiB in {time.monotonic() - t0:.1f} s")
+    log(f"wrote {size_text(target.total)} in {time.monotonic() - t0:.1f} s")
     if verbose:
         threads = "writer thread" if behind.workers == 1 else f"{behind.workers} writer threads"
         log(f"phases: read {read_s - hash_s:.1f} s, hash {hash_s:.1f} s, split {split_s:.1f} s (main thread); write "
@@ -181,6 +183,6 @@ def report(target, behind: WriteBehind, t0: float, read_s: float, split_s: float
         direct = file_copy.direct_total() - behind.direct_from
         log(f"copied file to file: {kernel / 2**20:.1f} MiB by copy_file_range, {gathered / 2**20:.1f} MiB by "
             f"gathering from the mapped source (small ranges), {read / 2**20:.1f} MiB by reads into a buffer, "
-            f"{user / 2**20:.1f} MiB through a buffer where the kernel would not copy (of {target.total / 2**30:.2f} "
-            f"GiB); {direct / 2**20:.1f} MiB of them written past the page cache (O_DIRECT)")
+            f"{user / 2**20:.1f} MiB through a buffer where the kernel would not copy (of {size_text(target.total)}); "
+            f"{direct / 2**20:.1f} MiB of them written past the page cache (O_DIRECT)")
 
