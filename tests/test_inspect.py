@@ -170,7 +170,7 @@ def test_bytes_on_disk_count_no_link_target_and_a_killed_conversion_is_named(tin
     assert inspect(folder)["bytes"] == own
     gone = 4194999  # above Linux's largest pid_max: no process has it
     (tmp_path / f".out.partial-{gone}").mkdir()
-    with pytest.raises(ToolkitError, match=rf"out does not exist; {tmp_path}/\.out\.partial-{gone} \(0\.00 GiB\) is "
+    with pytest.raises(ToolkitError, match=rf"out does not exist; {tmp_path}/\.out\.partial-{gone} \(0 bytes\) is "
                                            "the unfinished output of a conversion to"):
         inspect(tmp_path / "out")
     shutil.copytree(tiny_hf_checkpoint, tmp_path / "out")
