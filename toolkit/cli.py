@@ -303,11 +303,10 @@ def cmd_plan(args) -> int:
 
 def cmd_doctor(args) -> int:
     from toolkit import doctor  # lazy: per command (above)
+    from toolkit.plan import offload_host_bytes  # lazy: per command (above)
     from toolkit.recipe import load_recipe  # lazy: per command (above)
 
     recipe = load_recipe(args.recipe, args.overrides) if args.recipe is not None else None
-    from toolkit.plan import offload_host_bytes  # lazy: per command (above)
-
     findings = doctor.run(recipe, nodes=args.nodes, offload_need=lambda per_node: offload_host_bytes(recipe, per_node))
     print(json.dumps(doctor.as_json(findings), indent=2) if args.json else doctor.render(findings))
     return 1 if any(f.status == doctor.FAIL for f in findings) else 0

@@ -55,10 +55,8 @@ def render_job(recipe_name_or_path: str, nodes: int, gpus_per_node: int, overrid
     Raises RecipeError with every problem (arguments, recipe, layout for that world size) before anything else.
     `mem`: #SBATCH --mem; a GPU job asks for all of each node's memory (0) unless told otherwise."""
     overrides = list(overrides or [])
-    problems = check_job_args(nodes, gpus_per_node, partition, time, account, job_name, signal_seconds, cpus_per_task)
-    if mem is not None and not re.fullmatch(r"\d+[KMGT]?", mem):
-        problems.append(Problem("--mem", f"{mem!r} is not a Slurm memory size",
-                                "use a number with an optional unit K, M, G or T, e.g. 500G, or 0 (all of it)"))
+    problems = check_job_args(nodes, gpus_per_node, partition, time, account, job_name, signal_seconds, cpus_per_task,
+                              mem)
     try:
         recipe = load_recipe(recipe_name_or_path, overrides)
     except RecipeError as e:
@@ -134,7 +132,8 @@ def _command_line(recipe: str, nodes: int, gpus_per_node: int, overrides: list[s
 
 
 def check_job_args(nodes: int, gpus_per_node: int, partition: str | None, time: str | None, account: str | None,
-                   job_name: str | None, signal_seconds: int, cpus_per_task: int | None) -> list[Problem]:
+                   job_name: str | None, signal_seconds: int, cpus_per_task: int | None,
+                   mem: str | None = None) -> list[Problem]:
     """Slurm arguments that sbatch would refuse, or that would make the preemption signal useless."""
     out = [Problem(flag, f"{v} must be at least 1", "give a positive count")
            for flag, v in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
@@ -143,6 +142,9 @@ def check_job_args(nodes: int, gpus_per_node: int, partition: str | None, time: 
         if value is not None and not re.fullmatch(r"[A-Za-z0-9._,-]+", value):
             out.append(Problem(flag, f"{value!r} has characters Slurm names do not use",
                                "use letters, digits, '.', '_', '-' (partitions may be a comma list)"))
+    if mem is not None and not re.fullmatch(r"\d+[KMGT]?", mem):
+        out.append(Problem("--mem", f"{mem!r} is not a Slurm memory size",
+                           "use a number with an optional unit K, M, G or T, e.g. 500G, or 0 (all of it)"))
     limit = time_limit_seconds(time) if time is not None else None
     if limit == -1:
         out.append(Problem("--time", f"{time!r} is not a Slurm time limit",

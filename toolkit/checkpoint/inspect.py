@@ -24,6 +24,7 @@ from toolkit.format.names import POINTER, STARTED, TAG_GLOB
 from toolkit.format.safe_load import check_file, load
 from toolkit.layout import padded_vocab_size
 from toolkit.metrics import count_params
+from toolkit.recipe.presets import hf_rope, normal_rope
 from toolkit.recipe.schema import Recipe
 
 
@@ -126,16 +127,11 @@ def _hf_architecture(config: dict) -> dict:
 
 
 def _rope(config: dict) -> dict:
-    """rope_theta and, unless it is plain RoPE, the scaling, from either spelling: transformers 5's rope_parameters
-    (theta inside) or the older rope_theta and rope_scaling (whose kind was once `type`). Not shown until
-    2026-12-07, though they decide the model's positions as much as its shape does."""
-    params = config.get("rope_parameters") or {}
-    scaling = {k: v for k, v in (config.get("rope_scaling") or params).items() if k != "rope_theta"}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    out = {"rope_theta": config.get("rope_theta", params.get("rope_theta"))}
-    if kind != "default":
-        out["rope_scaling"] = scaling
-    return out
+    """rope_theta and, unless it is plain RoPE, the scaling as the config spells it, read as recipes read them
+    (presets.hf_rope). Not shown until 2026-12-07, though they decide the model's positions as much as its shape."""
+    theta, scaling = hf_rope(config)
+    plain = normal_rope(scaling)["rope_type"] == "default"
+    return {"rope_theta": theta} if plain else {"rope_theta": theta, "rope_scaling": scaling}
 
 
 def inspect_toolkit(tag_dir: Path) -> dict:

@@ -215,12 +215,13 @@ def left_behind(dst: Path) -> list[str]:
             lines.append(f"{dst} is missing and {path} is its earlier copy: a conversion was killed between the two "
                          f"renames that replace it. `mv {path} {dst}` puts it back")
         elif kind == "old":
-            lines.append(f"{path} ({_gib(path)}) is an earlier copy of {dst} that a killed conversion left after "
-                         f"writing the new one; remove it (`rm -r {path}`) once you no longer need it")
+            lines.append(f"{path} ({size_text(paths.regular_bytes(path))}) is an earlier copy of {dst} that a killed "
+                         f"conversion left after writing the new one; remove it (`rm -r {path}`) once you no longer "
+                         "need it")
         else:
-            lines.append(f"{path} ({_gib(path)}) is the unfinished output of a conversion to {dst} by process {pid}, "
-                         "which is not running on this machine: unless a conversion on another node writes it, that "
-                         f"one was killed; remove it (`rm -r {path}`) to free the space")
+            lines.append(f"{path} ({size_text(paths.regular_bytes(path))}) is the unfinished output of a conversion "
+                         f"to {dst} by process {pid}, which is not running on this machine: unless a conversion on "
+                         f"another node writes it, that one was killed; remove it (`rm -r {path}`) to free the space")
     return lines
 
 
@@ -246,17 +247,6 @@ def size_text(n: float, unit_of: float | None = None) -> str:
     if scale_of >= 2**10:
         return f"{n / 2**10:.1f} KiB"
     return f"{n:,.0f} bytes"
-
-
-def _gib(folder: Path) -> str:
-    total = 0
-    for top, _dirs, files in os.walk(folder):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(top, name)).st_size
-            except OSError:
-                pass
-    return size_text(total)
 
 
 def _outermost_new(path: Path) -> Path:

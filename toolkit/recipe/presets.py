@@ -89,13 +89,22 @@ def model_keys_from_hf_config(cfg: dict) -> dict:
     out = {ours: cfg[theirs] for theirs, ours in HF_TO_RECIPE.items() if cfg.get(theirs) is not None}
     for key, value in HF_DEFAULTS.get(cfg.get("model_type") or "llama", {}).items():
         out.setdefault(key, value)
-    rope = normal_rope(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", None) or cfg.get("rope_theta")
+    theta, scaling = hf_rope(cfg)
+    rope = normal_rope(scaling)
     if theta:
-        out["rope_theta"] = float(theta)
+        out["rope_theta"] = theta
     if rope["rope_type"] != "default":
         out["rope_scaling"] = rope
     return out
+
+
+def hf_rope(cfg: dict) -> tuple[float | None, dict]:
+    """(rope_theta, the RoPE scaling as the config spells it, without rope_theta) of a Hugging Face config.json, in
+    either spelling: transformers 5's rope_parameters (theta inside) or the older rope_scaling and rope_theta.
+    Recipes and `toolkit inspect` read a config alike through it."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = rope.get("rope_theta") or cfg.get("rope_theta")
+    return (float(theta) if theta else None), {k: v for k, v in rope.items() if k != "rope_theta"}
 
 
 # The model types the recipe schema's model.family accepts (each is a file in toolkit/families/, whose tests
