@@ -93,6 +93,61 @@ def test_weights_of_two_dtypes_need_dtype(sources, tmp_path, capsys):
     assert {t.dtype for t in _tensors(tmp_path / "out").values()} == {torch.bfloat16}
 
 
+def _quantize(tensors: dict, how: str) -> dict:
+    """A quantized release's tensors, as each method stores them: FP8 weights with a weight_scale_inv beside them,
+    bitsandbytes int8 weights with SCB and weight_format, GPTQ's packed qweight with scales instead of weight, or
+    integer weights under the weight names alone (a hand-made file)."""
+    out = {}
+    for name, t in tensors.items():
+        if not name.endswith("proj.weight"):
+            out[name] = t
+        elif how == "fp8":
+            out[name] = t.float().to(torch.float8_e4m3fn)
+            out[name.replace("weight", "weight_scale_inv")] = torch.ones(1, 1)
+        elif how in ("bitsandbytes", "int8"):
+            out[name] = (t.float() * 100).to(torch.int8)
+            if how == "bitsandbytes":
+                out[name.replace("weight", "SCB")] = torch.ones(t.shape[0])
+                out[name.replace("weight", "weight_format")] = torch.zeros(1, dtype=torch.uint8)
+        else:
+            out[name.replace("weight", "qweight")] = torch.zeros(t.shape[1] // 8, t.shape[0], dtype=torch.int32)
+            out[name.replace("weight", "scales")] = torch.ones(1, t.shape[0], dtype=torch.float16)
+    return out
+
+
+@pytest.mark.parametrize("how, config, phrase", [
+    ("fp8", True, "describes a quantized model (quantization_config, quant_method: fp8)"),
+    ("bitsandbytes", True, "describes a quantized model (quantization_config, quant_method: bitsandbytes)"),
+    ("gptq", True, "describes a quantized model (quantization_config, quant_method: gptq)"),
+    ("fp8", False, "as F8_E4M3, an 8-bit float of a quantized model"),
+    ("int8", False, "down_proj.weight and 13 more as I8, not a floating-point dtype"),
+])
+def test_a_quantized_model_is_refused_as_one(sources, tmp_path, capsys, how, config, phrase):
+    """Quantized releases (FP8, bitsandbytes, GPTQ) were refused as unknown tensors, with a fix pointing at the
+    family's map, or as missing tensors, or as a file to re-copy; integer weights under the weight names were cast
+    to floats by --dtype without a word (until 2026-12-07). Each is now one line that says what the folder is."""
+    src = _copy_hf(sources, tmp_path, "src")
+    _save(_quantize(_tensors(src), how), src)
+    if config:
+        _edit_config(src, quantization_config={"quant_method": how})
+    before = listing(tmp_path)
+    for to, extra in (("hf", []), ("megatron", ["--dtype", "fp32"])):
+        code, text = run(["convert", "--quiet", str(src), str(tmp_path / "out"), "--to", to, *extra], capsys)
+        one_line(code, text, phrase)
+        assert "unquantized" in text
+    assert listing(tmp_path) == before
+
+
+def test_a_recipe_on_a_quantized_model_is_refused(sources, tmp_path):
+    from toolkit.recipe.presets import read_hf_config
+
+    src = _copy_hf(sources, tmp_path, "src")
+    _edit_config(src, quantization_config={"quant_method": "awq", "bits": 4})
+    _, problems = read_hf_config(src / "config.json")
+    assert [p.key for p in problems] == ["model.hf_path"]
+    assert "quantized model (quantization_config, quant_method: awq)" in problems[0].message
+
+
 @pytest.mark.parametrize("field, value", [("num_attention_heads", 4.0), ("hidden_size", "64"), ("num_key_value_heads", True),
                                           ("rms_norm_eps", "1e-5")])
 def test_a_config_value_of_the_wrong_type_is_refused(sources, tmp_path, capsys, field, value):

@@ -20,6 +20,7 @@ from toolkit.families.mapping import Dims, check_dims
 from toolkit.format import paths
 from toolkit.format import safetensors_stream as st
 from toolkit.format.names import META, POINTER, chunk_key, model_file, optim_file
+from toolkit.recipe.presets import quantized
 
 if TYPE_CHECKING:
     import torch
@@ -78,6 +79,9 @@ def meta_shards(dims: Dims, tp: int, pp: int, vpp: int, ep: int = 1) -> dict[tup
     return out
 
 
+FLOATS = ("F64", "F32", "F16", "BF16")
+
+
 class HFSource(Source):
     """A Hugging Face folder: config.json and *.safetensors (sharded with model.safetensors.index.json, or one)."""
 
@@ -89,6 +93,8 @@ class HFSource(Source):
         if not config.is_file():
             raise ToolkitError(f"{folder} has no config.json; a Hugging Face model folder needs one")
         self.config = read_json(config, "a Hugging Face config.json", dict)
+        if (q := quantized(self.config, str(config), "config.json")) is not None:
+            raise ToolkitError(f"{q.message}; fix: {q.fix}")
         for name in carried_files(folder):  # copied into the output: never one from outside the folder
             paths.inside(folder, name, f"{folder} (its tokenizer file)")
         index = paths.inside(folder, "model.safetensors.index.json", str(folder))
@@ -150,6 +156,13 @@ class HFSource(Source):
         raise_problems(f"{folder} does not match its config.json", problems)
         # weight dtype (its safetensors name) -> how many of the tensors converted have it
         self.dtypes = Counter(self._where[name].dtype_name(name) for name in known & set(self._where))
+        whole = sorted(n for n in known & set(self._where) if self._where[n].dtype_name(n) not in FLOATS)
+        if whole:  # --dtype cast them to floats without a word until 2026-12-07
+            name = whole[0]
+            raise ToolkitError(f"{folder} stores {name}{f' and {len(whole) - 1} more' if len(whole) > 1 else ''} as "
+                               f"{self._where[name].dtype_name(name)}, not a floating-point dtype: model weights are "
+                               "floats (integer weights are a quantized model's, with their scales elsewhere); use "
+                               "the model's unquantized release")
 
     def _read_with_prefix(self, dims: Dims) -> bool:
         """transformers loads a folder whose tensors are stored without the `model.` prefix (a base model saved by

@@ -147,6 +147,10 @@ class Reader:
             if not isinstance(info, dict):
                 self._fail(f"describes {name} as {info!r}, not a tensor")
             if info.get("dtype") not in _SIZES:
+                if str(info.get("dtype")).startswith("F8"):  # what FP8-quantized releases store
+                    raise ToolkitError(f"{self.path} stores {name} as {info.get('dtype')}, an 8-bit float of a "
+                                       "quantized model, which this toolkit does not read; use the model's "
+                                       "unquantized (bf16 or fp32) release")
                 self._fail(f"stores {name} as {info.get('dtype')!r}, a dtype this toolkit does not read")
             shape, offsets = info.get("shape"), info.get("data_offsets")
             if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):

@@ -122,6 +122,21 @@ _UNSUPPORTED = (
 )
 
 
+def quantized(cfg: dict, where: str, key: str = "model.hf_path") -> Problem | None:
+    """A config.json of a quantized model (its quantization_config: GPTQ, AWQ, bitsandbytes, FP8, ...), whose
+    weights are integers or 8-bit floats stored with scales that no family's map holds. Such a folder was refused as
+    tensors the map does not know (with a fix that pointed at the family's map), as missing tensors, or as a file
+    to re-copy, until 2026-12-07."""
+    q = cfg.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method", "not named") if isinstance(q, dict) else "not named"
+    return Problem(key, f"{where} describes a quantized model (quantization_config, quant_method: {method}): its weights "
+                   "are stored with scales, and the toolkit reads full-precision weights only",
+                   "use the model's unquantized (bf16 or fp32) release, or load it in transformers, call "
+                   "model.dequantize() where its method has one, and save_pretrained a full-precision copy")
+
+
 def unsupported_hf_config(cfg: dict, where: str) -> list[Problem]:
     """What in a Hugging Face config.json the toolkit cannot honour: a model_type of no known family, or a config
     with a field (an active sliding window, attention biases, another activation, ...) that changes the maths."""
@@ -130,7 +145,7 @@ def unsupported_hf_config(cfg: dict, where: str) -> list[Problem]:
     if kind not in MODEL_TYPES:
         return [Problem("model.hf_path", f"{where} has model_type {kind!r}; supported: {', '.join(MODEL_TYPES)}",
                         fix)]
-    out = []
+    out = [p for p in [quantized(cfg, where)] if p]
     # Qwen configs keep a window size that is off unless use_sliding_window is true
     window = cfg.get("sliding_window")
     if window is not None and cfg.get("use_sliding_window", True):
