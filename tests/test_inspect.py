@@ -63,7 +63,7 @@ def test_training_checkpoint_and_damage(tmp_path):
     assert report["layout"] == {"world_size": 2, "zero_stage": 2, "dp": 2}
     # DeepSpeed's own files say the dtypes, and the model is named by the Hugging Face config's keys, as in every other
     # format (no dtypes, and the recipe's own keys with MoE defaults on a dense Llama, until 2026-12-07)
-    assert report["dtypes"] == {"float32 (model weights are the masters)": report["parameters"]}
+    assert report["dtypes"] == {"F32 (model weights are the masters)": report["parameters"]}
     assert report["architecture"]["num_hidden_layers"] == 4 and report["architecture"]["model_type"] == "llama"
     assert not {"num_layers", "family", "norm_topk_prob", "router_aux_loss_coef"} & set(report["architecture"])
     assert report["checkpoints"] == {"step_00000001": "complete", "step_00000002": "complete"}

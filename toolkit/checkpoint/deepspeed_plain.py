@@ -272,12 +272,14 @@ def inspect_plain(path: Path) -> dict:
 
 def zero_dtypes(r: dict, parameters: int) -> dict[str, int]:
     """The weights by dtype of a ZeRO checkpoint (`PlainDeepSpeedSource.report`), as inspect names them: the model's
-    and the fp32 masters, where each is stored."""
-    if r["dtype"] == "float32":
-        return {"float32 (model weights are the masters)": parameters}
-    masters = "fp32 masters in the optimizer files" if r["zero_stage"] > 0 else "fp32 masters in the model states"
-    weights = (f"{r['dtype']} model weights" if r["zero_stage"] < 3 else
-               f"{r['dtype']} training dtype (no 16-bit weights stored; they are the fp32 masters cast)")
+    and the fp32 masters, where each is stored, under the names the other formats' reports use (F32, BF16, F16: it
+    said float32 and bfloat16 until 2026-12-07)."""
+    dtype = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}.get(r["dtype"], r["dtype"])
+    if dtype == "F32":
+        return {"F32 (model weights are the masters)": parameters}
+    masters = "F32 masters in the optimizer files" if r["zero_stage"] > 0 else "F32 masters in the model states"
+    weights = (f"{dtype} model weights" if r["zero_stage"] < 3 else
+               f"{dtype} training dtype (no 16-bit weights stored; they are the F32 masters cast)")
     return {weights: parameters, masters: parameters}
 
 
