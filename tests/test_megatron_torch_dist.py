@@ -222,8 +222,27 @@ def test_distributed_optimizer_checkpoint_holds_the_weights_of_its_step(tmp_path
     mains = {n.removeprefix("optimizer.state.param."): n for n in r.tensor_names()
              if n.startswith("optimizer.state.param.") and n.removeprefix("optimizer.state.param.") in r.names.values()}
     assert len(mains) == 9
+    # saved as Megatron-LM 0.16 saves by default (FullyParallelSaveStrategyWrapper): both data-parallel ranks write
+    # part of the weights they hold alike (rank 0 wrote them all until 2026-12-08)
+    writers = {info.relative_path.split("_")[2] for index, info in r.metadata.storage_data.items()
+               if index.fqn in r.names.values()}
+    assert writers == {"0", "1"}, writers
     stale = {w: (r.get(m).to(torch.bfloat16) != r.get(w)).float().mean().item() for w, m in mains.items()}
     assert not any(stale.values()), stale
+
+
+@pytest.mark.slow
+def test_a_save_spread_over_the_data_parallel_ranks_resumes_exactly(uninterrupted, stopped, tmp_path):
+    """A DP2 save (each rank writes part of the weights, as Megatron-LM saves by default: the toolkit's since
+    2026-12-08) resumes on the uninterrupted run's losses: Megatron-Core's load reads the shards from every file."""
+    straight = [m["loss"] for m in uninterrupted("tiny_dp2_distopt", 4, 2)]
+    shutil.copytree(stopped("tiny_dp2_distopt", 4, 2, 2, TORCH_DIST), tmp_path / "run")
+    proc = launch("tiny_dp2_distopt", ["training.steps=4", *UNINTERRUPTED, *TORCH_DIST], nproc=2,
+                  out_dir=tmp_path / "run")
+    assert "resumed from" in proc.stdout
+    got = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    assert [m["loss"] for m in got[2:]] == pytest.approx(straight[2:], rel=1e-5)
 
 
 @pytest.mark.slow

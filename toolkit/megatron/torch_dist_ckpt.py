@@ -129,11 +129,28 @@ def save(backend, tag_dir: Path, step: int) -> None:
     main = threading.current_thread() is threading.main_thread()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS) if main else None
     try:
-        dist_checkpointing.save(state, str(tag_dir), async_sharded_save=False, content_metadata=_metadata(backend))
+        dist_checkpointing.save(state, str(tag_dir), _strategy(), async_sharded_save=False,
+                                content_metadata=_metadata(backend))
     finally:
         if blocked is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         warnings.removeFilter(own)
+
+
+def _strategy():
+    """As Megatron-LM 0.16 saves by default (its ckpt_fully_parallel_save): the shards that every data-parallel rank
+    holds alike (the weights; the plain optimizer's state) are spread over those ranks, so that each writes about
+    1/DP of them. With Megatron-Core's plain strategy, which the toolkit used until 2026-12-08, the first
+    data-parallel rank of each model-parallel group wrote them all while the others waited. None (the plain
+    strategy) without data parallelism, where there is nothing to spread."""
+    from megatron.core import parallel_state  # lazy: Megatron runs only
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if group.size() == 1:
+        return None
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), group)
 
 
 def written_files(rank: int, tag_dir: Path) -> list[str]:
