@@ -131,8 +131,8 @@ def quantized(cfg: dict, where: str, key: str = "model.hf_path") -> Problem | No
     if not q:
         return None
     method = q.get("quant_method", "not named") if isinstance(q, dict) else "not named"
-    return Problem(key, f"{where} describes a quantized model (quantization_config, quant_method: {method}): its weights "
-                   "are stored with scales, and the toolkit reads full-precision weights only",
+    return Problem(key, f"{where} describes a quantized model (quantization_config, quant_method: {method}): its "
+                   "weights are stored with scales, and the toolkit reads full-precision weights only",
                    "use the model's unquantized (bf16 or fp32) release, or load it in transformers, call "
                    "model.dequantize() where its method has one, and save_pretrained a full-precision copy")
 
