@@ -1,0 +1,284 @@
+"""By hand, not collected by pytest: Megatron-LM's own `load_checkpoint` on what `toolkit convert` writes.
+
+Megatron-LM's `megatron.training` is in no package the test machines can install (the megatron-core wheel and sdist
+leave it out), so CI cannot run this. With a source checkout of Megatron-LM at the tag matching the pinned
+megatron-core, on a CPU machine:
+
+    git clone --depth 1 --branch core_v0.16.1 https://github.com/NVIDIA/Megatron-LM /tmp/megatron-lm
+    pip install --target /tmp/mlm-deps six && pip install --no-deps --target /tmp/mlm-deps triton
+    python tests/megatron_lm_load_check.py --megatron-lm /tmp/megatron-lm --deps /tmp/mlm-deps --work /tmp/mlm-check
+
+(`six` and `triton` are imported by `megatron.training` and not by megatron-core; a CUDA build of torch brings triton.)
+It makes a tiny Llama, converts it `--to torch_dist --tp 2` and `--to megatron_lm --tp 2`, trains the `tiny_tp2`
+recipe 6 steps (checkpoint at step 4) and converts step 4 to both formats with its optimizer state. For each of the
+four outputs it starts 2 gloo ranks that set Megatron-LM's arguments from the model's config plus exactly the flags
+`toolkit convert` printed ("to continue in Megatron-LM: ..."), build model, optimizer and scheduler with
+Megatron-LM's own functions, and call `megatron.training.checkpointing.load_checkpoint`. Then, per output:
+- the loaded model's logits against transformers' for the converted model (in this process, which never installs
+  the CPU shim), at most 1e-5 apart;
+- two of Megatron-LM's own `train_step`s on the batches the toolkit trained on: after a weights-only load, step 1's
+  loss against transformers' loss on those batches; after a load with optimizer state, steps 5 and 6 against the
+  toolkit run's own losses (Adam's moments, step and the schedule must all have come through); 1e-5 relative.
+Exit 0 when every check holds. The CPU-only workarounds (`_cpu_workarounds`, `CPU_FLAGS`) are each for a GPU, Apex or
+Transformer Engine that is not there; none changes what is loaded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_FLAGS = ["--distributed-backend", "gloo", "--no-rope-fusion", "--no-persist-layer-norm",
+             "--no-gradient-accumulation-fusion", "--no-create-attention-mask-in-dataloader"]
+RUN = ["training.steps=6", "training.schedule.warmup_steps=2", "logging.interval=1", "checkpoint.interval=4",
+       "logging.tensorboard=false"]
+
+
+def _toolkit(*args: str, cwd: Path) -> str:
+    proc = subprocess.run([sys.executable, "-m", "toolkit", *args], cwd=cwd, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"toolkit {' '.join(args)} failed:\n{proc.stdout}{proc.stderr}")
+    return proc.stdout
+
+
+def _printed_flags(out: str) -> list[str]:
+    """The flags `toolkit convert` printed for Megatron-LM, without `--load DST`."""
+    line = next(x for x in out.splitlines() if x.startswith("to continue in Megatron-LM: "))
+    flags = line.removeprefix("to continue in Megatron-LM: ").split()
+    at = flags.index("--load")
+    return flags[:at] + flags[at + 2:]
+
+
+def _model_flags(hf: Path) -> list[str]:
+    c = json.loads((hf / "config.json").read_text())
+    return ["--num-layers", c["num_hidden_layers"], "--hidden-size", c["hidden_size"],
+            "--num-attention-heads", c["num_attention_heads"], "--group-query-attention",
+            "--num-query-groups", c["num_key_value_heads"], "--ffn-hidden-size", c["intermediate_size"],
+            "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", c["rms_norm_eps"],
+            "--position-embedding-type", "rope", "--rotary-base", c.get("rope_theta") or 10000,
+            *([] if c.get("tie_word_embeddings") else ["--untie-embeddings-and-output-weights"]),
+            "--disable-bias-linear", "--max-position-embeddings", c["max_position_embeddings"],
+            # the NullTokenizer adds one end-of-document id: V - 1 gives the model's V rows
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", c["vocab_size"] - 1]
+
+
+def _optimizer_flags(recipe) -> list[str]:
+    t, o, s = recipe.training, recipe.training.optimizer, recipe.training.schedule
+    return ["--seq-length", recipe.data.seq_len, "--micro-batch-size", t.micro_batch_size,
+            "--global-batch-size", t.global_batch_size, "--train-iters", t.steps, "--lr", o.lr,
+            "--min-lr", s.min_lr, "--lr-decay-style", s.decay, "--lr-warmup-iters", s.warmup_steps,
+            "--weight-decay", o.weight_decay, "--adam-beta1", o.betas[0], "--adam-beta2", o.betas[1],
+            "--adam-eps", o.eps, "--clip-grad", t.grad_clip, "--seed", t.seed,
+            "--attention-dropout", 0, "--hidden-dropout", 0, "--tensor-model-parallel-size", 2,
+            "--transformer-impl", "local"]
+
+
+def _batches(recipe, out: Path) -> None:
+    """The micro-batches of the toolkit run's 6 steps, as its data stream hands them to rank 0 (DP 1)."""
+    import torch
+    import torch.distributed as dist
+
+    from toolkit.data import DataStream
+    from toolkit.recipe import resolve
+    from toolkit.run import _load_tokenizer, build_data
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29641", rank=0, world_size=1)
+    plan = resolve(recipe, 2)
+    r, layout, batch = plan.recipe, plan.layout, plan.batch
+    dataset, _ = build_data(r, batch.global_batch, _load_tokenizer(r), [])
+    stream = DataStream(dataset, batch.micro_batch, batch.grad_accum, layout.dp, 0, r.training.seed,
+                        r.data.num_workers, shuffle=r.data.blend is None)
+    torch.save([stream.next_step() for _ in range(r.training.steps)], out)
+    dist.destroy_process_group()
+
+
+def prepare(work: Path) -> dict[str, dict]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.recipe import load_recipe
+
+    work.mkdir(parents=True, exist_ok=False)
+    os.chdir(REPO)  # the recipe's data paths are the repository's
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # norms other than ones, so that a norm left out or swapped shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(work / "hf")
+    recipe = load_recipe("tiny_tp2", [*RUN, f"output_dir={work / 'run'}"])
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29642", "recipes/train.py", "--recipe", "tiny_tp2",
+                           *[a for s in [*RUN, f"output_dir={work / 'run'}"] for a in ("--set", s)]],
+                          cwd=REPO, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"the toolkit run failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    step4 = work / "run" / "checkpoints" / "step_00000004"
+    _toolkit("convert", str(step4), str(work / "hf_step4"), "--to", "hf", cwd=work)
+    _batches(recipe, work / "batches.pt")
+    cases = {}
+    for name, src, hf, optimizer in (("torch_dist, weights", work / "hf", work / "hf", False),
+                                     ("legacy, weights", work / "hf", work / "hf", False),
+                                     ("torch_dist, optimizer", step4, work / "hf_step4", True),
+                                     ("legacy, optimizer", step4, work / "hf_step4", True)):
+        dst = work / name.replace(", ", "_")
+        to = "torch_dist" if name.startswith("torch_dist") else "megatron_lm"
+        flags = _printed_flags(_toolkit("convert", str(src), str(dst), "--to", to, "--tp", "2", cwd=work))
+        cases[name] = {"load": str(dst), "hf": str(hf), "printed": flags, "first_step": 5 if optimizer else 1,
+                       "argv": [str(a) for a in [*_model_flags(hf), *_optimizer_flags(recipe), *flags, *CPU_FLAGS,
+                                                 "--load", dst]]}
+    (work / "cases.json").write_text(json.dumps(cases, indent=1))
+    return cases
+
+
+def _cpu_workarounds() -> None:
+    """What Megatron-LM 0.16's start-up needs on a machine without a GPU: the toolkit's CPU shim for Megatron-Core;
+    torch.cuda.set_device, which a CPU build refuses, as a no-op (the shim reports one device); no build of the
+    dataset helpers and fused CUDA kernels (no dataset is built, no fused kernel runs); a compute capability for
+    validate_args' TP > 1 check, and the CUDA_DEVICE_MAX_CONNECTIONS it then wants (GPU users set it)."""
+    import torch
+
+    from toolkit.megatron import cpu_shim
+
+    cpu_shim.install()
+    torch.cuda.set_device = lambda *a, **k: None
+    import megatron.training.arguments as arguments
+    import megatron.training.initialize as initialize
+    import megatron.training.utils as utils
+
+    initialize._compile_dependencies = lambda: None
+    arguments.get_device_arch_version = utils.get_device_arch_version = lambda: 9
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+def _megatron_batch(micro: dict) -> dict:
+    """The toolkit's micro-batch as pretrain_gpt's forward_step takes it: labels shifted by one, the last position
+    and ignored labels masked out."""
+    import torch
+
+    ids, labels = micro["input_ids"], torch.roll(micro["labels"], shifts=-1, dims=1)
+    mask = torch.ones_like(labels, dtype=torch.float32)
+    mask[:, -1] = 0
+    mask[labels == -100] = 0
+    positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids).contiguous()
+    return {"tokens": ids, "labels": labels.masked_fill(labels == -100, 0), "loss_mask": mask,
+            "position_ids": positions}
+
+
+def worker(work: Path, name: str) -> None:
+    """One rank: Megatron-LM's arguments, model, optimizer and scheduler, its load_checkpoint, logits, two steps."""
+    import torch
+
+    case = json.loads((work / "cases.json").read_text())[name]
+    _cpu_workarounds()
+    sys.argv = [sys.argv[0], *case["argv"]]
+    from functools import partial
+
+    import torch.distributed as dist
+    from megatron.core.enums import ModelType
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from megatron.core.utils import get_model_config
+    from megatron.training import get_args
+    from megatron.training.checkpointing import load_checkpoint
+    from megatron.training.global_vars import get_timers
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.training import (get_megatron_optimizer_config, get_model, get_optimizer_param_scheduler,
+                                            train_step)
+    from megatron.training.utils import unwrap_model
+
+    initialize_megatron(allow_no_cuda=True)
+    import pretrain_gpt
+    from gpt_builders import gpt_builder
+    from model_provider import model_provider
+
+    args = get_args()
+    model = get_model(partial(model_provider, gpt_builder), ModelType.encoder_or_decoder, wrap_with_ddp=True)
+    config, overrides = get_megatron_optimizer_config(args)
+    config.timers = get_timers()
+    optimizer = get_megatron_optimizer(config, model, config_overrides=overrides,
+                                       use_gloo_process_groups=args.enable_gloo_process_groups)
+    scheduler = get_optimizer_param_scheduler(optimizer)
+    iteration, _ = load_checkpoint(model, optimizer, scheduler)
+    result = {"iteration": iteration, "consumed_train_samples": args.consumed_train_samples}
+
+    core = unwrap_model(model)[0].eval()
+    vocab = json.loads((Path(case["hf"]) / "config.json").read_text())["vocab_size"]
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = core(ids, torch.arange(16).unsqueeze(0).expand(2, -1), attention_mask=None)
+        logits = gather_from_tensor_model_parallel_region(out)[..., :vocab].float()
+    core.train()
+    steps = torch.load(work / "batches.pt")
+    result["losses"] = []
+    for k, step in enumerate((case["first_step"], case["first_step"] + 1)):
+        data = RerunDataIterator(iter([_megatron_batch(m) for m in steps[step - 1]]))
+        loss, skipped, *_ = train_step(pretrain_gpt.forward_step, data, model, optimizer, scheduler,
+                                       get_model_config(model[0]), get_forward_backward_func(), iteration=iteration + k)
+        result["losses"].append(float(loss["lm loss"]) if loss and not skipped else None)
+    if dist.get_rank() == 0:
+        torch.save({"ids": ids, "logits": logits, **result}, work / f"{name.replace(', ', '_')}.result.pt")
+    dist.barrier()
+
+
+def check(work: Path, cases: dict[str, dict], megatron_lm: Path, deps: Path | None) -> bool:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in (megatron_lm, deps, REPO) if p)}
+    toolkit_losses = {m["step"]: m["loss"] for m in map(json.loads, (work / "run" / "metrics.jsonl").open())
+                      if "loss" in m}
+    steps, ok = torch.load(work / "batches.pt"), True
+    for name, case in cases.items():
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--master_port", "29643", __file__, "--work", str(work), "--case", name],
+                              env=env, capture_output=True, text=True)
+        if proc.returncode:
+            print(f"{name}: Megatron-LM failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+            ok = False
+            continue
+        got = torch.load(work / f"{name.replace(', ', '_')}.result.pt")
+        hf = LlamaForCausalLM.from_pretrained(case["hf"], dtype=torch.float32).eval()
+        with torch.no_grad():
+            diff = (hf(input_ids=got["ids"]).logits.float() - got["logits"]).abs().max().item()
+            if case["first_step"] == 1:  # transformers' loss on step 1's micro-batches (equal token counts)
+                want = [sum(hf(input_ids=m["input_ids"], labels=m["labels"]).loss.item() for m in steps[0])
+                        / len(steps[0])]
+            else:
+                want = [toolkit_losses[5], toolkit_losses[6]]
+        losses = got["losses"][:len(want)]
+        good = diff <= 1e-5 and all(g is not None and abs(g - w) <= 1e-5 * abs(w) for g, w in zip(losses, want))
+        ok &= good
+        print(f"{'ok  ' if good else 'FAIL'} {name}: flags as printed {' '.join(case['printed'])}; loaded iteration "
+              f"{got['iteration']}, consumed samples {got['consumed_train_samples']}; logits vs transformers max "
+              f"{diff:.2e}; Megatron-LM's losses {losses} against {want}")
+    return ok
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--megatron-lm", type=Path, help="a Megatron-LM source checkout (core_v0.16.1)")
+    p.add_argument("--deps", type=Path, help="a folder of the extra packages (six, triton) put on the path")
+    p.add_argument("--work", type=Path, required=True, help="a new folder for the checkpoints and results")
+    p.add_argument("--case", help=argparse.SUPPRESS)  # a rank of one case, started by the check itself
+    a = p.parse_args()
+    if a.case:
+        return worker(a.work, a.case)
+    if not a.megatron_lm or not (a.megatron_lm / "megatron" / "training" / "checkpointing.py").is_file():
+        sys.exit("--megatron-lm: give a Megatron-LM source checkout (it has megatron/training/checkpointing.py)")
+    work = a.work.resolve()
+    sys.exit(0 if check(work, prepare(work), a.megatron_lm.resolve(), a.deps and a.deps.resolve()) else 1)
+
+
+if __name__ == "__main__":
+    main()
