@@ -59,8 +59,9 @@ def main() -> int:
         train(load_recipe(args.recipe, args.overrides))
         finished()
     except ToolkitError as e:
-        if _says(e):
-            print(f"error: {e}", file=sys.stderr)
+        if _says(e):  # one write: print's second one (the newline) let another rank's line join this one's last
+            sys.stderr.write(f"error: {e}\n")
+            sys.stderr.flush()
         return _leave(e.exit_code)
     except Preempted as e:  # checkpoint complete; <output_dir>/preempted.json tells the job script to requeue
         # every rank stops with it at the same step and rank 0's log has it: one line per job, not one per rank

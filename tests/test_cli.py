@@ -103,6 +103,28 @@ def test_a_refusal_before_the_ranks_join_is_said_once_per_node(tmp_path):
     assert not out.exists()
 
 
+def test_a_ranks_refusal_reaches_stderr_in_one_write(monkeypatch):
+    """Ranks share the launcher's stderr. print() wrote a refusal and its newline in two writes, so a second rank's
+    copy began on the first one's last line (trial K, 2026-12-08: "...move those folders out firsterror: ...")."""
+    import importlib.util
+
+    from toolkit.train import preempt
+
+    spec = importlib.util.spec_from_file_location("train_entry", REPO / "recipes" / "train.py")
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    writes: list[str] = []
+    monkeypatch.setattr(preempt, "watch_early", lambda: None)  # no signal handlers in the test process
+    monkeypatch.setattr(sys, "stderr", type("Recorder", (), {"write": lambda self, t: writes.append(t),
+                                                             "flush": lambda self: None})())
+    monkeypatch.setattr(sys, "argv", ["train.py", "--recipe", "tiny_zero0", "--set", "training.steps=0",
+                                      "--set", "training.lr=1"])
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert entry.main() == 2
+    assert len(writes) == 1 and writes[0].startswith("error: recipe tiny_zero0: 2 problems") and \
+        writes[0].endswith("\n") and writes[0].count("\n") > 1, writes
+
+
 def test_context_parallel_without_transformer_engine_is_refused_before_training(tmp_path):
     out = tmp_path / "run"
     proc = launch("tiny_dp2_distopt", ["parallel.cp=2", "parallel.zero_stage=0", "training.global_batch_size=8"],
