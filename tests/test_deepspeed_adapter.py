@@ -120,6 +120,22 @@ def test_user_json_from_recipe_raises_once_with_every_problem(tmp_path):
     assert len(err.value.problems) == 2
 
 
+def test_validate_checks_the_user_json_as_training_does(tmp_path, capsys):
+    """`toolkit validate` said "ok" for a user JSON that training then refused, or that did not exist (trial K,
+    2026-12-08): it never read the file."""
+    from toolkit import cli
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 3, "gradient_clipping": 5.0}))
+    for config, phrase in ((path, "ds.json: train_batch_size: 3 contradicts the recipe"),
+                           (tmp_path / "none.json", "parallel.deepspeed.config: cannot read")):
+        assert cli.main(["validate", "--recipe", "tiny_zero3", "--set", f"parallel.deepspeed.config={config}"]) == 2
+        out, err = capsys.readouterr()
+        assert "ok:" not in out and phrase in err
+    path.write_text(json.dumps({"train_batch_size": "auto", "wall_clock_breakdown": True}))
+    assert cli.main(["validate", "--recipe", "tiny_zero3", "--set", f"parallel.deepspeed.config={path}"]) == 0
+
+
 def test_user_json_unreadable(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text("{not json")

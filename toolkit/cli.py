@@ -85,6 +85,10 @@ def cmd_validate(args) -> int:
     model_problems = check_megatron_model(plan.recipe) if plan.layout.backend == "megatron" else []
     if model_problems:  # no machine runs them (until 2026-12-07 a note, with exit 0)
         raise RecipeError(args.recipe, model_problems)
+    if plan.layout.backend == "deepspeed" and plan.recipe.parallel.deepspeed.config:
+        from toolkit.adapters.deepspeed import build_ds_config  # lazy: per command (above)
+
+        build_ds_config(plan)  # the user's JSON against the recipe, as training reads it (unread until 2026-12-08)
     print(f"ok: {plan.recipe.name}: {plan.layout.describe()}")
     print(f"    {plan.batch.describe()} sequences of {plan.recipe.data.seq_len} tokens "
           f"= {plan.batch.global_batch * plan.recipe.data.seq_len:,} tokens per step")
