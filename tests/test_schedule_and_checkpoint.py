@@ -83,6 +83,22 @@ def test_resume_on_another_layout_is_refused_before_loading(tmp_path):
     assert "--to deepspeed" not in str(e.value)
 
 
+@pytest.mark.parametrize("saved, running", [("deepspeed", "megatron"), ("megatron", "deepspeed")])
+def test_a_checkpoint_of_the_other_backend_is_refused_as_such(tmp_path, saved, running):
+    """A Megatron run in the folder of a single-process DeepSpeed run (docs/sft.md's commands in order, trial K,
+    2026-12-08) read the DeepSpeed checkpoint as Megatron files: "model_tp00_pp000.safetensors is missing: ... not
+    written by this layout or is incomplete"; at TP2 it suggested a convert whose output cannot resume."""
+    d = _fake_ckpt(tmp_path, 60)
+    single = {"world_size": 1, "zero_stage": 0, "dp": 1}
+    meta = json.loads((d / ckpt.META).read_text())
+    (d / ckpt.META).write_text(json.dumps({**meta, "backend": saved, "layout": single}))
+    layout = {**single, "tp": 1, "pp": 1, "vpp": 1, "cp": 1, "ep": 1} if running == "megatron" else single
+    with pytest.raises(ToolkitError, match=f"written by the {saved} backend and this run uses {running}: a run "
+                                           f"resumes its own backend's checkpoints only; relaunch with "
+                                           f"parallel.backend: {saved}, or start fresh in another output_dir"):
+        ckpt.load(backend=None, tag_dir=d, layout_meta=layout)
+
+
 def test_resume_skips_a_checkpoint_whose_files_no_longer_match_its_manifest(tmp_path):
     for step in (10, 20):
         d = _fake_ckpt(tmp_path, step)

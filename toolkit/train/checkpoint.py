@@ -307,6 +307,12 @@ def load(backend, tag_dir: Path, layout_meta: dict, micro_batch: int | None = No
     meta = manifest.read_meta(tag_dir)
     saved = meta.get("layout", {})
     moved = saved != layout_meta
+    ours = "megatron" if "tp" in layout_meta else "deepspeed"
+    if meta.get("backend") not in (None, ours):  # read as this backend's files: "... is missing" (until 2026-12-08)
+        raise ToolkitError(f"checkpoint {tag_dir} was written by the {meta['backend']} backend and this run uses "
+                           f"{ours}: a run resumes its own backend's checkpoints only; relaunch with "
+                           f"parallel.backend: {meta['backend']}, or start fresh in another output_dir (from its "
+                           "weights: convert it --to hf and set model.hf_path to that folder, model.pretrained: true)")
     if moved and meta.get("checkpoint_format") == "torch_dist" and "tp" in layout_meta:
         _check_reshard(tag_dir, saved, layout_meta)
     elif moved and _only_data_parallel(saved, layout_meta):
