@@ -38,7 +38,7 @@ class ModelConfig(_Section):
     (dense Qwen3: per-head q/k RMSNorm), qwen3_moe (Qwen3-MoE: Qwen3 attention, a mixture of experts in every
     layer). With model.hf_path and no family set, config.json's model_type gives it."""
     preset: Optional[str] = None
-    """Named size (see `toolkit show --presets`); its values sit under any key you set yourself."""
+    """Named size (the list: docs/recipes.md, "Model presets"); its values sit under any key you set yourself."""
     hf_path: Optional[str] = None
     """Local Hugging Face model folder; its config.json gives the architecture."""
     pretrained: bool = False
@@ -207,7 +207,9 @@ class DeepSpeedConfig(_Section):
     stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
     """ZeRO-3: keep a parameter gathered if it is reused within this many elements."""
     gather_16bit_weights_on_save: bool = True
-    """ZeRO-3: also write consolidated 16-bit weights when saving."""
+    """ZeRO-3: DeepSpeed's stage3_gather_16bit_weights_on_model_save, which lets engine.save_16bit_model() write
+    whole 16-bit weights (for scripts that run the rendered JSON). The toolkit's checkpoints keep ZeRO's partitions;
+    checkpoint.export_hf and `toolkit convert --to hf` write whole weights."""
     pin_memory: bool = True
     """Offload: page-locked CPU buffers (faster host-device copies)."""
     buffer_count: int = Field(5, gt=0)
