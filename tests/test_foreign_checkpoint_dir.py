@@ -48,10 +48,10 @@ def _plant_user_folder(root: Path, name: str = "step_00000001") -> Path:
     return folder
 
 
-def _message(root: Path, entry: str, more: str = "") -> str:
-    return (f"checkpoint.dir {root} holds {entry}{more}, which the toolkit did not write (no toolkit_meta.json or "
-            f"toolkit_started.json in it); move it out of {root} or choose another checkpoint.dir. Nothing in "
-            f"{root} was written or deleted")
+def _message(root: Path, entry: str, more: str = "", why: str = "no toolkit_meta.json or toolkit_started.json in "
+             "it") -> str:
+    return (f"checkpoint.dir {root} holds {entry}{more}, which the toolkit did not write ({why}); move it out of "
+            f"{root} or choose another checkpoint.dir. Nothing in {root} was written or deleted")
 
 
 def test_training_refuses_a_checkpoint_dir_holding_a_foreign_step_folder(tmp_path):
@@ -92,7 +92,9 @@ def test_every_kind_of_foreign_entry_is_refused_before_anything_is_written(world
     for resume in ("auto", "never"):
         with pytest.raises(ToolkitError) as err:
             ckpt.find_resume(root, resume)
-        assert str(err.value) == _message(root, entry)
+        # a link is named as one (it was "no toolkit_meta.json ... in it", which its target holds: trial K)
+        assert str(err.value) == (_message(root, entry, why="a link: a run writes its step folders itself, never "
+                                           "through a link") if plant == "link" else _message(root, entry))
     assert snapshot(root) == before and snapshot(tmp_path / "elsewhere") == outside
 
 

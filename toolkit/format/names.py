@@ -104,7 +104,8 @@ def refuse_foreign(root: Path, what: str = "checkpoint.dir") -> None:
     found = foreign(root)
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        why = (f"no {META} or {STARTED} in it" if found[0].name.startswith("step_") else
+        why = ("a link: a run writes its step folders itself, never through a link" if found[0].is_symlink() else
+               f"no {META} or {STARTED} in it" if found[0].name.startswith("step_") else
                "a name a run writes beside its checkpoints, in a folder holding none of the toolkit's")
         raise ToolkitError(f"{what} {root} holds {found[0].name}{more}, which the toolkit did not write ({why}); move "
                            f"it out of {root} or choose another {what}. Nothing in {root} was written or deleted")
