@@ -9,16 +9,19 @@ megatron-core, on a CPU machine:
     python tests/megatron_lm_load_check.py --megatron-lm /tmp/megatron-lm --deps /tmp/mlm-deps --work /tmp/mlm-check
 
 (`six` and `triton` are imported by `megatron.training` and not by megatron-core; a CUDA build of torch brings triton.)
-It makes a tiny Llama, converts it `--to torch_dist --tp 2` and `--to megatron_lm --tp 2`, trains the `tiny_tp2`
-recipe 6 steps (checkpoint at step 4) and converts step 4 to both formats with its optimizer state. For each of the
-four outputs it starts 2 gloo ranks that set Megatron-LM's arguments from the model's config plus exactly the flags
-`toolkit convert` printed ("to continue in Megatron-LM: ..."), build model, optimizer and scheduler with
-Megatron-LM's own functions, and call `megatron.training.checkpointing.load_checkpoint`. Then, per output:
-- the loaded model's logits against transformers' for the converted model (in this process, which never installs
-  the CPU shim), at most 1e-5 apart;
-- two of Megatron-LM's own `train_step`s on the batches the toolkit trained on: after a weights-only load, step 1's
-  loss against transformers' loss on those batches; after a load with optimizer state, steps 5 and 6 against the
-  toolkit run's own losses (Adam's moments, step and the schedule must all have come through); 1e-5 relative.
+It makes a tiny Llama and converts it `--to torch_dist --tp 2` and `--to megatron_lm --tp 2`. It trains three
+recipes 6 steps each, checkpointing at step 4: `tiny_tp2` (plain optimizer), `tiny_dp2_distopt` (the distributed
+optimizer at DP2) and `tiny_tp2_pp2`, and converts each step 4 to both formats with its optimizer state: at TP2, at
+DP2, and at TP1 x PP2 (another layout than the run's). For each of the eight outputs it starts 2 gloo ranks that set
+Megatron-LM's arguments from the model's config plus exactly the flags `toolkit convert` printed ("to continue in
+Megatron-LM: ..."), build model, optimizer and scheduler with Megatron-LM's own functions, and call
+`megatron.training.checkpointing.load_checkpoint`. Then, per output:
+- without pipeline stages, the loaded model's logits against transformers' for the converted model (in this process,
+  which never installs the CPU shim), at most 1e-5 apart;
+- two of Megatron-LM's own `train_step`s on the batches the toolkit trained on (each data-parallel rank its own):
+  after a weights-only load, step 1's loss against transformers' loss on those batches; after a load with optimizer
+  state, steps 5 and 6 against the toolkit run's own losses (Adam's moments, step and the schedule must all have
+  come through); 1e-5 relative.
 Exit 0 when every check holds. The CPU-only workarounds (`_cpu_workarounds`, `CPU_FLAGS`) are each for a GPU, Apex or
 Transformer Engine that is not there; none changes what is loaded.
 """
@@ -66,19 +69,19 @@ def _model_flags(hf: Path) -> list[str]:
             "--tokenizer-type", "NullTokenizer", "--vocab-size", c["vocab_size"] - 1]
 
 
-def _optimizer_flags(recipe) -> list[str]:
+def _optimizer_flags(recipe, tp: int, pp: int) -> list[str]:
     t, o, s = recipe.training, recipe.training.optimizer, recipe.training.schedule
     return ["--seq-length", recipe.data.seq_len, "--micro-batch-size", t.micro_batch_size,
             "--global-batch-size", t.global_batch_size, "--train-iters", t.steps, "--lr", o.lr,
             "--min-lr", s.min_lr, "--lr-decay-style", s.decay, "--lr-warmup-iters", s.warmup_steps,
             "--weight-decay", o.weight_decay, "--adam-beta1", o.betas[0], "--adam-beta2", o.betas[1],
             "--adam-eps", o.eps, "--clip-grad", t.grad_clip, "--seed", t.seed,
-            "--attention-dropout", 0, "--hidden-dropout", 0, "--tensor-model-parallel-size", 2,
-            "--transformer-impl", "local"]
+            "--attention-dropout", 0, "--hidden-dropout", 0, "--tensor-model-parallel-size", tp,
+            "--pipeline-model-parallel-size", pp, "--transformer-impl", "local"]
 
 
-def _batches(recipe, out: Path) -> None:
-    """The micro-batches of the toolkit run's 6 steps, as its data stream hands them to rank 0 (DP 1)."""
+def _batches(recipe, out: Path, port: int) -> None:
+    """The micro-batches of the toolkit run's steps, as its data stream hands them to each data-parallel rank."""
     import torch
     import torch.distributed as dist
 
@@ -86,14 +89,33 @@ def _batches(recipe, out: Path) -> None:
     from toolkit.recipe import resolve
     from toolkit.run import _load_tokenizer, build_data
 
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29641", rank=0, world_size=1)
-    plan = resolve(recipe, 2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    plan = resolve(recipe, recipe.parallel.world_size)
     r, layout, batch = plan.recipe, plan.layout, plan.batch
     dataset, _ = build_data(r, batch.global_batch, _load_tokenizer(r), [])
-    stream = DataStream(dataset, batch.micro_batch, batch.grad_accum, layout.dp, 0, r.training.seed,
-                        r.data.num_workers, shuffle=r.data.blend is None)
-    torch.save([stream.next_step() for _ in range(r.training.steps)], out)
+    ranks = []
+    for dp_rank in range(layout.dp):
+        stream = DataStream(dataset, batch.micro_batch, batch.grad_accum, layout.dp, dp_rank, r.training.seed,
+                            r.data.num_workers, shuffle=r.data.blend is None)
+        ranks.append([stream.next_step() for _ in range(r.training.steps)])
+    torch.save(ranks, out)
     dist.destroy_process_group()
+
+
+# the toolkit runs (recipe: ranks), each checkpointed at step 4 of 6 and converted with its optimizer state
+RUNS = {"tiny_tp2": 2, "tiny_dp2_distopt": 2, "tiny_tp2_pp2": 4}
+# name: (source: "hf" or a run, --to, tp, pp); Megatron-LM loads each on 2 ranks (dp = 2 / (tp x pp))
+CASES = {"torch_dist, weights": ("hf", "torch_dist", 2, 1), "legacy, weights": ("hf", "megatron_lm", 2, 1),
+         "torch_dist, optimizer": ("tiny_tp2", "torch_dist", 2, 1),
+         "legacy, optimizer": ("tiny_tp2", "megatron_lm", 2, 1),
+         "torch_dist, distributed optimizer at DP2": ("tiny_dp2_distopt", "torch_dist", 1, 1),
+         "legacy, distributed optimizer at DP2": ("tiny_dp2_distopt", "megatron_lm", 1, 1),
+         "torch_dist, TP2 x PP2 run at PP2": ("tiny_tp2_pp2", "torch_dist", 1, 2),
+         "legacy, TP2 x PP2 run at PP2": ("tiny_tp2_pp2", "megatron_lm", 1, 2)}
+
+
+def _file(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
 
 
 def prepare(work: Path) -> dict[str, dict]:
@@ -114,27 +136,29 @@ def prepare(work: Path) -> dict[str, dict]:
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(work / "hf")
-    recipe = load_recipe("tiny_tp2", [*RUN, f"output_dir={work / 'run'}"])
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           "29642", "recipes/train.py", "--recipe", "tiny_tp2",
-                           *[a for s in [*RUN, f"output_dir={work / 'run'}"] for a in ("--set", s)]],
-                          cwd=REPO, capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(f"the toolkit run failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    step4 = work / "run" / "checkpoints" / "step_00000004"
-    _toolkit("convert", str(step4), str(work / "hf_step4"), "--to", "hf", cwd=work)
-    _batches(recipe, work / "batches.pt")
+    recipes = {}
+    for i, (run, ranks) in enumerate(RUNS.items()):
+        sets = [*RUN, f"output_dir={work / run}"]
+        recipes[run] = load_recipe(run, sets)
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                               "--master_port", str(29642 + i), "recipes/train.py", "--recipe", run,
+                               *[a for s in sets for a in ("--set", s)]], cwd=REPO, capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"the toolkit run {run} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        _toolkit("convert", str(work / run / "checkpoints" / "step_00000004"), str(work / f"{run}_hf"), "--to", "hf",
+                 cwd=work)
+        _batches(recipes[run], work / f"{run}_batches.pt", 29650 + i)
     cases = {}
-    for name, src, hf, optimizer in (("torch_dist, weights", work / "hf", work / "hf", False),
-                                     ("legacy, weights", work / "hf", work / "hf", False),
-                                     ("torch_dist, optimizer", step4, work / "hf_step4", True),
-                                     ("legacy, optimizer", step4, work / "hf_step4", True)):
-        dst = work / name.replace(", ", "_")
-        to = "torch_dist" if name.startswith("torch_dist") else "megatron_lm"
-        flags = _printed_flags(_toolkit("convert", str(src), str(dst), "--to", to, "--tp", "2", cwd=work))
-        cases[name] = {"load": str(dst), "hf": str(hf), "printed": flags, "first_step": 5 if optimizer else 1,
-                       "argv": [str(a) for a in [*_model_flags(hf), *_optimizer_flags(recipe), *flags, *CPU_FLAGS,
-                                                 "--load", dst]]}
+    for name, (source, to, tp, pp) in CASES.items():
+        src = work / "hf" if source == "hf" else work / source / "checkpoints" / "step_00000004"
+        hf = work / "hf" if source == "hf" else work / f"{source}_hf"
+        dst = work / _file(name)
+        flags = _printed_flags(_toolkit("convert", str(src), str(dst), "--to", to, "--tp", str(tp), "--pp", str(pp),
+                                        cwd=work))
+        run = "tiny_tp2" if source == "hf" else source  # a weights-only load trains on tiny_tp2's batches
+        cases[name] = {"hf": str(hf), "run": run, "printed": flags, "pp": pp, "first_step": 1 if source == "hf" else 5,
+                       "argv": [str(a) for a in [*_model_flags(hf), *_optimizer_flags(recipes[run], tp, pp), *flags,
+                                                 *CPU_FLAGS, "--load", dst]]}
     (work / "cases.json").write_text(json.dumps(cases, indent=1))
     return cases
 
@@ -183,6 +207,7 @@ def worker(work: Path, name: str) -> None:
     from functools import partial
 
     import torch.distributed as dist
+    from megatron.core import parallel_state
     from megatron.core.enums import ModelType
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -212,22 +237,25 @@ def worker(work: Path, name: str) -> None:
     iteration, _ = load_checkpoint(model, optimizer, scheduler)
     result = {"iteration": iteration, "consumed_train_samples": args.consumed_train_samples}
 
-    core = unwrap_model(model)[0].eval()
     vocab = json.loads((Path(case["hf"]) / "config.json").read_text())["vocab_size"]
     ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        out = core(ids, torch.arange(16).unsqueeze(0).expand(2, -1), attention_mask=None)
-        logits = gather_from_tensor_model_parallel_region(out)[..., :vocab].float()
-    core.train()
-    steps = torch.load(work / "batches.pt")
+    logits = None
+    if case["pp"] == 1:  # the whole model on every rank: its logits (a pipeline stage has only its layers)
+        core = unwrap_model(model)[0].eval()
+        with torch.no_grad():
+            out = core(ids, torch.arange(16).unsqueeze(0).expand(2, -1), attention_mask=None)
+            logits = gather_from_tensor_model_parallel_region(out)[..., :vocab].float()
+        core.train()
+    steps = torch.load(work / f"{case['run']}_batches.pt")[parallel_state.get_data_parallel_rank()]
     result["losses"] = []
     for k, step in enumerate((case["first_step"], case["first_step"] + 1)):
         data = RerunDataIterator(iter([_megatron_batch(m) for m in steps[step - 1]]))
         loss, skipped, *_ = train_step(pretrain_gpt.forward_step, data, model, optimizer, scheduler,
                                        get_model_config(model[0]), get_forward_backward_func(), iteration=iteration + k)
         result["losses"].append(float(loss["lm loss"]) if loss and not skipped else None)
-    if dist.get_rank() == 0:
-        torch.save({"ids": ids, "logits": logits, **result}, work / f"{name.replace(', ', '_')}.result.pt")
+    if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 and \
+            parallel_state.get_data_parallel_rank() == 0:  # where train_step reports the loss
+        torch.save({"ids": ids, "logits": logits, **result}, work / f"{_file(name)}.result.pt")
     dist.barrier()
 
 
@@ -236,10 +264,11 @@ def check(work: Path, cases: dict[str, dict], megatron_lm: Path, deps: Path | No
     from transformers import LlamaForCausalLM
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in (megatron_lm, deps, REPO) if p)}
-    toolkit_losses = {m["step"]: m["loss"] for m in map(json.loads, (work / "run" / "metrics.jsonl").open())
-                      if "loss" in m}
-    steps, ok = torch.load(work / "batches.pt"), True
+    ok = True
     for name, case in cases.items():
+        toolkit = {m["step"]: m["loss"] for m in map(json.loads, (work / case["run"] / "metrics.jsonl").open())
+                   if "loss" in m}
+        steps = torch.load(work / f"{case['run']}_batches.pt")[0]
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                                "--master_port", "29643", __file__, "--work", str(work), "--case", name],
                               env=env, capture_output=True, text=True)
@@ -247,21 +276,23 @@ def check(work: Path, cases: dict[str, dict], megatron_lm: Path, deps: Path | No
             print(f"{name}: Megatron-LM failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
             ok = False
             continue
-        got = torch.load(work / f"{name.replace(', ', '_')}.result.pt")
+        got = torch.load(work / f"{_file(name)}.result.pt")
         hf = LlamaForCausalLM.from_pretrained(case["hf"], dtype=torch.float32).eval()
         with torch.no_grad():
-            diff = (hf(input_ids=got["ids"]).logits.float() - got["logits"]).abs().max().item()
+            diff = 0.0 if got["logits"] is None else \
+                (hf(input_ids=got["ids"]).logits.float() - got["logits"]).abs().max().item()
             if case["first_step"] == 1:  # transformers' loss on step 1's micro-batches (equal token counts)
                 want = [sum(hf(input_ids=m["input_ids"], labels=m["labels"]).loss.item() for m in steps[0])
                         / len(steps[0])]
             else:
-                want = [toolkit_losses[5], toolkit_losses[6]]
+                want = [toolkit[5], toolkit[6]]
         losses = got["losses"][:len(want)]
         good = diff <= 1e-5 and all(g is not None and abs(g - w) <= 1e-5 * abs(w) for g, w in zip(losses, want))
         ok &= good
         print(f"{'ok  ' if good else 'FAIL'} {name}: flags as printed {' '.join(case['printed'])}; loaded iteration "
-              f"{got['iteration']}, consumed samples {got['consumed_train_samples']}; logits vs transformers max "
-              f"{diff:.2e}; Megatron-LM's losses {losses} against {want}")
+              f"{got['iteration']}, consumed samples {got['consumed_train_samples']}; logits vs transformers "
+              f"{'max ' + format(diff, '.2e') if got['logits'] is not None else 'not taken (a pipeline stage)'}; "
+              f"Megatron-LM's losses {losses} against {want}")
     return ok
 
 

@@ -14,13 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from toolkit.checkpoint.source_base import WEIGHT, Source, _ShardedSource
-from toolkit.errors import Problem, ToolkitError
+from toolkit.errors import Problem, ToolkitError, quantized
 from toolkit.families.entries import holders, iter_entries, raise_problems, rank_key
 from toolkit.families.mapping import Dims, check_dims
 from toolkit.format import paths
 from toolkit.format import safetensors_stream as st
 from toolkit.format.names import META, POINTER, chunk_key, model_file, optim_file
-from toolkit.recipe.presets import quantized
 
 if TYPE_CHECKING:
     import torch

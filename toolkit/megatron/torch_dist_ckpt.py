@@ -144,8 +144,8 @@ def _strategy():
     data-parallel rank of each model-parallel group wrote them all while the others waited. None (the plain
     strategy) without data parallelism, where there is nothing to spread."""
     from megatron.core import parallel_state  # lazy: Megatron runs only
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy  # lazy: as above
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper  # lazy
 
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if group.size() == 1:

@@ -5,7 +5,7 @@ import json
 import typing
 from pathlib import Path
 
-from toolkit.errors import Problem
+from toolkit.errors import Problem, quantized
 from toolkit.recipe.schema import ModelConfig
 
 _LLAMA2 = dict(vocab_size=32000, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5)
@@ -120,21 +120,6 @@ _UNSUPPORTED = (
     ("hidden_act", "silu", "a SwiGLU MLP with another activation"),
     ("qk_norm", False, "normalised queries and keys"),
 )
-
-
-def quantized(cfg: dict, where: str, key: str = "model.hf_path") -> Problem | None:
-    """A config.json of a quantized model (its quantization_config: GPTQ, AWQ, bitsandbytes, FP8, ...), whose
-    weights are integers or 8-bit floats stored with scales that no family's map holds. Such a folder was refused as
-    tensors the map does not know (with a fix that pointed at the family's map), as missing tensors, or as a file
-    to re-copy, until 2026-12-07."""
-    q = cfg.get("quantization_config")
-    if not q:
-        return None
-    method = q.get("quant_method", "not named") if isinstance(q, dict) else "not named"
-    return Problem(key, f"{where} describes a quantized model (quantization_config, quant_method: {method}): its "
-                   "weights are stored with scales, and the toolkit reads full-precision weights only",
-                   "use the model's unquantized (bf16 or fp32) release, or load it in transformers, call "
-                   "model.dequantize() where its method has one, and save_pretrained a full-precision copy")
 
 
 def unsupported_hf_config(cfg: dict, where: str) -> list[Problem]:

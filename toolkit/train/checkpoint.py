@@ -308,7 +308,8 @@ def load(backend, tag_dir: Path, layout_meta: dict, micro_batch: int | None = No
     saved = meta.get("layout", {})
     moved = saved != layout_meta
     ours = "megatron" if "tp" in layout_meta else "deepspeed"
-    if meta.get("backend") not in (None, ours):  # read as this backend's files: "... is missing" (until 2026-12-08)
+    if meta.get("backend") in ("deepspeed", "megatron") and meta["backend"] != ours:  # read as this backend's files:
+        # "... is missing: ... not written by this layout or is incomplete" (until 2026-12-08)
         raise ToolkitError(f"checkpoint {tag_dir} was written by the {meta['backend']} backend and this run uses "
                            f"{ours}: a run resumes its own backend's checkpoints only; relaunch with "
                            f"parallel.backend: {meta['backend']}, or start fresh in another output_dir (from its "
