@@ -16,8 +16,8 @@ DP2, and at TP1 x PP2 (another layout than the run's). For each of the eight out
 Megatron-LM's arguments from the model's config plus exactly the flags `toolkit convert` printed ("to continue in
 Megatron-LM: ..."), build model, optimizer and scheduler with Megatron-LM's own functions, and call
 `megatron.training.checkpointing.load_checkpoint`. Then, per output:
-- without pipeline stages, the loaded model's logits against transformers' for the converted model (in this process,
-  which never installs the CPU shim), at most 1e-5 apart;
+- in fp32 without pipeline stages, the loaded model's logits against transformers' for the converted model (in this
+  process, which never installs the CPU shim), at most 1e-5 apart;
 - two of Megatron-LM's own `train_step`s on the batches the toolkit trained on (each data-parallel rank its own):
   after a weights-only load, step 1's loss against transformers' loss on those batches; after a load with optimizer
   state, steps 5 and 6 against the toolkit run's own losses (Adam's moments, step and the schedule must all have
@@ -35,8 +35,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# no GPU, Apex or Transformer Engine: gloo, and no fused kernels (the toolkit's own runs leave them off on CPU too)
 CPU_FLAGS = ["--distributed-backend", "gloo", "--no-rope-fusion", "--no-persist-layer-norm",
-             "--no-gradient-accumulation-fusion", "--no-create-attention-mask-in-dataloader"]
+             "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
+             "--no-bias-dropout-fusion", "--no-create-attention-mask-in-dataloader"]
 RUN = ["training.steps=6", "training.schedule.warmup_steps=2", "logging.interval=1", "checkpoint.interval=4",
        "logging.tensorboard=false"]
 
@@ -77,7 +79,11 @@ def _optimizer_flags(recipe, tp: int, pp: int) -> list[str]:
             "--weight-decay", o.weight_decay, "--adam-beta1", o.betas[0], "--adam-beta2", o.betas[1],
             "--adam-eps", o.eps, "--clip-grad", t.grad_clip, "--seed", t.seed,
             "--attention-dropout", 0, "--hidden-dropout", 0, "--tensor-model-parallel-size", tp,
-            "--pipeline-model-parallel-size", pp, "--transformer-impl", "local"]
+            "--pipeline-model-parallel-size", pp, "--transformer-impl", "local",
+            # the toolkit's DistributedDataParallelConfig (`toolkit render megatron-config`): gradients reduced in
+            # fp32, averaged in the collective
+            "--accumulate-allreduce-grads-in-fp32", "--ddp-average-in-collective",
+            *(["--bf16"] if t.precision == "bf16" else [])]
 
 
 def _batches(recipe, out: Path, port: int) -> None:
@@ -104,6 +110,12 @@ def _batches(recipe, out: Path, port: int) -> None:
 
 # the toolkit runs (recipe: ranks), each checkpointed at step 4 of 6 and converted with its optimizer state
 RUNS = {"tiny_tp2": 2, "tiny_dp2_distopt": 2, "tiny_tp2_pp2": 4}
+# The distributed optimizer in bf16, as it is used (its fp32 main weights are then its own; Megatron-LM 0.16's legacy
+# load of an fp32 one copies into the model's parameters outside no_grad, and fails, whatever wrote the files), and
+# without gradient clipping: on these CPU ranks Megatron-LM's distributed optimizer reports a gradient norm about 8%
+# below the plain optimizer's and the toolkit's on the same gradients (1.128 against 1.230 at step 5 in fp32, whose
+# losses are equal), so clipping would scale its update by another factor than the loaded state gives
+EXTRA = {"tiny_dp2_distopt": ["training.precision=bf16", "training.grad_clip=0"]}
 # name: (source: "hf" or a run, --to, tp, pp); Megatron-LM loads each on 2 ranks (dp = 2 / (tp x pp))
 CASES = {"torch_dist, weights": ("hf", "torch_dist", 2, 1), "legacy, weights": ("hf", "megatron_lm", 2, 1),
          "torch_dist, optimizer": ("tiny_tp2", "torch_dist", 2, 1),
@@ -138,7 +150,7 @@ def prepare(work: Path) -> dict[str, dict]:
     model.save_pretrained(work / "hf")
     recipes = {}
     for i, (run, ranks) in enumerate(RUNS.items()):
-        sets = [*RUN, f"output_dir={work / run}"]
+        sets = [*RUN, f"output_dir={work / run}", *EXTRA.get(run, [])]
         recipes[run] = load_recipe(run, sets)
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                                "--master_port", str(29642 + i), "recipes/train.py", "--recipe", run,
@@ -164,7 +176,7 @@ def prepare(work: Path) -> dict[str, dict]:
 
 
 def _cpu_workarounds() -> None:
-    """What Megatron-LM 0.16's start-up needs on a machine without a GPU: the toolkit's CPU shim for Megatron-Core;
+    """What Megatron-LM 0.16 needs on a machine without a GPU: the toolkit's CPU shim for Megatron-Core;
     torch.cuda.set_device, which a CPU build refuses, as a no-op (the shim reports one device); no build of the
     dataset helpers and fused CUDA kernels (no dataset is built, no fused kernel runs); a compute capability for
     validate_args' TP > 1 check, and the CUDA_DEVICE_MAX_CONNECTIONS it then wants (GPU users set it)."""
@@ -181,6 +193,24 @@ def _cpu_workarounds() -> None:
     initialize._compile_dependencies = lambda: None
     arguments.get_device_arch_version = utils.get_device_arch_version = lambda: 9
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # torch's AdamW (standing in for Apex's and Transformer Engine's Adam) keeps each parameter's step in its state,
+    # where they keep it in the param group; the distributed optimizer's loader copies every state key from the
+    # file's tensors, which hold no step: it is set aside meanwhile (as the toolkit's own load does)
+    from megatron.core.optimizer import distrib_optimizer
+
+    copy = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def without_step(self, model_param, tensors):
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+        step = state.pop("step", None)
+        try:
+            copy(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = without_step
 
 
 def _megatron_batch(micro: dict) -> dict:
@@ -234,13 +264,21 @@ def worker(work: Path, name: str) -> None:
     optimizer = get_megatron_optimizer(config, model, config_overrides=overrides,
                                        use_gloo_process_groups=args.enable_gloo_process_groups)
     scheduler = get_optimizer_param_scheduler(optimizer)
+    if args.use_distributed_optimizer:  # CPU only: torch's AdamW stands in for Apex's and Transformer Engine's, and
+        # the distributed optimizer then wants each parameter's Adam step before a load (as the toolkit's own load)
+        from toolkit.megatron.torch_dist_ckpt import _prefill_adam_state
+
+        _prefill_adam_state(optimizer)
     iteration, _ = load_checkpoint(model, optimizer, scheduler)
     result = {"iteration": iteration, "consumed_train_samples": args.consumed_train_samples}
+    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    result["adam_steps"] = sorted({float(v["step"]) for o in inner for v in o.state.values() if "step" in v} |
+                                  {float(g["step"]) for o in inner for g in o.param_groups if g.get("step")})
 
     vocab = json.loads((Path(case["hf"]) / "config.json").read_text())["vocab_size"]
     ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
     logits = None
-    if case["pp"] == 1:  # the whole model on every rank: its logits (a pipeline stage has only its layers)
+    if case["pp"] == 1 and not args.bf16:  # the whole model on every rank (a stage has only its layers), in fp32
         core = unwrap_model(model)[0].eval()
         with torch.no_grad():
             out = core(ids, torch.arange(16).unsqueeze(0).expand(2, -1), attention_mask=None)
@@ -250,9 +288,11 @@ def worker(work: Path, name: str) -> None:
     result["losses"] = []
     for k, step in enumerate((case["first_step"], case["first_step"] + 1)):
         data = RerunDataIterator(iter([_megatron_batch(m) for m in steps[step - 1]]))
-        loss, skipped, *_ = train_step(pretrain_gpt.forward_step, data, model, optimizer, scheduler,
-                                       get_model_config(model[0]), get_forward_backward_func(), iteration=iteration + k)
+        loss, skipped, _, _, _, norm, *_ = train_step(pretrain_gpt.forward_step, data, model, optimizer, scheduler,
+                                                      get_model_config(model[0]), get_forward_backward_func(),
+                                                      iteration=iteration + k)
         result["losses"].append(float(loss["lm loss"]) if loss and not skipped else None)
+        result.setdefault("grad_norms", []).append(None if norm is None else float(norm))
     if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 and \
             parallel_state.get_data_parallel_rank() == 0:  # where train_step reports the loss
         torch.save({"ids": ids, "logits": logits, **result}, work / f"{_file(name)}.result.pt")
@@ -291,8 +331,9 @@ def check(work: Path, cases: dict[str, dict], megatron_lm: Path, deps: Path | No
         ok &= good
         print(f"{'ok  ' if good else 'FAIL'} {name}: flags as printed {' '.join(case['printed'])}; loaded iteration "
               f"{got['iteration']}, consumed samples {got['consumed_train_samples']}; logits vs transformers "
-              f"{'max ' + format(diff, '.2e') if got['logits'] is not None else 'not taken (a pipeline stage)'}; "
-              f"Megatron-LM's losses {losses} against {want}")
+              f"{'max ' + format(diff, '.2e') if got['logits'] is not None else 'not taken (bf16, or a stage)'}; "
+              f"Megatron-LM's losses {losses} against {want} (its gradient norms {got['grad_norms']}; Adam's step "
+              f"after the load {got['adam_steps']})")
     return ok
 
 
