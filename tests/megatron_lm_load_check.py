@@ -12,8 +12,9 @@ megatron-core, on a CPU machine:
 It makes a tiny Llama and converts it `--to torch_dist --tp 2` and `--to megatron_lm --tp 2`. It trains four runs
 of 6 steps, checkpointing at step 4: `tiny_tp2` (plain optimizer), `tiny_dp2_distopt` (the distributed optimizer at
 DP2) in fp32 and in bf16, and `tiny_tp2_pp2`, and converts each step 4 with its optimizer state: at TP2, at DP2, and
-at TP1 x PP2 (another layout than the run's), to both formats (the fp32 distributed optimizer to torch_dist only:
-RUNS says why). For each of the nine outputs it starts 2 gloo ranks that set
+at TP1 x PP2 and TP1 x PP2 x VPP2 (other layouts than the run's), to both formats (the fp32 distributed optimizer to
+torch_dist only: RUNS says why); one torch_dist output written at TP2 is loaded at TP1 x DP2 (Megatron-Core's
+resharding load). For each of the twelve outputs it starts 2 gloo ranks that set
 Megatron-LM's arguments from the model's config plus exactly the flags `toolkit convert` printed ("to continue in
 Megatron-LM: ..."), build model, optimizer and scheduler with Megatron-LM's own functions, and call
 `megatron.training.checkpointing.load_checkpoint`. Then, per output:
@@ -117,7 +118,8 @@ def _batches(recipe, out: Path, port: int) -> None:
 RUNS = {"tiny_tp2": ("tiny_tp2", 2, []), "tiny_dp2_distopt": ("tiny_dp2_distopt", 2, []),
         "tiny_dp2_distopt_bf16": ("tiny_dp2_distopt", 2, ["training.precision=bf16"]),
         "tiny_tp2_pp2": ("tiny_tp2_pp2", 4, [])}
-# name: (source: "hf" or a run, --to, tp, pp); Megatron-LM loads each on 2 ranks (dp = 2 / (tp x pp))
+# name: (source: "hf" or a run, --to, tp, pp[, vpp, the tp Megatron-LM loads it at]); Megatron-LM loads each on 2
+# ranks (dp = 2 / (tp x pp))
 CASES = {"torch_dist, weights": ("hf", "torch_dist", 2, 1), "legacy, weights": ("hf", "megatron_lm", 2, 1),
          "torch_dist, optimizer": ("tiny_tp2", "torch_dist", 2, 1),
          "legacy, optimizer": ("tiny_tp2", "megatron_lm", 2, 1),
@@ -125,6 +127,9 @@ CASES = {"torch_dist, weights": ("hf", "torch_dist", 2, 1), "legacy, weights": (
          "torch_dist, distributed optimizer at DP2, bf16": ("tiny_dp2_distopt_bf16", "torch_dist", 1, 1),
          "legacy, distributed optimizer at DP2, bf16": ("tiny_dp2_distopt_bf16", "megatron_lm", 1, 1),
          "torch_dist, TP2 x PP2 run at PP2": ("tiny_tp2_pp2", "torch_dist", 1, 2),
+         "torch_dist, TP2 x PP2 run at PP2 x VPP2": ("tiny_tp2_pp2", "torch_dist", 1, 2, 2),
+         "legacy, TP2 x PP2 run at PP2 x VPP2": ("tiny_tp2_pp2", "megatron_lm", 1, 2, 2),
+         "torch_dist written at TP2, loaded at TP1 x DP2": ("tiny_tp2", "torch_dist", 2, 1, 1, 1),
          "legacy, TP2 x PP2 run at PP2": ("tiny_tp2_pp2", "megatron_lm", 1, 2)}
 
 
@@ -163,17 +168,20 @@ def prepare(work: Path) -> dict[str, dict]:
                  cwd=work)
         _batches(recipes[run], work / f"{run}_batches.pt", 29650 + i)
     cases = {}
-    for name, (source, to, tp, pp) in CASES.items():
+    for name, (source, to, tp, pp, *more) in CASES.items():
+        vpp, load_tp = more[0] if more else 1, more[1] if len(more) > 1 else tp
         src = work / "hf" if source == "hf" else work / source / "checkpoints" / "step_00000004"
         hf = work / "hf" if source == "hf" else work / f"{source}_hf"
         dst = work / _file(name)
         flags = _printed_flags(_toolkit("convert", str(src), str(dst), "--to", to, "--tp", str(tp), "--pp", str(pp),
-                                        cwd=work))
+                                        "--vpp", str(vpp), cwd=work))
+        layers = json.loads((hf / "config.json").read_text())["num_hidden_layers"]
+        chunks = ["--num-layers-per-virtual-pipeline-stage", layers // (pp * vpp)] if vpp > 1 else []
         run = "tiny_tp2" if source == "hf" else source  # a weights-only load trains on tiny_tp2's batches
         cases[name] = {"hf": str(hf), "run": run, "printed": flags, "pp": pp, "first_step": 1 if source == "hf" else 5,
                        "tolerance": 1e-4 if recipes[run].training.precision == "bf16" else 1e-5,
-                       "argv": [str(a) for a in [*_model_flags(hf), *_optimizer_flags(recipes[run], tp, pp), *flags,
-                                                 *CPU_FLAGS, "--load", dst]]}
+                       "argv": [str(a) for a in [*_model_flags(hf), *_optimizer_flags(recipes[run], load_tp, pp),
+                                                 *chunks, *flags, *CPU_FLAGS, "--load", dst]]}
     (work / "cases.json").write_text(json.dumps(cases, indent=1))
     return cases
 
@@ -292,7 +300,10 @@ def worker(work: Path, name: str) -> None:
             out = core(ids, torch.arange(16).unsqueeze(0).expand(2, -1), attention_mask=None)
             logits = gather_from_tensor_model_parallel_region(out)[..., :vocab].float()
         core.train()
-    steps = torch.load(work / f"{case['run']}_batches.pt")[parallel_state.get_data_parallel_rank()]
+    saved = torch.load(work / f"{case['run']}_batches.pt")  # [the run's data-parallel rank][step][micro-batch]
+    dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    # at another dp than the run's (1): each rank takes its share of every step's micro-batches
+    steps = saved[rank] if len(saved) == dp else [step[rank::dp] for step in saved[0]]
     # as Megatron-LM's train() sets the model config up before its loop: without finalize_model_grads, nothing
     # reduces the gradients over the data-parallel ranks
     cfg = get_model_config(model[0])
@@ -300,7 +311,8 @@ def worker(work: Path, name: str) -> None:
         finalize_model_grads
     result["losses"] = []
     for k, step in enumerate((case["first_step"], case["first_step"] + 1)):
-        data = RerunDataIterator(iter([_megatron_batch(m) for m in steps[step - 1]]))
+        data = [RerunDataIterator(iter([_megatron_batch(m) for m in steps[step - 1]])) for _ in model]  # per chunk
+        data = data[0] if len(data) == 1 else data
         loss, skipped, _, _, _, norm, *_ = train_step(pretrain_gpt.forward_step, data, model, optimizer, scheduler,
                                                       cfg, get_forward_backward_func(),
                                                       iteration=iteration + k)
