@@ -375,6 +375,8 @@ def main() -> None:
     if not a.megatron_lm or not (a.megatron_lm / "megatron" / "training" / "checkpointing.py").is_file():
         sys.exit("--megatron-lm: give a Megatron-LM source checkout (it has megatron/training/checkpointing.py)")
     work = a.work.resolve()
+    if work.exists():
+        sys.exit(f"--work: {work} exists; give a new folder (the check writes its checkpoints there)")
     sys.exit(0 if check(work, prepare(work), a.megatron_lm.resolve(), a.deps and a.deps.resolve()) else 1)
 
 
