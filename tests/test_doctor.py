@@ -70,7 +70,7 @@ def test_launch_variables_that_no_rank_could_use_fail():
 
 def test_disk_too_small_for_the_recipes_checkpoints(monkeypatch):
     recipe = load_recipe("llama7b_zero3")
-    one = doctor.checkpoint_bytes(recipe)
+    one = doctor.metrics.checkpoint_bytes(recipe)
     assert one == 6_738_415_616 * 14  # bf16 weights + fp32 master + two fp32 moments, per parameter
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(doctor.shutil, "disk_usage", lambda _: usage(0, 0, one // 2))

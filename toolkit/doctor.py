@@ -246,11 +246,6 @@ def check_network(env: dict | None = None, nodes: int | None = None) -> list[Fin
     return out
 
 
-def checkpoint_bytes(recipe) -> int:
-    """Bytes one checkpoint of the recipe takes (toolkit.metrics.checkpoint_bytes)."""
-    return metrics.checkpoint_bytes(recipe)
-
-
 def check_disk(recipe) -> list[Finding]:
     """The checkpoint folder's disk, resolved as training resolves it: from the working folder (it was resolved
     from the toolkit's install folder until 2026-12-07, another disk when the run starts elsewhere)."""
@@ -260,7 +255,7 @@ def check_disk(recipe) -> list[Finding]:
         return [Finding("checkpoint disk", FAIL, f"{folder}: {why}",
                         "point checkpoint.dir (or output_dir) at a folder you can write")]
     free = shutil.disk_usage(nearest_existing(folder)).free
-    one = checkpoint_bytes(recipe)
+    one = metrics.checkpoint_bytes(recipe)
     keep, steps, interval = recipe.checkpoint.keep, recipe.training.steps, recipe.checkpoint.interval
     saves = steps // interval + (steps % interval != 0)  # and one at the last step
     held = min(keep + 1, saves)  # the newest is written before the oldest is pruned
